@@ -1,0 +1,6 @@
+"""RQ adapter for taskguard (``guarded_job``).
+
+Reserved: the adapter is built on the core's public API in its own change.
+"""
+
+__all__: list[str] = []

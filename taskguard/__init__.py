@@ -1,0 +1,37 @@
+"""taskguard: fenced Redis leases for Celery and RQ tasks.
+
+The core is framework-free; the Celery and RQ adapters are ``taskguard_celery`` and
+``taskguard_rq``. Units are seconds (float) everywhere; times are Unix epoch seconds.
+"""
+
+from .config import from_env
+from .errors import ConfigError, LeaseBackendError, LeaseLost, TaskguardError, TaskSkipped
+from .events import LeaseEvent, add_listener, remove_listener
+from .lease import Acquisition, HolderInfo, Lease
+from .locks import Health, Locks
+from .memory_locks import MemoryLocks
+from .redis_locks import RedisLocks
+from .skipped import Skipped, is_skipped
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Acquisition",
+    "ConfigError",
+    "Health",
+    "HolderInfo",
+    "Lease",
+    "LeaseBackendError",
+    "LeaseEvent",
+    "LeaseLost",
+    "Locks",
+    "MemoryLocks",
+    "RedisLocks",
+    "Skipped",
+    "TaskSkipped",
+    "TaskguardError",
+    "add_listener",
+    "from_env",
+    "is_skipped",
+    "remove_listener",
+]

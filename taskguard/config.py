@@ -1,0 +1,133 @@
+"""``from_env()``: a :class:`~taskguard.RedisLocks` configured by ``TASKGUARD_*`` variables.
+
+=============================  =============================================  ==============
+variable                       accepted form                                  default
+=============================  =============================================  ==============
+``TASKGUARD_REDIS_URL``        ``redis://``, ``rediss://`` or ``unix://`` URL  required
+``TASKGUARD_PREFIX``           1-64 chars of ``A-Z a-z 0-9 _ - . :``          ``taskguard``
+``TASKGUARD_DB``               int >= 0 (overrides the URL's database)        from the URL
+``TASKGUARD_CONNECT_TIMEOUT``  seconds, number > 0                            ``5``
+``TASKGUARD_SOCKET_TIMEOUT``   seconds, number > 0                            ``5``
+``TASKGUARD_RETRIES``          int 0-100 (redis-py retries per command)       ``1``
+``TASKGUARD_SHUTDOWN_TIMEOUT`` seconds, number > 0 (``close()`` budget)       ``5``
+``TASKGUARD_RENEW_FRACTION``   number in (0, 0.5]                             ``0.3333``
+=============================  =============================================  ==============
+
+Every bad value raises :class:`~taskguard.ConfigError` naming the variable and its accepted form;
+a URL is only ever shown with its password masked.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any, Callable, Mapping
+
+from .errors import ConfigError
+from .urls import check_url
+
+__all__ = ["from_env", "read_env", "ENV_VARS"]
+
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
+
+
+def _show(raw: str) -> str:
+    return repr(raw if len(raw) <= 40 else raw[:37] + "...")
+
+
+def _seconds(name: str, raw: str) -> float:
+    try:
+        v = float(raw.strip())
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"{name} must be a number of seconds > 0 (e.g. '5' or '2.5'), got {_show(raw)}")
+    return v
+
+
+def _int_range(lo: int, hi: int) -> Callable[[str, str], int]:
+    def parse(name: str, raw: str) -> int:
+        s = raw.strip()
+        if not (s.isascii() and s.isdigit()) or not lo <= int(s) <= hi:
+            raise ConfigError(f"{name} must be an integer from {lo} to {hi}, got {_show(raw)}")
+        return int(s)
+
+    return parse
+
+
+def _fraction(name: str, raw: str) -> float:
+    try:
+        v = float(raw.strip())
+    except ValueError:
+        v = math.nan
+    if not (0 < v <= 0.5):
+        raise ConfigError(f"{name} must be a number in (0, 0.5] (a fraction of the TTL), got {_show(raw)}")
+    return v
+
+
+def _prefix(name: str, raw: str) -> str:
+    if not _PREFIX_RE.fullmatch(raw):
+        raise ConfigError(f"{name} must be 1-64 characters of A-Z a-z 0-9 _ - . :, got {_show(raw)}")
+    return raw
+
+
+def _url(name: str, raw: str) -> str:
+    return check_url(raw, name)
+
+
+#: variable -> (option name, parser)
+ENV_VARS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
+    "TASKGUARD_REDIS_URL": ("url", _url),
+    "TASKGUARD_PREFIX": ("prefix", _prefix),
+    "TASKGUARD_DB": ("db", _int_range(0, 100000)),
+    "TASKGUARD_CONNECT_TIMEOUT": ("connect_timeout", _seconds),
+    "TASKGUARD_SOCKET_TIMEOUT": ("socket_timeout", _seconds),
+    "TASKGUARD_RETRIES": ("retries", _int_range(0, 100)),
+    "TASKGUARD_SHUTDOWN_TIMEOUT": ("shutdown_timeout", _seconds),
+    "TASKGUARD_RENEW_FRACTION": ("renew_fraction", _fraction),
+}
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Parse the ``TASKGUARD_*`` variables present in ``environ`` (default ``os.environ``).
+
+    Returns ``{option name: value}`` for the variables that are set. Raises ConfigError."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for var, (opt, parse) in ENV_VARS.items():
+        raw = env.get(var)
+        if raw is not None:
+            out[opt] = parse(var, raw)
+    return out
+
+
+def from_env(environ: Mapping[str, str] | None = None, *, client: Any = None, **overrides: Any):
+    """Build a :class:`~taskguard.RedisLocks` from ``TASKGUARD_*`` variables.
+
+    Args:
+        environ: the variables (default ``os.environ``).
+        client: a redis-py client to use instead of ``TASKGUARD_REDIS_URL``.
+        overrides: options that win over the variables (``prefix``, ``renew_fraction``, ...).
+
+    No round trip is made; call ``check_health()`` to probe Redis.
+
+    Raises:
+        ConfigError: a variable is malformed, or ``TASKGUARD_REDIS_URL`` is missing while no
+            ``client`` is given.
+    """
+    from .redis_locks import RedisLocks
+
+    opts = read_env(environ)
+    opts.update(overrides)
+    url = opts.pop("url", None)
+    if client is not None:
+        for conn_opt in ("db", "connect_timeout", "socket_timeout", "retries"):
+            opts.pop(conn_opt, None)
+        return RedisLocks(client, **opts)
+    if url is None:
+        raise ConfigError(
+            "TASKGUARD_REDIS_URL is not set: set it to a Redis URL (e.g. redis://127.0.0.1:6379/0) "
+            "or pass a client"
+        )
+    return RedisLocks.from_url(url, **opts)

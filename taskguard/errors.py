@@ -1,0 +1,120 @@
+"""Exceptions raised by taskguard.
+
+Every exception keeps the values it was built from in ``self.args`` and rebuilds from them
+(``type(e)(*e.args)``), so it survives pickling and a Celery result backend's exception
+round trip. None of them ever carries an owner token.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TaskguardError",
+    "ConfigError",
+    "LeaseBackendError",
+    "LeaseLost",
+    "TaskSkipped",
+]
+
+
+class TaskguardError(Exception):
+    """Base class of every error taskguard raises."""
+
+
+class ConfigError(TaskguardError, ValueError):
+    """Invalid configuration: an option, an environment variable or a task declaration.
+
+    ``ConfigError(message)``. The message names the setting and the accepted form and never
+    contains a password taken from a URL.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class LeaseBackendError(TaskguardError):
+    """Redis could not be reached or failed while running a lease operation.
+
+    ``LeaseBackendError(operation, key, detail)``: ``operation`` is ``"acquire"``, ``"renew"``,
+    ``"release"``, ``"claim"``, ``"holder"`` or ``"health"``; ``key`` is the user's lease key
+    (or ``None``); ``detail`` is the redis-py error type and message. The redis-py exception is
+    kept as ``__cause__`` (it does not survive pickling).
+
+    This is never a "lease is held" answer: callers must not treat it as a skip.
+    """
+
+    def __init__(self, operation: str, key: str | None, detail: str) -> None:
+        super().__init__(operation, key, detail)
+
+    @property
+    def operation(self) -> str:
+        return self.args[0]
+
+    @property
+    def key(self) -> str | None:
+        return self.args[1]
+
+    def __str__(self) -> str:
+        op, key, detail = self.args
+        where = f" of lease {key!r}" if key is not None else ""
+        return f"Redis failed during {op}{where}: {detail}"
+
+
+class LeaseLost(TaskguardError):
+    """The lease is no longer held by this owner (expired, taken over, or released by force).
+
+    ``LeaseLost(key, reason)``; ``reason`` is a short readable phrase.
+    """
+
+    def __init__(self, key: str, reason: str = "lease no longer held") -> None:
+        super().__init__(key, reason)
+
+    @property
+    def key(self) -> str:
+        return self.args[0]
+
+    @property
+    def reason(self) -> str:
+        return self.args[1]
+
+    def __str__(self) -> str:
+        return f"lease {self.args[0]!r} lost: {self.args[1]}"
+
+
+class TaskSkipped(TaskguardError):
+    """Raised instead of returning a :class:`~taskguard.Skipped` value (``on_skip="raise"``).
+
+    ``TaskSkipped(key, reason, task=None, holder_ttl=None)``: plain values only, so the error
+    rebuilds through a JSON result backend. :attr:`skipped` gives the equivalent ``Skipped``.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        reason: str,
+        task: str | None = None,
+        holder_ttl: float | None = None,
+    ) -> None:
+        super().__init__(key, reason, task, holder_ttl)
+
+    @property
+    def key(self) -> str:
+        return self.args[0]
+
+    @property
+    def reason(self) -> str:
+        return self.args[1]
+
+    @property
+    def skipped(self):  # -> Skipped (import cycle avoided)
+        from .skipped import Skipped
+
+        return Skipped(key=self.args[0], reason=self.args[1], task=self.args[2], holder_ttl=self.args[3])
+
+    def __str__(self) -> str:
+        key, reason, task, ttl = self.args
+        who = f"{task} " if task else ""
+        left = f", holder's lease has {ttl:.1f}s left" if ttl is not None else ""
+        return f"{who}skipped: lease {key!r} {reason}{left}"

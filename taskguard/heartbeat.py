@@ -1,0 +1,168 @@
+"""One background thread per process that keeps live leases renewed.
+
+Each registered lease is renewed every ``ttl * renew_fraction`` seconds. Due leases of one locks
+object are renewed together (for Redis: one pipelined round trip). Outcomes:
+
+* renewed: ``expires_at`` moves forward;
+* not the owner any more: the lease is marked lost (``lost`` event, ``on_lost`` callbacks) and
+  dropped from the heartbeat;
+* Redis error: reported (``renew`` event with status ``"error"``), retried soon; the lease is
+  marked lost only once its ``expires_at`` has passed without a successful renewal;
+* ``max_hold`` passed: renewal stops (``renew`` event with status ``"max_hold"``) so a hung body's
+  lease expires by its TTL.
+
+The thread never dies on an error. After ``fork`` the child gets a fresh, empty heartbeat: the
+leases it inherited are neither renewed nor released there (their handles are inert in the
+child); it starts its own thread when it registers its own leases.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from .events import LeaseEvent
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .lease import Lease
+
+__all__ = ["Heartbeat", "get_heartbeat"]
+
+log = logging.getLogger("taskguard")
+
+#: How soon (seconds) a renewal that failed on a Redis error is retried, at most.
+ERROR_RETRY = 0.5
+
+
+class _Entry:
+    __slots__ = ("lease", "interval", "next_due", "deadline")
+
+    def __init__(self, lease: "Lease", interval: float, deadline: float | None) -> None:
+        self.lease = lease
+        self.interval = interval
+        self.next_due = time.monotonic() + interval
+        self.deadline = deadline
+
+
+class Heartbeat:
+    """The process's renewal thread. Use :func:`get_heartbeat`; do not build one directly."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._entries: dict[int, _Entry] = {}
+        self._thread: threading.Thread | None = None
+        self.beats = 0  # renewal rounds run (for tests and benchmarks)
+
+    def add(self, lease: "Lease", fraction: float, max_hold: float | None = None) -> None:
+        deadline = time.monotonic() + max_hold if max_hold is not None else None
+        with self._cond:
+            self._entries[id(lease)] = _Entry(lease, lease.ttl * fraction, deadline)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="taskguard-heartbeat", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def discard(self, lease: "Lease") -> None:
+        with self._cond:
+            self._entries.pop(id(lease), None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [e for e in self._entries.values() if e.next_due <= now]
+                if not due:
+                    nxt = min((e.next_due for e in self._entries.values()), default=None)
+                    self._cond.wait(None if nxt is None else nxt - now)
+                    continue
+            try:
+                self._beat(due)
+            except Exception:  # never let the thread die
+                log.exception("taskguard heartbeat round failed")
+                with self._cond:
+                    for e in due:
+                        e.next_due = time.monotonic() + min(e.interval, ERROR_RETRY)
+
+    def _beat(self, due: list[_Entry]) -> None:
+        self.beats += 1
+        now = time.monotonic()
+        groups: dict[int, list[_Entry]] = {}
+        for e in due:
+            lease = e.lease
+            if lease.released or lease._lost_reason is not None:
+                self.discard(lease)
+                continue
+            if e.deadline is not None and now >= e.deadline:
+                self.discard(lease)
+                log.warning("lease %r passed max_hold; no longer renewed", lease.key)
+                lease._locks._emitter.emit(
+                    LeaseEvent("renew", lease.key, "max_hold", fencing_token=lease.fencing_token,
+                               ttl=lease.ttl, holder=lease.holder)
+                )
+                continue
+            groups.setdefault(id(lease._locks), []).append(e)
+        for entries in groups.values():
+            locks = entries[0].lease._locks
+            started_wall, started = time.time(), time.monotonic()
+            outcomes = locks._renew_many([(e.lease.key, e.lease.owner_token, e.lease.ttl) for e in entries])
+            took = time.monotonic() - started
+            for e, outcome in zip(entries, outcomes):
+                self._settle(e, outcome, started_wall, took)
+
+    def _settle(self, e: _Entry, outcome: object, started_wall: float, took: float) -> None:
+        lease = e.lease
+        if lease.released:  # released while the renewal was in flight: nothing to report
+            self.discard(lease)
+            return
+        emit = lease._locks._emitter.emit
+        if outcome is True:
+            lease.expires_at = started_wall + lease.ttl
+            with self._cond:
+                e.next_due = time.monotonic() + e.interval
+            emit(LeaseEvent("renew", lease.key, "renewed", took, fencing_token=lease.fencing_token, ttl=lease.ttl))
+        elif outcome is False:
+            self.discard(lease)
+            emit(LeaseEvent("renew", lease.key, "not_owner", took, fencing_token=lease.fencing_token, ttl=lease.ttl))
+            lease._mark_lost("renewal found another owner or no lease")
+        else:
+            emit(LeaseEvent("renew", lease.key, "error", took, fencing_token=lease.fencing_token,
+                            ttl=lease.ttl, error=str(outcome)))
+            if lease.expires_at is not None and time.time() >= lease.expires_at:
+                self.discard(lease)
+                lease._mark_lost(f"renewal failed until the lease expired: {outcome}")
+            else:
+                log.warning("renewal of lease %r failed, retrying: %s", lease.key, outcome)
+                with self._cond:
+                    e.next_due = time.monotonic() + min(e.interval, ERROR_RETRY)
+
+
+_heartbeat: Heartbeat | None = None
+_heartbeat_lock = threading.Lock()
+
+
+def get_heartbeat() -> Heartbeat:
+    """The heartbeat of the current process (made on first use, and anew after ``fork``)."""
+    global _heartbeat
+    with _heartbeat_lock:
+        if _heartbeat is None:
+            _heartbeat = Heartbeat()
+        return _heartbeat
+
+
+def _after_fork_in_child() -> None:
+    global _heartbeat, _heartbeat_lock
+    _heartbeat = None  # the parent's thread does not exist here; inherited leases are dropped
+    _heartbeat_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

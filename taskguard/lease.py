@@ -1,0 +1,212 @@
+"""Lease handles and the values lease operations return."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from .errors import LeaseLost
+from .events import LeaseEvent
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .locks import Locks
+
+__all__ = ["Lease", "Acquisition", "HolderInfo"]
+
+
+class Lease:
+    """A handle on a lease this process holds (or restored from persisted values).
+
+    Attributes:
+        key: the user's lease key (``str``).
+        owner_token: the secret that proves ownership (``str``). It never appears in ``repr``,
+            events, logs or errors; persist it only where only trusted parties can read.
+        fencing_token: ``int`` that only grows per key, or ``None`` when restored without one.
+            Hand it to the protected storage, which must reject writes carrying a lower token.
+        expires_at: Unix epoch seconds (float) by which the lease expires unless renewed
+            (computed conservatively from the moment the request was sent), or ``None`` when
+            restored without it.
+        ttl: the TTL in seconds (float) renewals use by default.
+
+    A handle belongs to the process that made it: in a process forked from it, ``renew`` and
+    ``release`` do nothing and return ``False`` (the parent still owns the lease).
+    Using it as a context manager releases it on exit.
+    """
+
+    def __init__(
+        self,
+        locks: "Locks",
+        key: str,
+        owner_token: str,
+        *,
+        ttl: float,
+        fencing_token: int | None,
+        expires_at: float | None,
+        holder: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._locks = locks
+        self.key = key
+        self._owner_token = owner_token
+        self.ttl = ttl
+        self.fencing_token = fencing_token
+        self.expires_at = expires_at
+        self.holder = dict(holder) if holder else {}
+        self.acquired_at = time.time()
+        self._pid = os.getpid()
+        self._state_lock = threading.Lock()
+        self._lost_reason: str | None = None
+        self._released = False
+        self._lost_callbacks: list[Callable[["Lease", str], None]] = []
+
+    # -- read-only state -------------------------------------------------------------------
+    @property
+    def owner_token(self) -> str:
+        return self._owner_token
+
+    @property
+    def lost(self) -> bool:
+        """``True`` once the lease is known or presumed gone: a renew/release found another owner
+        (or no lease), or ``expires_at`` passed without a renewal. ``False`` after a successful
+        release."""
+        if self._lost_reason is not None:
+            return True
+        if self._released:
+            return False
+        return self.expires_at is not None and time.time() >= self.expires_at
+
+    @property
+    def lost_reason(self) -> str | None:
+        if self._lost_reason is None and self.lost:
+            return "expired without renewal"
+        return self._lost_reason
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def inherited(self) -> bool:
+        """``True`` in a process forked after the handle was made (the handle is inert there)."""
+        return self._pid != os.getpid()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else ("lost" if self.lost else "held")
+        return (
+            f"<Lease key={self.key!r} fencing_token={self.fencing_token} "
+            f"expires_at={self.expires_at} state={state}>"
+        )
+
+    # -- operations ------------------------------------------------------------------------
+    def renew(self, ttl: float | None = None) -> bool:
+        """Extend the lease to ``ttl`` seconds from now (default: :attr:`ttl`).
+
+        Returns ``True`` when renewed; ``False`` when this owner no longer holds it (the handle
+        is then marked lost), when it was released, or in a forked child. Never recreates an
+        expired lease. Raises :class:`~taskguard.LeaseBackendError` when Redis fails and
+        ``ValueError`` for a non-positive ``ttl``.
+        """
+        return self._locks._renew_lease(self, ttl)
+
+    def release(self) -> bool:
+        """Release the lease if this owner still holds it.
+
+        Returns ``True`` when this call released it; ``False`` when it was already released,
+        when another owner holds it or it expired (the handle is then marked lost), or in a
+        forked child. Raises :class:`~taskguard.LeaseBackendError` when Redis fails.
+        """
+        return self._locks._release_lease(self)
+
+    def ensure_held(self, verify: bool = False) -> None:
+        """Raise :class:`~taskguard.LeaseLost` unless the lease is still held.
+
+        With ``verify=False`` (default) this checks local knowledge only (no round trip): lost
+        marks from the heartbeat and ``expires_at``. With ``verify=True`` it also asks Redis
+        whether this owner token still owns the key (one round trip).
+        """
+        if self.lost:
+            raise LeaseLost(self.key, self.lost_reason or "lost")
+        if self._released:
+            raise LeaseLost(self.key, "released")
+        if verify and not self._locks._verify_lease(self):
+            raise LeaseLost(self.key, self.lost_reason or "not held in Redis")
+
+    def on_lost(self, callback: Callable[["Lease", str], None]) -> None:
+        """Call ``callback(lease, reason)`` once, on the thread that finds the lease lost."""
+        self._lost_callbacks.append(callback)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._released:
+            self.release()
+
+    # -- internal state transitions (used by the locks object and the heartbeat) ------------
+    def _mark_lost(self, reason: str) -> bool:
+        with self._state_lock:
+            if self._released or self._lost_reason is not None:
+                return False
+            self._lost_reason = reason
+        self._locks._emitter.emit(
+            LeaseEvent("lost", self.key, reason, fencing_token=self.fencing_token, ttl=self.ttl,
+                       holder=self.holder)
+        )
+        for cb in self._lost_callbacks:
+            try:
+                cb(self, reason)
+            except Exception:  # pragma: no cover - defensive, like listeners
+                import logging
+
+                logging.getLogger("taskguard").exception("on_lost callback failed")
+        return True
+
+    def _mark_released(self) -> None:
+        with self._state_lock:
+            self._released = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Acquisition:
+    """The outcome of :meth:`Locks.acquire` or :meth:`Locks.claim`.
+
+    Attributes:
+        acquired: ``True`` when ``lease`` is held.
+        lease: the :class:`Lease`, or ``None``.
+        reason: ``None`` when acquired; else ``"held"`` (another owner holds it),
+            ``"wait_timeout"`` (``wait`` seconds passed) or, for a claim, ``"not_owner"``
+            (another owner holds it) / ``"expired"`` (no lease exists any more).
+        holder_ttl: seconds (float) left on the other holder's lease, where known.
+
+    Truthiness is :attr:`acquired`.
+    """
+
+    acquired: bool
+    lease: Lease | None = None
+    reason: str | None = None
+    holder_ttl: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.acquired
+
+
+@dataclasses.dataclass(frozen=True)
+class HolderInfo:
+    """What :meth:`Locks.holder` tells about a held lease. Never the owner token.
+
+    Attributes:
+        key: the user's lease key.
+        holder: the holder metadata stored at acquire/claim (``dict``; by default ``host`` and
+            ``pid`` plus what the caller passed, e.g. task name and id).
+        fencing_token: the lease's fencing token (``int``) or ``None``.
+        ttl: seconds (float) left before the lease expires; ``None`` when it has no expiry.
+        since: Unix epoch seconds (float) when the lease was acquired, per the server clock.
+    """
+
+    key: str
+    holder: dict
+    fencing_token: int | None
+    ttl: float | None
+    since: float | None

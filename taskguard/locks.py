@@ -1,0 +1,443 @@
+"""The lease API shared by :class:`~taskguard.RedisLocks` and :class:`~taskguard.MemoryLocks`.
+
+Backends implement a handful of primitives (``_try_acquire``, ``_renew_one``, ...); everything a
+user calls — waiting, handles, claiming, ``with_lease``, events, the heartbeat — lives here once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+import weakref
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+
+from .errors import ConfigError, LeaseBackendError, LeaseLost
+from .events import Emitter, LeaseEvent, Listener
+from .heartbeat import get_heartbeat
+from .lease import Acquisition, HolderInfo, Lease
+from .skipped import Skipped
+
+__all__ = ["Locks", "check_seconds", "check_fraction", "new_owner_token"]
+
+log = logging.getLogger("taskguard")
+T = TypeVar("T")
+
+ON_LOST = ("raise", "warn")
+
+
+def new_owner_token() -> str:
+    """A fresh owner token: 144 random bits from :mod:`secrets`, URL-safe text."""
+    return secrets.token_urlsafe(18)
+
+
+def check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    """Validate a duration in seconds; raise :class:`ConfigError` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    return v
+
+
+def check_fraction(value: Any, name: str = "renew_fraction") -> float:
+    """Validate the heartbeat's renew fraction: a number in (0, 0.5]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < float(value) <= 0.5):
+        raise ConfigError(f"{name} must be a number in (0, 0.5] (a fraction of the TTL), got {value!r}")
+    return float(value)
+
+
+def _check_key(key: Any) -> str:
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"lease key must be a non-empty str, got {key!r}")
+    return key
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+class Locks:
+    """Base of the lease backends. Not used directly.
+
+    Args:
+        prefix: prefix of every Redis key this object touches (``str``, non-empty, no braces).
+        renew_fraction: the heartbeat renews a lease every ``ttl * renew_fraction`` seconds;
+            a number in (0, 0.5], default 1/3.
+        max_hold: default bound in seconds on how long the heartbeat keeps renewing one lease
+            (``None``: no bound).
+        shutdown_timeout: seconds :meth:`close` spends releasing live leases (default 5).
+        listeners: callables receiving each :class:`~taskguard.events.LeaseEvent`.
+    """
+
+    def __init__(
+        self,
+        *,
+        prefix: str = "taskguard",
+        renew_fraction: float = 1 / 3,
+        max_hold: float | None = None,
+        shutdown_timeout: float = 5.0,
+        listeners: Iterable[Listener] = (),
+    ) -> None:
+        if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}\r\n "):
+            raise ConfigError(f"prefix must be a non-empty str without braces or spaces, got {prefix!r}")
+        self.prefix = prefix
+        self.renew_fraction = check_fraction(renew_fraction)
+        self.max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
+        self.shutdown_timeout = check_seconds("shutdown_timeout", shutdown_timeout)
+        self._emitter = Emitter(listeners)
+        self._live: "weakref.WeakSet[Lease]" = weakref.WeakSet()
+
+    # -- backend primitives ------------------------------------------------------------------
+    def _now(self) -> float:
+        return time.time()
+
+    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
+        """-> (acquired, fencing token, holder's remaining TTL in seconds or None)."""
+        raise NotImplementedError
+
+    def _wait_signal(self, key: str, timeout: float) -> None:
+        """Block up to ``timeout`` seconds or until a release of ``key`` is signalled."""
+        raise NotImplementedError
+
+    def _renew_one(self, key: str, owner: str, ttl: float) -> bool:
+        raise NotImplementedError
+
+    def _renew_many(self, items: Sequence[tuple[str, str, float]]) -> list[Any]:
+        """Renew several leases; one outcome each: ``True``, ``False`` or an exception."""
+        out: list[Any] = []
+        for key, owner, ttl in items:
+            try:
+                out.append(self._renew_one(key, owner, ttl))
+            except LeaseBackendError as e:
+                out.append(e)
+        return out
+
+    def _release_one(self, key: str, owner: str) -> bool:
+        raise NotImplementedError
+
+    def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
+        """-> (claimed, fencing token, PTTL seconds of the key when not claimed; -2.0 if absent)."""
+        raise NotImplementedError
+
+    def _holder_one(self, key: str) -> HolderInfo | None:
+        raise NotImplementedError
+
+    def _owns_one(self, key: str, owner: str) -> bool:
+        raise NotImplementedError
+
+    # -- listeners ---------------------------------------------------------------------------
+    def add_listener(self, fn: Listener) -> Callable[[], None]:
+        """Register ``fn`` for this object's :class:`~taskguard.events.LeaseEvent` s."""
+        return self._emitter.add_listener(fn)
+
+    def _emit(self, kind: str, key: str, status: str, **fields: Any) -> None:
+        self._emitter.emit(LeaseEvent(kind, key, status, **fields))
+
+    # -- public API ----------------------------------------------------------------------------
+    def acquire(
+        self,
+        key: str,
+        *,
+        ttl: float,
+        wait: float = 0.0,
+        holder: Mapping[str, Any] | None = None,
+        renew: bool = False,
+        max_hold: float | None = None,
+    ) -> Acquisition:
+        """Try to take the lease on ``key`` for ``ttl`` seconds, waiting up to ``wait`` seconds.
+
+        The lease and its next fencing token are set in one atomic step. While waiting, the
+        caller wakes when the holder releases (a release signal) or when the holder's lease
+        expires, not by tight polling.
+
+        Args:
+            key: the user's lease key (non-empty ``str``).
+            ttl: lease time-to-live in seconds (float > 0).
+            wait: how long to wait for a held lease, seconds (float >= 0; 0 = try once).
+            holder: non-secret JSON-serializable metadata stored with the lease (e.g. task name,
+                task id); ``host`` and ``pid`` are added unless given.
+            renew: keep the lease alive with the process heartbeat until released.
+            max_hold: stop renewing after this many seconds (default: the object's ``max_hold``).
+
+        Returns:
+            :class:`~taskguard.Acquisition`; when not acquired, ``reason`` is ``"held"``
+            (``wait == 0``) or ``"wait_timeout"`` and ``holder_ttl`` the holder's time left.
+
+        Raises:
+            ConfigError: invalid ``key``, ``ttl``, ``wait``, ``max_hold`` or ``holder``.
+            LeaseBackendError: Redis unreachable or failing. Never reported as "held".
+        """
+        key = _check_key(key)
+        ttl = check_seconds("ttl", ttl)
+        wait = check_seconds("wait", wait, allow_zero=True)
+        max_hold = self.max_hold if max_hold is None else check_seconds("max_hold", max_hold)
+        meta, meta_json = self._holder_meta(holder)
+        owner = new_owner_token()
+        started = time.monotonic()
+        deadline = started + wait
+        while True:
+            sent_at = self._now()
+            try:
+                ok, fence, holder_ttl = self._try_acquire(key, owner, ttl, meta_json)
+            except LeaseBackendError as e:
+                self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e))
+                raise
+            if ok:
+                lease = Lease(self, key, owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta)
+                self._track(lease, renew, max_hold)
+                self._emit("acquire", key, "acquired", duration=time.monotonic() - started,
+                           fencing_token=fence, ttl=ttl, holder=meta)
+                return Acquisition(True, lease)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                reason = "wait_timeout" if wait > 0 else "held"
+                self._emit("acquire", key, reason, duration=time.monotonic() - started, ttl=ttl)
+                return Acquisition(False, None, reason, holder_ttl)
+            pause = remaining if holder_ttl is None or holder_ttl < 0 else min(remaining, holder_ttl + 0.001)
+            try:
+                self._wait_signal(key, pause)
+            except LeaseBackendError as e:
+                self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e))
+                raise
+
+    def restore(
+        self,
+        key: str,
+        owner_token: str,
+        *,
+        ttl: float,
+        expires_at: float | None = None,
+        fencing_token: int | None = None,
+        renew: bool = False,
+    ) -> Lease:
+        """Rebuild a handle from persisted values, without a round trip.
+
+        Nothing is invented: ``expires_at`` and ``fencing_token`` stay ``None`` unless given.
+        Redis checks ``owner_token`` atomically on every renew and release, so a forged or stale
+        token can neither extend nor release anyone's lease. ``ttl`` (seconds) is what renewals
+        use; ``renew=True`` registers the handle with the heartbeat.
+
+        Raises ConfigError for an empty key or token, or a bad ``ttl``.
+        """
+        key = _check_key(key)
+        ttl = check_seconds("ttl", ttl)
+        if not isinstance(owner_token, str) or not owner_token:
+            raise ConfigError("owner_token must be a non-empty str")
+        if fencing_token is not None and (isinstance(fencing_token, bool) or not isinstance(fencing_token, int)):
+            raise ConfigError("fencing_token must be an int or None")
+        lease = Lease(self, key, owner_token, ttl=ttl, fencing_token=fencing_token, expires_at=expires_at)
+        self._track(lease, renew, self.max_hold)
+        return lease
+
+    def claim(
+        self,
+        key: str,
+        owner_token: str,
+        *,
+        ttl: float,
+        holder: Mapping[str, Any] | None = None,
+        renew: bool = False,
+        max_hold: float | None = None,
+    ) -> Acquisition:
+        """One-shot takeover of a persisted handle (e.g. by a retry of the task that held it).
+
+        Atomically: if ``owner_token`` still owns ``key``, swap in a fresh owner token, keep the
+        fencing token, record ``holder`` and set the TTL to ``ttl`` seconds. The persisted token
+        stops working at once, so of two claims with the same persisted token exactly one
+        succeeds.
+
+        Returns an :class:`~taskguard.Acquisition` holding the new handle, or, when not claimed,
+        ``reason="not_owner"`` (another owner holds the key; ``holder_ttl`` its time left) or
+        ``reason="expired"`` (no lease exists: acquire afresh, which gives a larger fence).
+
+        Raises ConfigError for bad arguments, LeaseBackendError when Redis fails.
+        """
+        key = _check_key(key)
+        ttl = check_seconds("ttl", ttl)
+        if not isinstance(owner_token, str) or not owner_token:
+            raise ConfigError("owner_token must be a non-empty str")
+        max_hold = self.max_hold if max_hold is None else check_seconds("max_hold", max_hold)
+        meta, meta_json = self._holder_meta(holder)
+        new_owner = new_owner_token()
+        started = time.monotonic()
+        sent_at = self._now()
+        try:
+            ok, fence, pttl = self._claim_one(key, owner_token, new_owner, ttl, meta_json)
+        except LeaseBackendError as e:
+            self._emit("claim", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e))
+            raise
+        took = time.monotonic() - started
+        if not ok:
+            reason = "expired" if pttl is not None and pttl == -2 else "not_owner"
+            self._emit("claim", key, reason, duration=took, ttl=ttl)
+            return Acquisition(False, None, reason, None if reason == "expired" else pttl)
+        lease = Lease(self, key, new_owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta)
+        self._track(lease, renew, max_hold)
+        self._emit("claim", key, "claimed", duration=took, fencing_token=fence, ttl=ttl, holder=meta)
+        return Acquisition(True, lease)
+
+    def holder(self, key: str) -> HolderInfo | None:
+        """Who holds ``key``: holder metadata, fencing token and remaining TTL (seconds), or
+        ``None`` when no lease is held. Never returns the owner token.
+        Raises LeaseBackendError when Redis fails."""
+        return self._holder_one(_check_key(key))
+
+    def with_lease(
+        self,
+        key: str,
+        fn: Callable[[Lease], T],
+        *,
+        ttl: float,
+        wait: float = 0.0,
+        renew: bool = True,
+        holder: Mapping[str, Any] | None = None,
+        max_hold: float | None = None,
+        on_lost: str = "raise",
+        task: str | None = None,
+    ) -> T | Skipped:
+        """Run ``fn(lease)`` under the lease on ``key`` and return its value.
+
+        Returns a :class:`~taskguard.Skipped` (reason ``"held"`` or ``"wait_timeout"``) when the
+        lease could not be had, and emits a ``skip`` event. With ``renew=True`` the heartbeat
+        keeps the lease alive while ``fn`` runs. After ``fn`` returns, the release itself checks
+        that this owner still held the lease; if it did not (or the heartbeat found it lost),
+        ``on_lost="raise"`` raises :class:`~taskguard.LeaseLost` and ``on_lost="warn"`` logs,
+        reports and returns the value. An exception from ``fn`` propagates unchanged; a Redis
+        error while releasing after it is logged, never raised in its place.
+
+        Raises ConfigError for bad arguments, LeaseBackendError when Redis fails at acquire.
+        """
+        if on_lost not in ON_LOST:
+            raise ConfigError(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
+        acq = self.acquire(key, ttl=ttl, wait=wait, holder=holder, renew=renew, max_hold=max_hold)
+        if not acq.acquired:
+            skipped = Skipped(key=key, reason=acq.reason or "held", task=task, holder_ttl=acq.holder_ttl)
+            self._emit("skip", key, skipped.reason, ttl=ttl)
+            return skipped
+        lease = acq.lease
+        assert lease is not None
+        try:
+            value = fn(lease)
+        except BaseException:
+            try:
+                lease.release()
+            except LeaseBackendError as e:
+                log.warning("could not release lease %r after the body failed: %s", key, e)
+            raise
+        was_lost = lease._lost_reason is not None
+        try:
+            released = lease.release()
+        except LeaseBackendError as e:
+            log.warning("could not release lease %r: %s", key, e)
+            released = not lease.lost
+        if was_lost or not released:
+            reason = lease.lost_reason or "lost while the body ran"
+            if on_lost == "raise":
+                raise LeaseLost(key, reason)
+            log.warning("lease %r was lost while the body ran (%s); returning its value", key, reason)
+        return value
+
+    def check_health(self) -> "Health":
+        raise NotImplementedError
+
+    def close(self, timeout: float | None = None) -> None:
+        """Release every lease this object still holds in this process (best effort), spending
+        at most ``timeout`` seconds (default :attr:`shutdown_timeout`); leases left unreleased
+        then expire by their TTL."""
+        deadline = time.monotonic() + (self.shutdown_timeout if timeout is None else timeout)
+        for lease in list(self._live):
+            if time.monotonic() >= deadline:
+                log.warning("close() ran out of time; remaining leases expire by their TTL")
+                break
+            if not lease.released and not lease.inherited:
+                try:
+                    lease.release()
+                except LeaseBackendError as e:
+                    log.warning("could not release lease %r at close: %s", lease.key, e)
+
+    # -- handle operations (called by Lease) ------------------------------------------------
+    def _track(self, lease: Lease, renew: bool, max_hold: float | None) -> None:
+        self._live.add(lease)
+        if renew:
+            get_heartbeat().add(lease, self.renew_fraction, max_hold)
+
+    def _renew_lease(self, lease: Lease, ttl: float | None) -> bool:
+        ttl = lease.ttl if ttl is None else check_seconds("ttl", ttl)
+        if lease.inherited or lease.released or lease._lost_reason is not None:
+            return False
+        started, sent_at = time.monotonic(), self._now()
+        try:
+            ok = self._renew_one(lease.key, lease.owner_token, ttl)
+        except LeaseBackendError as e:
+            self._emit("renew", lease.key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e))
+            raise
+        self._emit("renew", lease.key, "renewed" if ok else "not_owner", duration=time.monotonic() - started,
+                   fencing_token=lease.fencing_token, ttl=ttl)
+        if ok:
+            lease.expires_at = sent_at + ttl
+        else:
+            get_heartbeat().discard(lease)
+            lease._mark_lost("renew found another owner or no lease")
+        return ok
+
+    def _release_lease(self, lease: Lease) -> bool:
+        if lease.inherited or lease.released:
+            return False
+        get_heartbeat().discard(lease)
+        started = time.monotonic()
+        try:
+            ok = self._release_one(lease.key, lease.owner_token)
+        except LeaseBackendError as e:
+            self._emit("release", lease.key, "error", duration=time.monotonic() - started, error=str(e))
+            raise
+        self._emit("release", lease.key, "released" if ok else "not_owner", duration=time.monotonic() - started,
+                   fencing_token=lease.fencing_token)
+        if ok:
+            lease._mark_released()
+        else:
+            lease._mark_lost("release found another owner or no lease")
+            lease._mark_released()
+        self._live.discard(lease)
+        return ok
+
+    def _verify_lease(self, lease: Lease) -> bool:
+        if lease.inherited:
+            return False
+        ok = self._owns_one(lease.key, lease.owner_token)
+        if not ok:
+            lease._mark_lost("not held in Redis")
+        return ok
+
+    def _holder_meta(self, holder: Mapping[str, Any] | None) -> tuple[dict, str]:
+        meta: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+        if holder is not None:
+            if not isinstance(holder, Mapping) or not all(isinstance(k, str) for k in holder):
+                raise ConfigError("holder must be a mapping with str keys")
+            meta.update(holder)
+        try:
+            return meta, json.dumps(meta, separators=(",", ":"))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"holder metadata must be JSON-serializable: {e}") from None
+
+
+class Health:
+    """Outcome of :meth:`check_health`: ``ok`` (bool; also the truthiness), ``latency`` (seconds,
+    float, of the probe round trip, or ``None``), ``detail`` (readable, never a password)."""
+
+    __slots__ = ("ok", "latency", "detail")
+
+    def __init__(self, ok: bool, latency: float | None, detail: str) -> None:
+        self.ok, self.latency, self.detail = ok, latency, detail
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __repr__(self) -> str:
+        return f"Health(ok={self.ok}, latency={self.latency}, detail={self.detail!r})"

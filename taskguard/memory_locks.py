@@ -1,0 +1,125 @@
+"""In-process leases with the same behaviour as :class:`~taskguard.RedisLocks`.
+
+For users' unit tests where the lease is not the subject: no Redis needed, same API, same
+outcomes (the test suite drives both with one hypothesis state machine and compares them).
+Leases live in this process only, so it gives no mutual exclusion across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Callable, Iterable
+
+from .events import Listener
+from .lease import HolderInfo
+from .locks import Health, Locks
+
+__all__ = ["MemoryLocks"]
+
+
+class _Entry:
+    __slots__ = ("owner", "fence", "holder", "since", "expires")
+
+    def __init__(self, owner: str, fence: int, holder: str, since: float, expires: float) -> None:
+        self.owner, self.fence, self.holder, self.since, self.expires = owner, fence, holder, since, expires
+
+
+class MemoryLocks(Locks):
+    """Fenced leases in a dict, thread-safe.
+
+    Args:
+        clock: returns Unix epoch seconds (float); default :func:`time.time`. Inject one to
+            drive expiry in tests without sleeping.
+        prefix, renew_fraction, max_hold, listeners: as for :class:`~taskguard.RedisLocks`.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.time,
+        prefix: str = "taskguard",
+        renew_fraction: float = 1 / 3,
+        max_hold: float | None = None,
+        shutdown_timeout: float = 5.0,
+        listeners: Iterable[Listener] = (),
+    ) -> None:
+        super().__init__(prefix=prefix, renew_fraction=renew_fraction, max_hold=max_hold,
+                         shutdown_timeout=shutdown_timeout, listeners=listeners)
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._leases: dict[str, _Entry] = {}
+        self._fences: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"<MemoryLocks prefix={self.prefix!r}>"
+
+    def _now(self) -> float:
+        return self._clock()
+
+    def _live_entry(self, key: str) -> _Entry | None:
+        e = self._leases.get(key)
+        if e is not None and self._clock() >= e.expires:
+            del self._leases[key]
+            return None
+        return e
+
+    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
+        with self._cond:
+            e = self._live_entry(key)
+            if e is not None:
+                return False, None, max(0.0, e.expires - self._clock())
+            fence = self._fences.get(key, 0) + 1
+            self._fences[key] = fence
+            now = self._clock()
+            self._leases[key] = _Entry(owner, fence, holder_json, now, now + ttl)
+            return True, fence, None
+
+    def _wait_signal(self, key: str, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait(timeout)
+
+    def _renew_one(self, key: str, owner: str, ttl: float) -> bool:
+        with self._cond:
+            e = self._live_entry(key)
+            if e is None or e.owner != owner:
+                return False
+            e.expires = self._clock() + ttl
+            return True
+
+    def _release_one(self, key: str, owner: str) -> bool:
+        with self._cond:
+            e = self._live_entry(key)
+            if e is None or e.owner != owner:
+                return False
+            del self._leases[key]
+            self._cond.notify_all()
+            return True
+
+    def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
+        with self._cond:
+            e = self._live_entry(key)
+            if e is None:
+                return False, None, -2.0
+            if e.owner != owner:
+                return False, None, max(0.0, e.expires - self._clock())
+            e.owner, e.holder, e.expires = new_owner, holder_json, self._clock() + ttl
+            return True, e.fence, None
+
+    def _holder_one(self, key: str) -> HolderInfo | None:
+        with self._cond:
+            e = self._live_entry(key)
+            if e is None:
+                return None
+            return HolderInfo(key=key, holder=json.loads(e.holder), fencing_token=e.fence,
+                              ttl=max(0.0, e.expires - self._clock()), since=e.since)
+
+    def _owns_one(self, key: str, owner: str) -> bool:
+        with self._cond:
+            e = self._live_entry(key)
+            return e is not None and e.owner == owner
+
+    def check_health(self) -> Health:
+        """Always healthy (nothing to reach)."""
+        return Health(True, 0.0, "in-process")

@@ -1,0 +1,253 @@
+"""Fenced leases in Redis (standalone or Cluster), via the scripts in :mod:`taskguard.scripts`."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Iterable, Sequence
+
+import redis
+from redis.exceptions import NoScriptError, RedisError
+
+from . import scripts
+from .errors import ConfigError, LeaseBackendError
+from .events import Listener
+from .lease import HolderInfo
+from .locks import Health, Locks, _ms, check_seconds
+from .urls import redact_url
+
+__all__ = ["RedisLocks"]
+
+DEFAULT_FENCE_IDLE_TTL = 7 * 24 * 3600.0
+#: How long a release signal waits for a waiter, seconds. Longer only costs a spurious wake-up.
+SIGNAL_TTL = 10.0
+
+
+def _detail(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _socket_timeout(client: Any) -> float | None:
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        kwargs = getattr(pool, "connection_kwargs", {})
+    else:  # RedisCluster
+        kwargs = getattr(getattr(client, "nodes_manager", None), "connection_kwargs", {}) or {}
+    value = kwargs.get("socket_timeout")
+    return float(value) if value else None
+
+
+class RedisLocks(Locks):
+    """Fenced leases stored in Redis.
+
+    Args:
+        client: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (redis-py >= 5). Any
+            ``decode_responses`` setting works. Its timeouts and retry policy bound every call.
+        prefix: prefix of every key (default ``"taskguard"``); keys look like ``{prefix:key}``.
+        renew_fraction: heartbeat renews every ``ttl * renew_fraction`` seconds; (0, 0.5].
+        poll_interval: longest a waiter sleeps without re-checking, seconds (default 1.0).
+            Waiters normally wake on the release signal or at the holder's expiry; this is the
+            fallback. Blocking waits are also sliced below the client's ``socket_timeout``.
+        fence_idle_ttl: seconds a key's fencing counter is kept after its last acquisition
+            (default 7 days). It bounds Redis memory per distinct key; tokens still grow after
+            it expires because of the server-clock floor (see :mod:`taskguard.scripts`).
+        max_hold: default bound on heartbeat renewal per lease, seconds (``None``: none).
+        listeners: callables receiving :class:`~taskguard.events.LeaseEvent` s.
+
+    Raises ConfigError for invalid options. No round trip is made at construction.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        prefix: str = "taskguard",
+        renew_fraction: float = 1 / 3,
+        poll_interval: float = 1.0,
+        fence_idle_ttl: float = DEFAULT_FENCE_IDLE_TTL,
+        max_hold: float | None = None,
+        shutdown_timeout: float = 5.0,
+        listeners: Iterable[Listener] = (),
+    ) -> None:
+        super().__init__(prefix=prefix, renew_fraction=renew_fraction, max_hold=max_hold,
+                         shutdown_timeout=shutdown_timeout, listeners=listeners)
+        if client is None or not hasattr(client, "evalsha"):
+            raise ConfigError("client must be a redis-py client (redis.Redis or redis.cluster.RedisCluster)")
+        self.client = client
+        self.poll_interval = check_seconds("poll_interval", poll_interval)
+        self.fence_idle_ttl = check_seconds("fence_idle_ttl", fence_idle_ttl)
+        st = _socket_timeout(client)
+        # a blocking BLPOP must return before the client's socket timeout fires
+        self._slice = self.poll_interval if st is None else max(0.01, min(self.poll_interval, st / 2))
+        self._owns_client = False
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "taskguard",
+        db: int | None = None,
+        connect_timeout: float = 5.0,
+        socket_timeout: float = 5.0,
+        retries: int = 1,
+        cluster: bool = False,
+        **opts: Any,
+    ) -> "RedisLocks":
+        """Build from a ``redis://``, ``rediss://`` or ``unix://`` URL.
+
+        ``connect_timeout`` and ``socket_timeout`` are seconds (float > 0); ``retries`` is how
+        many times redis-py retries a command after a connection error or timeout (int >= 0,
+        exponential backoff capped at 0.5 s); ``cluster=True`` builds a ``RedisCluster``.
+        Remaining keyword options go to :class:`RedisLocks`. No round trip is made.
+
+        Raises ConfigError (the URL is shown with its password masked) for an invalid URL or option.
+        """
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
+
+        from .urls import check_url
+
+        check_url(url, "url")
+        connect_timeout = check_seconds("connect_timeout", connect_timeout)
+        socket_timeout = check_seconds("socket_timeout", socket_timeout)
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ConfigError(f"retries must be an int >= 0, got {retries!r}")
+        kwargs: dict[str, Any] = dict(
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=socket_timeout,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+        )
+        try:
+            if cluster:
+                from redis.cluster import RedisCluster
+
+                client = RedisCluster.from_url(url, **kwargs)
+            else:
+                if db is not None:
+                    kwargs["db"] = db
+                client = redis.Redis.from_url(url, **kwargs)
+        except (ValueError, TypeError, RedisError) as e:
+            raise ConfigError(f"cannot build a Redis client from {redact_url(url)}: {type(e).__name__}") from None
+        locks = cls(client, prefix=prefix, **opts)
+        locks._owns_client = True
+        return locks
+
+    def __repr__(self) -> str:
+        return f"<RedisLocks prefix={self.prefix!r}>"
+
+    # -- keys ----------------------------------------------------------------------------------
+    def _lease_key(self, key: str) -> str:
+        return "{" + self.prefix + ":" + key + "}"
+
+    def _keys(self, key: str) -> tuple[str, str, str]:
+        k = self._lease_key(key)
+        return k, k + ":fence", k + ":signal"
+
+    def _run(self, op: str, key: str | None, script: scripts.Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return script(self.client, keys, args)
+        except RedisError as e:
+            raise LeaseBackendError(op, key, _detail(e)) from e
+
+    # -- primitives ---------------------------------------------------------------------------
+    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
+        lease_k, fence_k, _ = self._keys(key)
+        res = self._run("acquire", key, scripts.ACQUIRE, (lease_k, fence_k),
+                        (owner, _ms(ttl), holder_json, _ms(self.fence_idle_ttl)))
+        if int(res[0]) == 1:
+            return True, int(res[1]), None
+        pttl = int(res[1])
+        return False, None, (pttl / 1000.0 if pttl >= 0 else None)
+
+    def _wait_signal(self, key: str, timeout: float) -> None:
+        timeout = max(0.01, min(timeout, self._slice))  # never 0: BLPOP 0 blocks forever
+        try:
+            self.client.blpop([self._keys(key)[2]], timeout=timeout)
+        except RedisError as e:
+            raise LeaseBackendError("acquire", key, _detail(e)) from e
+
+    def _renew_one(self, key: str, owner: str, ttl: float) -> bool:
+        return int(self._run("renew", key, scripts.RENEW, (self._lease_key(key),), (owner, _ms(ttl)))) == 1
+
+    def _renew_many(self, items: Sequence[tuple[str, str, float]]) -> list[Any]:
+        """All renewals in one pipelined round trip (plus one more only after a NOSCRIPT)."""
+        if not items:
+            return []
+        try:
+            results = self._pipeline_renew(items, use_eval=False)
+            missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+            if missing:
+                again = self._pipeline_renew([items[i] for i in missing], use_eval=True)
+                for i, r in zip(missing, again):
+                    results[i] = r
+        except RedisError as e:
+            return [LeaseBackendError("renew", None, _detail(e))] * len(items)
+        out: list[Any] = []
+        for (key, _, _), r in zip(items, results):
+            if isinstance(r, Exception):
+                out.append(LeaseBackendError("renew", key, _detail(r)))
+            else:
+                out.append(int(r) == 1)
+        return out
+
+    def _pipeline_renew(self, items: Sequence[tuple[str, str, float]], use_eval: bool) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for key, owner, ttl in items:
+            queue = scripts.RENEW.queue_eval if use_eval else scripts.RENEW.queue
+            queue(pipe, (self._lease_key(key),), (owner, _ms(ttl)))
+        return list(pipe.execute(raise_on_error=False))
+
+    def _release_one(self, key: str, owner: str) -> bool:
+        lease_k, _, signal_k = self._keys(key)
+        return int(self._run("release", key, scripts.RELEASE, (lease_k, signal_k), (owner, _ms(SIGNAL_TTL)))) == 1
+
+    def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
+        res = self._run("claim", key, scripts.CLAIM, (self._lease_key(key),), (owner, new_owner, _ms(ttl), holder_json))
+        if int(res[0]) == 1:
+            return True, (int(res[1]) if res[1] is not None else None), None
+        pttl = int(res[1])
+        return False, None, (pttl / 1000.0 if pttl >= 0 else float(pttl))
+
+    def _holder_one(self, key: str) -> HolderInfo | None:
+        holder_raw, fence, pttl, since = self._run("holder", key, scripts.HOLDER, (self._lease_key(key),), ())
+        pttl = int(pttl)
+        if pttl == -2:
+            return None
+        if isinstance(holder_raw, bytes):
+            holder_raw = holder_raw.decode()
+        try:
+            holder = json.loads(holder_raw) if holder_raw else {}
+        except ValueError:
+            holder = {}
+        return HolderInfo(
+            key=key,
+            holder=holder,
+            fencing_token=int(fence) if fence is not None else None,
+            ttl=pttl / 1000.0 if pttl >= 0 else None,
+            since=int(since) / 1000.0 if since is not None else None,
+        )
+
+    def _owns_one(self, key: str, owner: str) -> bool:
+        return int(self._run("renew", key, scripts.OWNS, (self._lease_key(key),), (owner,))) != -2
+
+    # -- health and shutdown -------------------------------------------------------------------
+    def check_health(self) -> Health:
+        """PING Redis once. Returns :class:`~taskguard.locks.Health`; never raises.
+
+        Starts no background work and touches no lease, so it suits readiness endpoints."""
+        started = time.monotonic()
+        try:
+            self.client.ping()
+        except RedisError as e:
+            return Health(False, None, _detail(e))
+        return Health(True, time.monotonic() - started, "PONG")
+
+    def close(self, timeout: float | None = None) -> None:
+        """Release this object's live leases, then close the client if :meth:`from_url` made it."""
+        super().close(timeout)
+        if self._owns_client:
+            try:
+                self.client.close()
+            except RedisError:  # pragma: no cover
+                pass

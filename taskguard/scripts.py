@@ -1,0 +1,145 @@
+"""The Lua scripts of the Redis lease protocol, and how they are run.
+
+Key layout for a user key ``K`` under prefix ``P`` (all keys share the hash tag ``{P:K}``, so
+every script touches one Redis Cluster slot; everything that is not a key goes in ARGV):
+
+* ``{P:K}``        the lease: a hash ``owner`` (secret owner token), ``fence`` (fencing token),
+                   ``holder`` (JSON holder metadata), ``since`` (server time, ms); it carries the
+                   lease TTL (``PEXPIRE``).
+* ``{P:K}:fence``  the last fencing token handed out for ``K``; it carries an idle TTL
+                   (``fence_idle_ttl``, default 7 days) so Redis memory per distinct key is bounded.
+* ``{P:K}:signal`` a one-element list pushed on release; waiters ``BLPOP`` it, so a waiter wakes
+                   on release instead of by polling. It expires by itself.
+
+Fencing: ``next = max(stored + 1, server TIME in microseconds)``. The stored counter gives strict
+growth while it exists; the server-clock floor keeps tokens growing when the counter is lost
+(expired after idling, evicted, a restart without persistence), because every token ever handed
+out was at most the server's clock in microseconds at that moment (one acquisition takes far more
+than one microsecond). This relies on the Redis server's clock not stepping backwards (see the
+README's deployment notes). ``TIME`` inside a script needs effects replication, the default since
+Redis 5 (https://redis.io/docs/latest/develop/interact/programmability/eval-intro/).
+
+Scripts are run with ``EVALSHA``; on ``NOSCRIPT`` (after ``SCRIPT FLUSH``, a restart or a
+failover) they are re-sent with ``EVAL``, which also caches them again. ``NOSCRIPT`` is never read
+as a lease answer. Pipelines call ``EVALSHA`` directly, so redis-py's ``Pipeline.load_scripts``
+(one ``SCRIPT EXISTS`` round trip per execute) is never involved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Sequence
+
+from redis.exceptions import NoScriptError
+
+__all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "CLAIM", "HOLDER", "OWNS"]
+
+
+class Script:
+    """A Lua script with its SHA1, run by ``EVALSHA`` with an ``EVAL`` fallback on ``NOSCRIPT``."""
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return client.eval(self.source, len(keys), *keys, *args)
+
+    def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
+        """Queue an ``EVALSHA`` on a pipeline (no ``SCRIPT EXISTS`` round trip)."""
+        pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+    def queue_eval(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
+        pipe.eval(self.source, len(keys), *keys, *args)
+
+
+# KEYS[1] lease, KEYS[2] fence counter
+# ARGV[1] owner token, ARGV[2] TTL ms, ARGV[3] holder JSON, ARGV[4] fence counter idle TTL ms
+# -> {1, fence, ttl_ms} when acquired; {0, holder's PTTL} when held (-1: held without expiry).
+ACQUIRE = Script(
+    "acquire",
+    """
+local pttl = redis.call('PTTL', KEYS[1])
+if pttl ~= -2 then
+  return {0, pttl}
+end
+local t = redis.call('TIME')
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local stored = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+local fence = math.max(stored + 1, now_us)
+local fence_s = string.format('%.0f', fence)
+redis.call('SET', KEYS[2], fence_s, 'PX', ARGV[4])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence_s, 'holder', ARGV[3],
+           'since', string.format('%.0f', math.floor(now_us / 1000)))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {1, fence, tonumber(ARGV[2])}
+""",
+)
+
+# KEYS[1] lease; ARGV[1] owner token, ARGV[2] TTL ms -> 1 renewed, 0 not the owner (or gone).
+# A missing key is never recreated.
+RENEW = Script(
+    "renew",
+    """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+""",
+)
+
+# KEYS[1] lease, KEYS[2] release signal; ARGV[1] owner token, ARGV[2] signal TTL ms
+# -> 1 released (and one waiter signalled), 0 not the owner (or gone).
+RELEASE = Script(
+    "release",
+    """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  redis.call('RPUSH', KEYS[2], '1')
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  return 1
+end
+return 0
+""",
+)
+
+# One-shot claim of a persisted handle: swap the owner token, keep the fence, record the holder.
+# KEYS[1] lease; ARGV[1] persisted owner token, ARGV[2] new owner token, ARGV[3] TTL ms,
+# ARGV[4] holder JSON -> {1, fence} claimed; {0, PTTL} not the owner (-2: no lease at all).
+CLAIM = Script(
+    "claim",
+    """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'owner', ARGV[2], 'holder', ARGV[4])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {1, tonumber(redis.call('HGET', KEYS[1], 'fence'))}
+end
+return {0, redis.call('PTTL', KEYS[1])}
+""",
+)
+
+# KEYS[1] lease -> {holder JSON, fence, PTTL, since ms}; PTTL -2 when there is no lease.
+# Never returns the owner token.
+HOLDER = Script(
+    "holder",
+    """
+local v = redis.call('HMGET', KEYS[1], 'holder', 'fence', 'since')
+return {v[1], v[2], redis.call('PTTL', KEYS[1]), v[3]}
+""",
+)
+
+# KEYS[1] lease; ARGV[1] owner token -> PTTL when owned (>= 0, or -1), -2 when not owned.
+OWNS = Script(
+    "owns",
+    """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  return redis.call('PTTL', KEYS[1])
+end
+return -2
+""",
+)

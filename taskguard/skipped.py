@@ -1,0 +1,73 @@
+"""The explicit value of a run that did not happen because its lease could not be had."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Mapping
+
+__all__ = ["Skipped", "is_skipped", "SKIP_REASONS", "TAG"]
+
+#: Reasons the core and the adapters use. Others may be added; consumers must accept any string.
+SKIP_REASONS = ("held", "wait_timeout", "retry_exhausted", "duplicate", "stale_leader")
+
+#: Key and value marking the dict form of a ``Skipped`` (used where a serializer knows no
+#: custom types, e.g. msgpack or YAML result backends).
+TAG = "__taskguard_skipped__"
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A run that was skipped, returned in place of the body's result.
+
+    Attributes:
+        key: the user's lease key (``str``).
+        reason: why (``"held"``: another holder has the lease; ``"wait_timeout"``: ``wait``
+            seconds passed without getting it; ``"retry_exhausted"``: ``on_skip="retry"`` ran
+            out of attempts; adapters may add others).
+        task: the task's name where known, else ``None``.
+        holder_ttl: seconds (float) left on the holder's lease when the skip was decided, where
+            known, else ``None``.
+        at: Unix epoch seconds (float) when the skip was decided.
+
+    It never carries an owner token. ``bool(Skipped(...))`` is ``False`` so that
+    ``if result:`` does not mistake a skip for a truthy result; use :func:`is_skipped` to test.
+    """
+
+    key: str
+    reason: str
+    task: str | None = None
+    holder_ttl: float | None = None
+    at: float = dataclasses.field(default_factory=time.time)
+
+    def __bool__(self) -> bool:
+        return False
+
+    def to_dict(self) -> dict[str, Any]:
+        """The tagged-dict form: plain JSON/msgpack-safe values plus the ``TAG`` marker."""
+        d = dataclasses.asdict(self)
+        d[TAG] = 1
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Skipped":
+        """Rebuild from :meth:`to_dict` output. Raises ``ValueError`` when ``data`` is not one."""
+        if not _is_tagged(data):
+            raise ValueError("not a tagged Skipped dict")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+    def describe(self) -> str:
+        """One readable line, e.g. for logs and the ``task-skipped`` event."""
+        who = f"{self.task}: " if self.task else ""
+        left = f" (holder has {self.holder_ttl:.1f}s left)" if self.holder_ttl is not None else ""
+        return f"{who}skipped, lease {self.key!r} {self.reason}{left}"
+
+
+def _is_tagged(x: Any) -> bool:
+    return isinstance(x, Mapping) and x.get(TAG) == 1 and "key" in x and "reason" in x
+
+
+def is_skipped(value: Any) -> bool:
+    """True for a :class:`Skipped` and for its tagged-dict form (see :meth:`Skipped.to_dict`)."""
+    return isinstance(value, Skipped) or _is_tagged(value)

@@ -1,0 +1,86 @@
+"""Shared fixtures: the shared Redis (TASKGUARD_REDIS_URL, default 127.0.0.1:6379), a key prefix
+per test, suite-owned redis-server processes and a 3-primary Redis Cluster."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import redis
+from redis.cluster import RedisCluster as ClusterClient
+
+from taskguard import RedisLocks
+
+from .servers import RedisCluster, RedisServer
+
+SHARED_URL = os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    c = redis.Redis.from_url(SHARED_URL, socket_connect_timeout=2)
+    try:
+        c.ping()
+    except redis.RedisError as e:
+        pytest.fail(f"Redis at TASKGUARD_REDIS_URL / 127.0.0.1:6379 is not answering ({e}); "
+                    "start one or run the suite through ./run test", pytrace=False)
+    finally:
+        c.close()
+    return SHARED_URL
+
+
+@pytest.fixture
+def client(redis_url):
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def prefix(redis_url):
+    """A key prefix unique to the test; its keys are deleted afterwards."""
+    p = f"tgtest-{uuid.uuid4().hex[:12]}"
+    yield p
+    c = redis.Redis.from_url(redis_url)
+    keys = list(c.scan_iter(match="{" + p + ":*"))
+    if keys:
+        c.delete(*keys)
+    c.close()
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A real 3-primary Redis Cluster of redis-server processes on free loopback ports."""
+    cl = RedisCluster().start()
+    yield cl
+    cl.close()
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def backend(request, redis_url, prefix):
+    """(kind, client) for the shared standalone Redis and for the suite's Redis Cluster."""
+    if request.param == "standalone":
+        c = redis.Redis.from_url(redis_url)
+    else:
+        cl = request.getfixturevalue("cluster")
+        c = ClusterClient(host="127.0.0.1", port=cl.ports[0])
+    yield request.param, c
+    c.close()
+
+
+@pytest.fixture
+def locks(backend, prefix):
+    """A RedisLocks on each backend, with the test's own prefix."""
+    kind, c = backend
+    lk = RedisLocks(c, prefix=prefix)
+    yield lk
+    lk.close(timeout=2)
+
+
+@pytest.fixture
+def redis_server():
+    """A suite-owned redis-server with persistence (appendonly, fsync always) on a free port."""
+    srv = RedisServer(appendonly=True).start()
+    yield srv
+    srv.close()
