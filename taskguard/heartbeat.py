@@ -1,7 +1,8 @@
 """One background thread per process that keeps live leases renewed.
 
-Each registered lease is renewed every ``ttl * renew_fraction`` seconds. Due leases of one locks
-object are renewed together (for Redis: one pipelined round trip). Outcomes:
+Each registered lease is renewed every ``ttl * renew_fraction`` seconds (up to a quarter of that
+early, so that leases falling due close together share a round). Due leases of one locks object
+are renewed together (for Redis: one pipelined round trip). Outcomes:
 
 * renewed: ``expires_at`` moves forward;
 * not the owner any more: the lease is marked lost (``lost`` event, ``on_lost`` callbacks) and
@@ -32,6 +33,9 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Heartbeat", "get_heartbeat"]
 
 log = logging.getLogger("taskguard")
+
+#: Fraction of a lease's renew interval by which it may be renewed early to join a round.
+COALESCE = 0.25
 
 #: How soon (seconds) a renewal that failed on a Redis error is retried, at most.
 ERROR_RETRY = 0.5
@@ -80,7 +84,9 @@ class Heartbeat:
         while True:
             with self._cond:
                 now = time.monotonic()
-                due = [e for e in self._entries.values() if e.next_due <= now]
+                # coalesce: a lease falling due within a quarter of its interval is renewed in
+                # this round too (a little early), so leases taken close together share rounds
+                due = [e for e in self._entries.values() if e.next_due - COALESCE * e.interval <= now]
                 if not due:
                     nxt = min((e.next_due for e in self._entries.values()), default=None)
                     self._cond.wait(None if nxt is None else nxt - now)

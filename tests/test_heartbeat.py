@@ -1,0 +1,144 @@
+"""The per-process heartbeat: pipelined renewals, fork, lost leases, max_hold."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+
+from taskguard import RedisLocks
+from taskguard.heartbeat import get_heartbeat
+
+
+class CountingRedis(redis.Redis):
+    """A real client that counts direct commands and pipeline executions by the heartbeat."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.direct: list[str] = []
+        self.pipelines: list[list[str]] = []
+
+    def execute_command(self, *args, **options):
+        self.direct.append(str(args[0]))
+        return super().execute_command(*args, **options)
+
+    def pipeline(self, transaction=True, shard_hint=None):
+        pipe = super().pipeline(transaction, shard_hint)
+        outer = self
+        original = pipe.execute
+
+        def execute(raise_on_error=True):
+            outer.pipelines.append([str(c[0][0]) for c in pipe.command_stack])
+            return original(raise_on_error)
+
+        pipe.execute = execute
+        return pipe
+
+
+def test_heartbeat_renews_all_leases_in_one_pipelined_round_trip(redis_url, prefix):
+    c = CountingRedis.from_url(redis_url)
+    locks = RedisLocks(c, prefix=prefix, renew_fraction=0.25)
+    leases = [locks.acquire(f"hb{i}", ttl=0.8, renew=True).lease for i in range(40)]
+    c.direct.clear()
+    beats_before = get_heartbeat().beats
+    mon = redis.Redis.from_url(redis_url)
+    script_exists = 0
+    with mon.monitor() as m:
+        time.sleep(2.5)  # > 3 TTLs: without renewal every lease would be gone
+        c.ping()
+        for cmd in m.listen():
+            if cmd["command"].upper().startswith("SCRIPT"):
+                script_exists += 1
+            if cmd["command"].upper() == "PING":
+                break
+    mon.close()
+    assert [d for d in c.direct if d != "PING"] == []  # no renewal sent outside a pipeline
+    assert all(locks.holder(f"hb{i}") is not None for i in range(40))
+    assert not any(lease.lost for lease in leases)
+    assert script_exists == 0
+    rounds = get_heartbeat().beats - beats_before
+    assert len(c.pipelines) >= 5
+    # one pipeline per heartbeat round, each carrying every due lease (leases acquired together
+    # fall due together), all EVALSHA
+    assert len(c.pipelines) <= rounds
+    assert all(set(p) == {"EVALSHA"} for p in c.pipelines)
+    assert max(len(p) for p in c.pipelines) == 40
+    for lease in leases:
+        assert lease.release()
+
+
+def test_failed_renewal_marks_one_lease_lost_and_keeps_serving_others(redis_url, prefix):
+    c = redis.Redis.from_url(redis_url)
+    events = []
+    locks = RedisLocks(c, prefix=prefix, renew_fraction=0.25, listeners=[events.append])
+    a = locks.acquire("a", ttl=0.6, renew=True).lease
+    b = locks.acquire("b", ttl=0.6, renew=True).lease
+    victim = locks.acquire("victim", ttl=0.6, renew=True).lease
+    called = []
+    victim.on_lost(lambda lease, reason: called.append(reason))
+    c.hset("{" + prefix + ":victim}", "owner", "taken-over")  # another owner now
+    time.sleep(0.6)
+    assert victim.lost and called
+    assert [e for e in events if e.kind == "lost" and e.key == "victim"]
+    time.sleep(1.5)
+    assert not a.lost and not b.lost
+    assert locks.holder("a") is not None and locks.holder("b") is not None
+    assert get_heartbeat().alive
+    assert a.release() and b.release()
+    assert victim.release() is False
+
+
+def test_max_hold_stops_renewing_a_hung_body(redis_url, prefix):
+    c = redis.Redis.from_url(redis_url)
+    events = []
+    locks = RedisLocks(c, prefix=prefix, renew_fraction=0.25, listeners=[events.append])
+    hung = locks.acquire("hung", ttl=0.4, renew=True, max_hold=0.6).lease
+    healthy = locks.acquire("healthy", ttl=0.4, renew=True).lease
+    time.sleep(0.5)
+    assert locks.holder("hung") is not None  # renewed past its first TTL
+    time.sleep(1.0)
+    assert locks.holder("hung") is None
+    assert hung.lost
+    assert any(e.kind == "renew" and e.status == "max_hold" and e.key == "hung" for e in events)
+    assert locks.holder("healthy") is not None
+    healthy.release()
+
+
+def test_fork_child_drops_inherited_leases_and_runs_its_own_heartbeat(redis_url, prefix):
+    c = redis.Redis.from_url(redis_url)
+    locks = RedisLocks(c, prefix=prefix, renew_fraction=0.25)
+    parent_lease = locks.acquire("inherited", ttl=0.6, renew=True).lease
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 0
+        try:
+            os.close(r)
+            hb = get_heartbeat()
+            checks = [
+                len(hb) == 0,                       # fresh heartbeat, inherited leases dropped
+                parent_lease.inherited,
+                parent_lease.release() is False,    # never releases the parent's lease
+                parent_lease.renew() is False,      # nor renews it
+            ]
+            own = locks.acquire("child-own", ttl=0.6, renew=True).lease
+            time.sleep(1.5)                         # child's own heartbeat keeps it alive
+            checks.append(locks.holder("child-own") is not None and not own.lost)
+            checks.append(get_heartbeat().alive)
+            checks.append(own.release() is True)
+            os.write(w, bytes(int(x) for x in checks))
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    checks = list(os.read(r, 64))
+    os.close(r)
+    assert status == 0 and checks == [1] * 7, checks
+    # the parent's lease survived the child and is still renewed by the parent
+    time.sleep(0.7)
+    assert not parent_lease.lost
+    assert locks.holder("inherited") is not None
+    assert parent_lease.release() is True
