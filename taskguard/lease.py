@@ -30,6 +30,7 @@ class Lease:
             (computed conservatively from the moment the request was sent), or ``None`` when
             restored without it.
         ttl: the TTL in seconds (float) renewals use by default.
+        run_id: the run identity given at acquire/claim (e.g. a task id), or ``None``.
 
     A handle belongs to the process that made it: in a process forked from it, ``renew`` and
     ``release`` do nothing and return ``False`` (the parent still owns the lease).
@@ -46,8 +47,10 @@ class Lease:
         fencing_token: int | None,
         expires_at: float | None,
         holder: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> None:
         self._locks = locks
+        self.run_id = run_id
         self.key = key
         self._owner_token = owner_token
         self.ttl = ttl
@@ -110,14 +113,18 @@ class Lease:
         """
         return self._locks._renew_lease(self, ttl)
 
-    def release(self) -> bool:
+    def release(self, *, mark_done: bool = False) -> bool:
         """Release the lease if this owner still holds it.
+
+        With ``mark_done=True`` and a ``run_id`` (given at acquire/claim), also record that this
+        run finished, atomically with the release: later acquires for the same ``run_id`` are
+        refused with reason ``"done"`` (for ``done_ttl`` seconds).
 
         Returns ``True`` when this call released it; ``False`` when it was already released,
         when another owner holds it or it expired (the handle is then marked lost), or in a
         forked child. Raises :class:`~taskguard.LeaseBackendError` when Redis fails.
         """
-        return self._locks._release_lease(self)
+        return self._locks._release_lease(self, mark_done)
 
     def ensure_held(self, verify: bool = False) -> None:
         """Raise :class:`~taskguard.LeaseLost` unless the lease is still held.
@@ -176,7 +183,8 @@ class Acquisition:
         acquired: ``True`` when ``lease`` is held.
         lease: the :class:`Lease`, or ``None``.
         reason: ``None`` when acquired; else ``"held"`` (another owner holds it),
-            ``"wait_timeout"`` (``wait`` seconds passed) or, for a claim, ``"not_owner"``
+            ``"wait_timeout"`` (``wait`` seconds passed), ``"done"`` (the ``run_id`` already
+            finished under this key) or, for a claim, ``"not_owner"``
             (another owner holds it) / ``"expired"`` (no lease exists any more).
         holder_ttl: seconds (float) left on the other holder's lease, where known.
 

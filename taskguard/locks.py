@@ -59,6 +59,12 @@ def _check_key(key: Any) -> str:
     return key
 
 
+def _check_run_id(run_id: Any) -> str | None:
+    if run_id is not None and (not isinstance(run_id, str) or not run_id):
+        raise ConfigError(f"run_id must be a non-empty str or None, got {run_id!r}")
+    return run_id
+
+
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
@@ -73,6 +79,8 @@ class Locks:
         max_hold: default bound in seconds on how long the heartbeat keeps renewing one lease
             (``None``: no bound).
         shutdown_timeout: seconds :meth:`close` spends releasing live leases (default 5).
+        done_ttl: seconds a run's done marker is kept (see ``run_id`` in :meth:`acquire`;
+            default 1 day). Each costs one small key per finished run.
         listeners: callables receiving each :class:`~taskguard.events.LeaseEvent`.
     """
 
@@ -83,6 +91,7 @@ class Locks:
         renew_fraction: float = 1 / 3,
         max_hold: float | None = None,
         shutdown_timeout: float = 5.0,
+        done_ttl: float = 86400.0,
         listeners: Iterable[Listener] = (),
     ) -> None:
         if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}\r\n "):
@@ -91,6 +100,7 @@ class Locks:
         self.renew_fraction = check_fraction(renew_fraction)
         self.max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
         self.shutdown_timeout = check_seconds("shutdown_timeout", shutdown_timeout)
+        self.done_ttl = check_seconds("done_ttl", done_ttl)
         self._emitter = Emitter(listeners)
         self._live: "weakref.WeakSet[Lease]" = weakref.WeakSet()
 
@@ -98,8 +108,9 @@ class Locks:
     def _now(self) -> float:
         return time.time()
 
-    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
-        """-> (acquired, fencing token, holder's remaining TTL in seconds or None)."""
+    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str,
+                     run_id: str | None) -> tuple[int, int | None, float | None]:
+        """-> (1 acquired | 0 held | 2 run already done, fencing token, holder's TTL seconds or None)."""
         raise NotImplementedError
 
     def _wait_signal(self, key: str, timeout: float) -> None:
@@ -119,7 +130,7 @@ class Locks:
                 out.append(e)
         return out
 
-    def _release_one(self, key: str, owner: str) -> bool:
+    def _release_one(self, key: str, owner: str, done_run_id: str | None = None) -> bool:
         raise NotImplementedError
 
     def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
@@ -150,6 +161,7 @@ class Locks:
         holder: Mapping[str, Any] | None = None,
         renew: bool = False,
         max_hold: float | None = None,
+        run_id: str | None = None,
     ) -> Acquisition:
         """Try to take the lease on ``key`` for ``ttl`` seconds, waiting up to ``wait`` seconds.
 
@@ -165,10 +177,14 @@ class Locks:
                 task id); ``host`` and ``pid`` are added unless given.
             renew: keep the lease alive with the process heartbeat until released.
             max_hold: stop renewing after this many seconds (default: the object's ``max_hold``).
+            run_id: the identity of the run asking (e.g. a task id shared by all deliveries and
+                retries of one task). When a run with this id already finished under ``key``
+                (``lease.release(mark_done=True)``), the lease is refused with reason ``"done"``.
 
         Returns:
             :class:`~taskguard.Acquisition`; when not acquired, ``reason`` is ``"held"``
-            (``wait == 0``) or ``"wait_timeout"`` and ``holder_ttl`` the holder's time left.
+            (``wait == 0``), ``"wait_timeout"`` or ``"done"``, and ``holder_ttl`` the holder's
+            time left.
 
         Raises:
             ConfigError: invalid ``key``, ``ttl``, ``wait``, ``max_hold`` or ``holder``.
@@ -178,6 +194,7 @@ class Locks:
         ttl = check_seconds("ttl", ttl)
         wait = check_seconds("wait", wait, allow_zero=True)
         max_hold = self.max_hold if max_hold is None else check_seconds("max_hold", max_hold)
+        run_id = _check_run_id(run_id)
         meta, meta_json = self._holder_meta(holder)
         owner = new_owner_token()
         started = time.monotonic()
@@ -185,12 +202,16 @@ class Locks:
         while True:
             sent_at = self._now()
             try:
-                ok, fence, holder_ttl = self._try_acquire(key, owner, ttl, meta_json)
+                code, fence, holder_ttl = self._try_acquire(key, owner, ttl, meta_json, run_id)
             except LeaseBackendError as e:
                 self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e))
                 raise
-            if ok:
-                lease = Lease(self, key, owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta)
+            if code == 2:
+                self._emit("acquire", key, "done", duration=time.monotonic() - started, ttl=ttl)
+                return Acquisition(False, None, "done")
+            if code == 1:
+                lease = Lease(self, key, owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta,
+                              run_id=run_id)
                 self._track(lease, renew, max_hold)
                 self._emit("acquire", key, "acquired", duration=time.monotonic() - started,
                            fencing_token=fence, ttl=ttl, holder=meta)
@@ -245,6 +266,7 @@ class Locks:
         holder: Mapping[str, Any] | None = None,
         renew: bool = False,
         max_hold: float | None = None,
+        run_id: str | None = None,
     ) -> Acquisition:
         """One-shot takeover of a persisted handle (e.g. by a retry of the task that held it).
 
@@ -256,6 +278,7 @@ class Locks:
         Returns an :class:`~taskguard.Acquisition` holding the new handle, or, when not claimed,
         ``reason="not_owner"`` (another owner holds the key; ``holder_ttl`` its time left) or
         ``reason="expired"`` (no lease exists: acquire afresh, which gives a larger fence).
+        ``run_id`` is recorded on the new handle (see :meth:`acquire`).
 
         Raises ConfigError for bad arguments, LeaseBackendError when Redis fails.
         """
@@ -264,6 +287,7 @@ class Locks:
         if not isinstance(owner_token, str) or not owner_token:
             raise ConfigError("owner_token must be a non-empty str")
         max_hold = self.max_hold if max_hold is None else check_seconds("max_hold", max_hold)
+        run_id = _check_run_id(run_id)
         meta, meta_json = self._holder_meta(holder)
         new_owner = new_owner_token()
         started = time.monotonic()
@@ -278,7 +302,8 @@ class Locks:
             reason = "expired" if pttl is not None and pttl == -2 else "not_owner"
             self._emit("claim", key, reason, duration=took, ttl=ttl)
             return Acquisition(False, None, reason, None if reason == "expired" else pttl)
-        lease = Lease(self, key, new_owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta)
+        lease = Lease(self, key, new_owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta,
+                      run_id=run_id)
         self._track(lease, renew, max_hold)
         self._emit("claim", key, "claimed", duration=took, fencing_token=fence, ttl=ttl, holder=meta)
         return Acquisition(True, lease)
@@ -319,7 +344,7 @@ class Locks:
         acq = self.acquire(key, ttl=ttl, wait=wait, holder=holder, renew=renew, max_hold=max_hold)
         if not acq.acquired:
             skipped = Skipped(key=key, reason=acq.reason or "held", task=task, holder_ttl=acq.holder_ttl)
-            self._emit("skip", key, skipped.reason, ttl=ttl)
+            self.report_skip(skipped)
             return skipped
         lease = acq.lease
         assert lease is not None
@@ -343,6 +368,10 @@ class Locks:
                 raise LeaseLost(key, reason)
             log.warning("lease %r was lost while the body ran (%s); returning its value", key, reason)
         return value
+
+    def report_skip(self, skipped: Skipped) -> None:
+        """Emit the ``skip`` event for a run skipped outside :meth:`with_lease` (adapters)."""
+        self._emit("skip", skipped.key, skipped.reason)
 
     def check_health(self) -> "Health":
         raise NotImplementedError
@@ -387,13 +416,13 @@ class Locks:
             lease._mark_lost("renew found another owner or no lease")
         return ok
 
-    def _release_lease(self, lease: Lease) -> bool:
+    def _release_lease(self, lease: Lease, mark_done: bool = False) -> bool:
         if lease.inherited or lease.released:
             return False
         get_heartbeat().discard(lease)
         started = time.monotonic()
         try:
-            ok = self._release_one(lease.key, lease.owner_token)
+            ok = self._release_one(lease.key, lease.owner_token, lease.run_id if mark_done else None)
         except LeaseBackendError as e:
             self._emit("release", lease.key, "error", duration=time.monotonic() - started, error=str(e))
             raise

@@ -43,10 +43,12 @@ class MemoryLocks(Locks):
         renew_fraction: float = 1 / 3,
         max_hold: float | None = None,
         shutdown_timeout: float = 5.0,
+        done_ttl: float = 86400.0,
         listeners: Iterable[Listener] = (),
     ) -> None:
         super().__init__(prefix=prefix, renew_fraction=renew_fraction, max_hold=max_hold,
-                         shutdown_timeout=shutdown_timeout, listeners=listeners)
+                         shutdown_timeout=shutdown_timeout, done_ttl=done_ttl, listeners=listeners)
+        self._done: dict[tuple[str, str], float] = {}
         self._clock = clock
         self._cond = threading.Condition()
         self._leases: dict[str, _Entry] = {}
@@ -65,16 +67,19 @@ class MemoryLocks(Locks):
             return None
         return e
 
-    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
+    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str,
+                     run_id: str | None) -> tuple[int, int | None, float | None]:
         with self._cond:
+            if run_id is not None and self._done.get((key, run_id), 0) > self._clock():
+                return 2, None, None
             e = self._live_entry(key)
             if e is not None:
-                return False, None, max(0.0, e.expires - self._clock())
+                return 0, None, max(0.0, e.expires - self._clock())
             fence = self._fences.get(key, 0) + 1
             self._fences[key] = fence
             now = self._clock()
             self._leases[key] = _Entry(owner, fence, holder_json, now, now + ttl)
-            return True, fence, None
+            return 1, fence, None
 
     def _wait_signal(self, key: str, timeout: float) -> None:
         with self._cond:
@@ -88,8 +93,10 @@ class MemoryLocks(Locks):
             e.expires = self._clock() + ttl
             return True
 
-    def _release_one(self, key: str, owner: str) -> bool:
+    def _release_one(self, key: str, owner: str, done_run_id: str | None = None) -> bool:
         with self._cond:
+            if done_run_id is not None:
+                self._done[(key, done_run_id)] = self._clock() + self.done_ttl
             e = self._live_entry(key)
             if e is None or e.owner != owner:
                 return False

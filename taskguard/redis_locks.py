@@ -67,10 +67,11 @@ class RedisLocks(Locks):
         fence_idle_ttl: float = DEFAULT_FENCE_IDLE_TTL,
         max_hold: float | None = None,
         shutdown_timeout: float = 5.0,
+        done_ttl: float = 86400.0,
         listeners: Iterable[Listener] = (),
     ) -> None:
         super().__init__(prefix=prefix, renew_fraction=renew_fraction, max_hold=max_hold,
-                         shutdown_timeout=shutdown_timeout, listeners=listeners)
+                         shutdown_timeout=shutdown_timeout, done_ttl=done_ttl, listeners=listeners)
         if client is None or not hasattr(client, "evalsha"):
             raise ConfigError("client must be a redis-py client (redis.Redis or redis.cluster.RedisCluster)")
         self.client = client
@@ -151,14 +152,21 @@ class RedisLocks(Locks):
             raise LeaseBackendError(op, key, _detail(e)) from e
 
     # -- primitives ---------------------------------------------------------------------------
-    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
+    def _done_key(self, key: str, run_id: str) -> str:
+        return self._lease_key(key) + ":done:" + run_id
+
+    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str,
+                     run_id: str | None) -> tuple[int, int | None, float | None]:
         lease_k, fence_k, _ = self._keys(key)
-        res = self._run("acquire", key, scripts.ACQUIRE, (lease_k, fence_k),
-                        (owner, _ms(ttl), holder_json, _ms(self.fence_idle_ttl)))
-        if int(res[0]) == 1:
-            return True, int(res[1]), None
+        keys = (lease_k, fence_k) if run_id is None else (lease_k, fence_k, self._done_key(key, run_id))
+        res = self._run("acquire", key, scripts.ACQUIRE, keys, (owner, _ms(ttl), holder_json, _ms(self.fence_idle_ttl)))
+        code = int(res[0])
+        if code == 1:
+            return 1, int(res[1]), None
+        if code == 2:
+            return 2, None, None
         pttl = int(res[1])
-        return False, None, (pttl / 1000.0 if pttl >= 0 else None)
+        return 0, None, (pttl / 1000.0 if pttl >= 0 else None)
 
     def _wait_signal(self, key: str, timeout: float) -> None:
         timeout = max(0.01, min(timeout, self._slice))  # never 0: BLPOP 0 blocks forever
@@ -198,9 +206,11 @@ class RedisLocks(Locks):
             queue(pipe, (self._lease_key(key),), (owner, _ms(ttl)))
         return list(pipe.execute(raise_on_error=False))
 
-    def _release_one(self, key: str, owner: str) -> bool:
+    def _release_one(self, key: str, owner: str, done_run_id: str | None = None) -> bool:
         lease_k, _, signal_k = self._keys(key)
-        return int(self._run("release", key, scripts.RELEASE, (lease_k, signal_k), (owner, _ms(SIGNAL_TTL)))) == 1
+        keys = (lease_k, signal_k) if done_run_id is None else (lease_k, signal_k, self._done_key(key, done_run_id))
+        args = (owner, _ms(SIGNAL_TTL), _ms(self.done_ttl))
+        return int(self._run("release", key, scripts.RELEASE, keys, args)) == 1
 
     def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
         res = self._run("claim", key, scripts.CLAIM, (self._lease_key(key),), (owner, new_owner, _ms(ttl), holder_json))

@@ -10,6 +10,9 @@ every script touches one Redis Cluster slot; everything that is not a key goes i
                    (``fence_idle_ttl``, default 7 days) so Redis memory per distinct key is bounded.
 * ``{P:K}:signal`` a one-element list pushed on release; waiters ``BLPOP`` it, so a waiter wakes
                    on release instead of by polling. It expires by itself.
+* ``{P:K}:done:R`` set when run ``R`` (e.g. a Celery task id) finished under this key; an acquire
+                   on behalf of ``R`` is then refused, so a redelivered or duplicated copy of a
+                   finished run does not run again. It expires after ``done_ttl``.
 
 Fencing: ``next = max(stored + 1, server TIME in microseconds)``. The stored counter gives strict
 growth while it exists; the server-clock floor keeps tokens growing when the counter is lost
@@ -61,12 +64,16 @@ class Script:
         pipe.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
 
-# KEYS[1] lease, KEYS[2] fence counter
+# KEYS[1] lease, KEYS[2] fence counter, optional KEYS[3] done marker of the run asking
 # ARGV[1] owner token, ARGV[2] TTL ms, ARGV[3] holder JSON, ARGV[4] fence counter idle TTL ms
-# -> {1, fence, ttl_ms} when acquired; {0, holder's PTTL} when held (-1: held without expiry).
+# -> {1, fence, ttl_ms} when acquired; {0, holder's PTTL} when held (-1: held without expiry);
+#    {2, 0} when the run asking already finished (its done marker exists).
 ACQUIRE = Script(
     "acquire",
     """
+if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then
+  return {2, 0}
+end
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl ~= -2 then
   return {0, pttl}
@@ -97,11 +104,16 @@ return 0
 """,
 )
 
-# KEYS[1] lease, KEYS[2] release signal; ARGV[1] owner token, ARGV[2] signal TTL ms
-# -> 1 released (and one waiter signalled), 0 not the owner (or gone).
+# KEYS[1] lease, KEYS[2] release signal, optional KEYS[3] done marker of the finishing run
+# ARGV[1] owner token, ARGV[2] signal TTL ms, ARGV[3] done marker TTL ms (with KEYS[3])
+# -> 1 released (and one waiter signalled), 0 not the owner (or gone). The done marker is set
+# either way: the run is over, and later copies of it must not run again.
 RELEASE = Script(
     "release",
     """
+if KEYS[3] then
+  redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+end
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('DEL', KEYS[1], KEYS[2])
   redis.call('RPUSH', KEYS[2], '1')

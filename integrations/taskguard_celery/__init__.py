@@ -1,6 +1,29 @@
-"""Celery adapter for taskguard (``guarded_task``, ``GuardedTask``).
+"""Celery adapter for taskguard: task bodies that run under fenced Redis leases.
 
-Reserved: the adapter is built on the core's public API in its own change.
+    from taskguard_celery import guarded_task
+
+    @guarded_task(ttl=60, key="report:{customer_id}")
+    def build_report(customer_id): ...
+
+See :class:`GuardedTask` for the options and :mod:`taskguard_celery.config` for which Redis
+is used. Importing this package registers ``Skipped`` with kombu's JSON serializer and the
+worker-pool check.
 """
 
-__all__: list[str] = []
+from taskguard import Skipped, TaskSkipped, is_skipped
+
+from . import pools as _pools  # noqa: F401  (connects the worker_init check)
+from .serialization import MARKER
+from .task import HEADER, GuardedTask, current_lease, guarded_task, release_retry_handle
+
+__all__ = [
+    "GuardedTask",
+    "HEADER",
+    "MARKER",
+    "Skipped",
+    "TaskSkipped",
+    "current_lease",
+    "guarded_task",
+    "is_skipped",
+    "release_retry_handle",
+]

@@ -1,0 +1,315 @@
+"""``GuardedTask`` and ``@guarded_task``: Celery tasks whose body runs under a fenced lease.
+
+The guard runs where the body runs (``Task.__call__``): worker executions, direct calls,
+``apply()`` and eager mode all get it; enqueuing does nothing special.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from celery import Task, shared_task
+from celery.exceptions import Ignore, Reject, Retry
+
+from taskguard import ConfigError, Lease, LeaseBackendError, LeaseLost, Locks, Skipped, TaskSkipped
+from taskguard.handoff import parse_handle, persist, release_handle, resume
+from taskguard.policy import OPTION_NAMES, GuardOptions
+
+from .config import locks_for
+from .serialization import result_value
+
+__all__ = ["GuardedTask", "guarded_task", "current_lease", "HEADER"]
+
+log = logging.getLogger("taskguard.celery")
+
+#: The one namespaced message header taskguard writes: ``{"key", "owner", "fence", "expires"}``
+#: for a retry that keeps its lease, plus ``"skips"`` (``on_skip="retry"`` attempts so far).
+HEADER = "taskguard"
+
+
+@dataclasses.dataclass
+class _Run:
+    task: "GuardedTask"
+    key: str
+    lease: Lease
+    kept: bool = False  # the lease was handed to a published retry
+
+
+_runs: contextvars.ContextVar[tuple[_Run, ...]] = contextvars.ContextVar("taskguard_runs", default=())
+
+
+def current_lease() -> Lease | None:
+    """The lease of the guarded task body running in this thread, or ``None``."""
+    runs = _runs.get()
+    return runs[-1].lease if runs else None
+
+
+def _read_header(request: Any) -> dict | None:
+    """The ``taskguard`` header of a request: custom headers are flat message headers under
+    protocol 2 (``Context`` exposes them as attributes and, via ``_get_custom_headers``, in
+    ``request.headers``); eager mode and protocol 1 only have ``request.headers``
+    (celery/app/task.py, ``Context``)."""
+    headers = getattr(request, "headers", None) or {}
+    value = headers.get(HEADER) if isinstance(headers, dict) else None
+    if value is None:
+        value = getattr(request, HEADER, None)
+    return value
+
+
+class GuardedTask(Task):
+    """A Celery task class whose body runs under a fenced lease.
+
+    Guard options are task options (``@app.task(base=GuardedTask, ttl=30, key=...)`` or
+    ``@guarded_task(...)``): ``key``, ``ttl``, ``wait``, ``blocking_wait``, ``renew``,
+    ``on_skip``, ``on_lost``, ``skip_retry_delay``, ``skip_max_retries``, ``max_hold``,
+    ``continue_on_skip`` (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
+    :class:`taskguard.Locks`; see :mod:`taskguard_celery.config` for the default). They are
+    validated when the task class is made; a bad one raises :class:`taskguard.ConfigError`.
+
+    The body reaches its lease as ``self.lease`` (``bind=True``) or :func:`current_lease`; both
+    are local to the running request, so the threads pool stays correct.
+    """
+
+    key: Any = None
+    ttl: float = 60.0
+    wait: float = 0.0
+    blocking_wait: bool = False
+    renew: bool = True
+    on_skip: str = "result"
+    on_lost: str = "raise"
+    skip_retry_delay: float | None = None
+    skip_max_retries: int = 3
+    max_hold: float | None = None
+    continue_on_skip: bool = False
+    locks: Locks | None = None
+
+    _taskguard: GuardOptions | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        run = cls.__dict__.get("run")
+        if run is None:  # an intermediate base class, not a task
+            return
+        bound = not isinstance(run, staticmethod)
+        fn = run.__func__ if isinstance(run, staticmethod) else run
+        name = cls.__dict__.get("name") or f"{fn.__module__}.{fn.__qualname__}"
+        cls._taskguard = GuardOptions.build(fn, name=name, skip_self=bound,
+                                            **{opt: getattr(cls, opt) for opt in OPTION_NAMES})
+
+    # -- the body's view ----------------------------------------------------------------------
+    @property
+    def lease(self) -> Lease | None:
+        """The running request's lease (``None`` outside a guarded run)."""
+        for run in reversed(_runs.get()):
+            if run.task is self:
+                return run.lease
+        return None
+
+    @property
+    def taskguard_locks(self) -> Locks:
+        return locks_for(self._get_app(), self.locks)
+
+    # -- the guard ------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        opts = self._taskguard
+        if opts is None:
+            return super().__call__(*args, **kwargs)
+        req = self.request
+        if opts.on_skip == "ignore" and getattr(req, "chord", None):
+            raise ConfigError(f"task {self.name!r}: on_skip='ignore' is refused inside a chord "
+                              "(the chord would never complete); use on_skip='result'")
+        key = opts.key.render(args, kwargs)
+        locks = self.taskguard_locks
+        holder = {"task": self.name, "task_id": req.id}
+        header = _read_header(req) or {}
+        skips = header.get("skips", 0) if isinstance(header, dict) else 0
+        run_id = req.id or None
+        acq = None
+        if isinstance(header, dict) and "owner" in header:
+            try:
+                acq = resume(locks, header, key=key, ttl=opts.ttl, holder=holder, renew=opts.renew,
+                             max_hold=opts.max_hold, run_id=run_id)
+            except ConfigError as e:  # a malformed header: say so, and acquire normally
+                log.error("task %s[%s]: ignoring its %r header: %s", self.name, req.id, HEADER, e)
+        if acq is None:
+            acq = locks.acquire(key, ttl=opts.ttl, wait=opts.wait, holder=holder, renew=opts.renew,
+                                max_hold=opts.max_hold, run_id=run_id)
+        if not acq.acquired:
+            if acq.reason == "done" or (run_id and self._held_by_same_run(locks, key, run_id)):
+                # another copy of this very task (same id) finished or is running: this copy must
+                # neither run nor write a result over the real one's (Ignore stores nothing)
+                log.info("task %s[%s]: duplicate delivery ignored (%s)", self.name, req.id,
+                         "already done" if acq.reason == "done" else "running elsewhere")
+                raise Ignore(f"duplicate of {self.name}[{req.id}]")
+            return self._skip(locks, key, acq.reason or "held", acq.holder_ttl, skips)
+        run = _Run(self, key, acq.lease)
+        token = _runs.set((*_runs.get(), run))
+        try:
+            result = super().__call__(*args, **kwargs)
+        except BaseException as exc:
+            if not run.kept:
+                requeued = isinstance(exc, Reject) and exc.requeue
+                self._release_quietly(run.lease, done=not requeued)
+            raise
+        finally:
+            _runs.reset(token)
+        if run.kept:
+            return result
+        self._finish(run)
+        return result
+
+    @staticmethod
+    def _held_by_same_run(locks: Locks, key: str, run_id: str) -> bool:
+        info = locks.holder(key)
+        return info is not None and info.holder.get("task_id") == run_id
+
+    def _finish(self, run: _Run) -> None:
+        lease = run.lease
+        was_lost = lease.lost
+        try:
+            released = lease.release(mark_done=True)
+        except LeaseBackendError as e:
+            log.warning("task %s: could not release lease %r: %s", self.name, run.key, e)
+            released = not lease.lost
+        if was_lost or not released:
+            reason = lease.lost_reason or "lost while the body ran"
+            self._send_event("task-lease-lost", key=run.key, reason=reason, fencing_token=lease.fencing_token)
+            if self._taskguard.on_lost == "raise":
+                raise LeaseLost(run.key, reason)
+            log.warning("task %s[%s]: lease %r was lost while the body ran (%s)", self.name, self.request.id,
+                        run.key, reason)
+
+    @staticmethod
+    def _release_quietly(lease: Lease, done: bool = True) -> None:
+        try:
+            lease.release(mark_done=done)
+        except LeaseBackendError as e:  # the body's own exception must win
+            log.warning("could not release lease %r after the body ended: %s", lease.key, e)
+
+    # -- skipping ---------------------------------------------------------------------------------
+    def _skip(self, locks: Locks, key: str, reason: str, holder_ttl: float | None, skips: int) -> Any:
+        opts = self._taskguard
+        req = self.request
+        skipped = Skipped(key=key, reason=reason, task=self.name, holder_ttl=holder_ttl)
+        if opts.on_skip == "retry" and not req.called_directly:
+            if skips < opts.skip_max_retries:
+                locks.report_skip(skipped)
+                self._send_skip_event(skipped, retrying=True)
+                self._retry_after_skip(opts.retry_delay(holder_ttl), skips + 1)
+            skipped = dataclasses.replace(skipped, reason="retry_exhausted")
+        locks.report_skip(skipped)
+        self._send_skip_event(skipped)
+        if opts.on_skip == "raise":
+            raise TaskSkipped(key, skipped.reason, self.name, holder_ttl)
+        if opts.on_skip == "ignore":
+            raise Ignore(skipped.describe())
+        if not opts.continue_on_skip:
+            # the tracer reads these from this very request after we return
+            # (celery/app/trace.py, _dispatch_callbacks_and_chain)
+            req.callbacks = None
+            req.chain = None
+        return result_value(skipped, self)
+
+    def _retry_after_skip(self, countdown: float, skips: int) -> None:
+        """Re-publish this request ``countdown`` seconds later without counting a retry
+        (``max_retries`` is for the body's failures, not for contention)."""
+        req = self.request
+        headers = {**(req.headers or {}), HEADER: {"skips": skips}}
+        sig = self.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers)
+        if req.is_eager:
+            raise Retry(f"lease held; retry {skips} of {self._taskguard.skip_max_retries}",
+                        when=countdown, is_eager=True, sig=sig)
+        sig.apply_async()
+        raise Retry(f"lease held; retry {skips} of {self._taskguard.skip_max_retries}", when=countdown, sig=sig)
+
+    def _send_skip_event(self, skipped: Skipped, retrying: bool = False) -> None:
+        self._send_event("task-skipped", key=skipped.key, reason=skipped.reason, holder_ttl=skipped.holder_ttl,
+                         result=skipped.describe(), retrying=retrying)
+
+    def _send_event(self, type_: str, **fields: Any) -> None:
+        """Send a Celery event from a worker execution (never from direct/eager calls). Sent even
+        when the worker runs without ``-E``: ``Task.send_event`` uses its own dispatcher
+        (celery/app/task.py). A broker error is logged, never raised over the task's outcome."""
+        req = self.request
+        if req.called_directly or req.is_eager:
+            return
+        try:
+            self.send_event(type_, name=self.name, **fields)
+        except Exception as e:
+            log.warning("task %s: could not send %s event: %s", self.name, type_, e)
+
+    # -- retries keep the lease -------------------------------------------------------------------
+    def retry(self, args=None, kwargs=None, exc=None, throw=True, eta=None, countdown=None, max_retries=None,
+              **options):
+        """Celery's ``Task.retry``, keeping this run's lease for the retried run.
+
+        The lease TTL is stretched to cover the countdown plus ``ttl``, renewal stops here, and
+        the handle travels in the ``taskguard`` header, merged with the request's other custom
+        headers and any ``headers=`` given here (Celery's own retry would replace them). If the
+        retry is not published (max retries exceeded, a publish error) the lease is released."""
+        run = next((r for r in reversed(_runs.get()) if r.task is self), None)
+        req = self.request
+        if run is None or req.called_directly or run.kept:
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        if countdown is None and eta is None:
+            countdown = self.default_retry_delay
+        if eta is not None:
+            eta_dt = eta if eta.tzinfo else eta.replace(tzinfo=timezone.utc)
+            delay = max(0.0, (eta_dt - datetime.now(timezone.utc)).total_seconds())
+        else:
+            delay = float(countdown or 0)
+        handle = persist(run.lease, delay + self._taskguard.ttl)
+        headers = {**(req.headers or {}), **(options.pop("headers", None) or {})}
+        if handle is not None:
+            headers[HEADER] = handle
+            run.kept = True
+        else:
+            headers.pop(HEADER, None)  # lost meanwhile: the retry acquires afresh
+        try:
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
+        except Retry:
+            raise
+        except BaseException:
+            run.kept = False  # not published: the lease is released on the way out
+            raise
+
+
+def guarded_task(*args: Any, **opts: Any) -> Any:
+    """Like Celery's ``shared_task``, for a task whose body runs under a fenced lease.
+
+    ``@guarded_task`` or ``@guarded_task(ttl=60, key="report:{customer_id}", ...)``: every
+    Celery task option (``bind``, ``max_retries``, ``autoretry_for``, ``acks_late``, ``base``...)
+    plus the guard options of :class:`GuardedTask`. A ``base`` that is not a ``GuardedTask``
+    is combined with it. Options are validated here, at declaration; a bad option or a key
+    template that does not bind to the function's signature raises :class:`taskguard.ConfigError`.
+    """
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        base = opts.pop("base", None) or GuardedTask
+        if not issubclass(base, GuardedTask):
+            base = type(f"Guarded{base.__name__}", (GuardedTask, base), {"__module__": base.__module__})
+        name = opts.get("name") or f"{fn.__module__}.{fn.__qualname__}"
+        GuardOptions.build(fn, name=name, skip_self=bool(opts.get("bind")),
+                           **{k: opts[k] for k in OPTION_NAMES if k in opts})
+        return shared_task(base=base, **opts)(fn)
+
+    if len(args) == 1 and callable(args[0]) and not opts:
+        return decorate(args[0])
+    if args:
+        raise TypeError("guarded_task takes keyword options only: @guarded_task(ttl=60, ...)")
+    return decorate
+
+
+def release_retry_handle(task: GuardedTask, headers: dict) -> bool:
+    """Release the lease a retry message's ``taskguard`` header stands for (for a retry that is
+    revoked or expires before it runs). Returns ``True`` when released."""
+    value = headers.get(HEADER) if isinstance(headers, dict) else None
+    if not isinstance(value, dict) or "owner" not in value:
+        return False
+    handle = parse_handle(value)
+    return release_handle(task.taskguard_locks, handle)
+

@@ -1,0 +1,122 @@
+"""Guard options shared by the task adapters, validated when a task is declared."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from .errors import ConfigError
+from .keys import KeyTemplate
+from .locks import check_seconds
+
+__all__ = ["GuardOptions", "ON_SKIP", "ON_LOST", "DEFAULT_TTL"]
+
+#: What a run that cannot get its lease does.
+#: ``result``: finish successfully with a ``Skipped`` value; ``ignore``: record nothing (Celery:
+#: ``Ignore``, state SKIPPED for event consumers); ``retry``: try again later, bounded by
+#: ``skip_max_retries`` and ending in ``Skipped(reason="retry_exhausted")``; ``raise``: fail with
+#: ``TaskSkipped``.
+ON_SKIP = ("result", "ignore", "retry", "raise")
+#: What a run whose lease was lost while its body ran does: ``raise`` fails it with
+#: ``LeaseLost``; ``warn`` logs, reports and keeps its result.
+ON_LOST = ("raise", "warn")
+DEFAULT_TTL = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardOptions:
+    """Validated guard options of one task (see :meth:`build`)."""
+
+    key: KeyTemplate
+    ttl: float
+    wait: float
+    renew: bool
+    on_skip: str
+    on_lost: str
+    skip_retry_delay: float | None
+    skip_max_retries: int
+    max_hold: float | None
+    continue_on_skip: bool
+
+    @classmethod
+    def build(
+        cls,
+        fn: Callable[..., Any],
+        *,
+        name: str,
+        skip_self: bool = False,
+        key: str | Callable[..., str] | None = None,
+        ttl: float = DEFAULT_TTL,
+        wait: float = 0.0,
+        blocking_wait: bool = False,
+        renew: bool = True,
+        on_skip: str = "result",
+        on_lost: str = "raise",
+        skip_retry_delay: float | None = None,
+        skip_max_retries: int = 3,
+        max_hold: float | None = None,
+        continue_on_skip: bool = False,
+        allowed_on_skip: tuple[str, ...] = ON_SKIP,
+    ) -> "GuardOptions":
+        """Validate options for the task ``name`` whose body is ``fn``.
+
+        Args:
+            key: lease key template or callable (see :class:`~taskguard.keys.KeyTemplate`);
+                default: the task name (one run of the task at a time).
+            ttl: lease TTL in seconds (> 0). With ``renew`` the heartbeat keeps it alive, so it
+                only bounds how long a crashed worker's lease outlives it.
+            wait: seconds a run waits for a held lease before skipping (>= 0). Waiting blocks a
+                worker pool slot, so ``wait > 0`` also needs ``blocking_wait=True``.
+            renew: renew the lease while the body runs.
+            on_skip: one of :data:`ON_SKIP` (restricted to ``allowed_on_skip``).
+            on_lost: one of :data:`ON_LOST`.
+            skip_retry_delay: ``on_skip="retry"``: seconds before retrying (default: the
+                holder's remaining TTL, at least 1 s and at most ``ttl``).
+            skip_max_retries: ``on_skip="retry"``: how many skip retries before
+                ``Skipped(reason="retry_exhausted")``; independent of the task's ``max_retries``.
+            max_hold: stop renewing after this many seconds (a hung body's lease then expires).
+            continue_on_skip: run a chain's next step / link callbacks after a skipped run
+                (default ``False``: the chain stops at the skip).
+
+        Raises:
+            ConfigError: naming the task and the bad option.
+        """
+        def bad(msg: str) -> ConfigError:
+            return ConfigError(f"task {name!r}: {msg}")
+
+        try:
+            template = KeyTemplate(name if key is None else key, fn, skip_self=skip_self)
+            ttl = check_seconds("ttl", ttl)
+            wait = check_seconds("wait", wait, allow_zero=True)
+            max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
+            skip_retry_delay = None if skip_retry_delay is None else check_seconds("skip_retry_delay", skip_retry_delay)
+        except ConfigError as e:
+            raise bad(str(e)) from None
+        if wait > 0 and not blocking_wait:
+            raise bad(f"wait={wait} blocks a worker pool slot while it waits; pass blocking_wait=True to "
+                      "accept that, or use on_skip='retry' to try again later without blocking")
+        if on_skip not in allowed_on_skip:
+            raise bad(f"on_skip must be one of {allowed_on_skip}, got {on_skip!r}")
+        if on_lost not in ON_LOST:
+            raise bad(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
+        for flag, value in (("renew", renew), ("continue_on_skip", continue_on_skip), ("blocking_wait", blocking_wait)):
+            if not isinstance(value, bool):
+                raise bad(f"{flag} must be True or False, got {value!r}")
+        if isinstance(skip_max_retries, bool) or not isinstance(skip_max_retries, int) or skip_max_retries < 0:
+            raise bad(f"skip_max_retries must be an int >= 0, got {skip_max_retries!r}")
+        return cls(template, ttl, wait, renew, on_skip, on_lost, skip_retry_delay, skip_max_retries, max_hold,
+                   continue_on_skip)
+
+    def retry_delay(self, holder_ttl: float | None) -> float:
+        """Countdown for an ``on_skip="retry"`` retry, seconds."""
+        if self.skip_retry_delay is not None:
+            return self.skip_retry_delay
+        return min(max(holder_ttl or 1.0, 1.0), self.ttl)
+
+
+#: option names :meth:`GuardOptions.build` accepts (adapters pop them from task options)
+OPTION_NAMES = tuple(
+    p for p in GuardOptions.build.__code__.co_varnames[: GuardOptions.build.__code__.co_argcount
+                                                       + GuardOptions.build.__code__.co_kwonlyargcount]
+    if p not in ("cls", "fn", "name", "skip_self", "allowed_on_skip")
+)

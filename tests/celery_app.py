@@ -1,0 +1,131 @@
+"""Celery apps for the adapter tests: ``make_app`` builds one per test (own queue, own key prefix);
+the module-level ``app`` is what ``celery -A tests.celery_app worker`` subprocesses load, configured
+by ``TG_TEST_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
+
+from taskguard import RedisLocks
+from taskguard_celery import GuardedTask, current_lease
+
+REDIS_URL = os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+class Flaky(Exception):
+    pass
+
+
+def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> Celery:
+    app = Celery(f"tg-{queue}", broker=broker or REDIS_URL, backend=REDIS_URL, set_as_current=False)
+    app.conf.update(
+        task_default_queue=queue,
+        taskguard_locks=RedisLocks(redis.Redis.from_url(REDIS_URL), prefix=prefix),
+        broker_connection_retry_on_startup=True,
+        result_expires=600,
+        worker_hijack_root_logger=False,
+    )
+    app.conf.update(conf)
+    r = redis.Redis.from_url(REDIS_URL)
+    log = f"{prefix}:log"  # what bodies did, in order: "name:fence" entries
+
+    def note(entry: str) -> None:
+        r.rpush(log, entry)
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.slow", ttl=5, key="slow:{n}")
+    def slow(self, n, seconds=1.5):
+        note(f"slow:{n}:start:{self.lease.fencing_token}")
+        time.sleep(seconds)
+        note(f"slow:{n}:end")
+        return {"n": n, "fence": self.lease.fencing_token, "same": current_lease() is self.lease}
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.short_ttl", ttl=0.6, key="short")
+    def short_ttl(self, seconds=2.0):
+        time.sleep(seconds)  # longer than the TTL: the heartbeat must keep the lease
+        return self.lease.fencing_token
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.retrying", ttl=2, key="retry:{job}", max_retries=5)
+    def retrying(self, job, fail_times=2, countdown=0.5):
+        note(f"retrying:{job}:{self.request.retries}:{self.lease.fencing_token}:"
+             f"{sorted(k for k in (self.request.headers or {}) if k != 'taskguard')}")
+        if self.request.retries < fail_times:
+            raise self.retry(countdown=countdown, headers={"attempt_note": self.request.retries})
+        return self.lease.fencing_token
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.autoretry", ttl=2, key="auto",
+              autoretry_for=(Flaky,), retry_kwargs={"countdown": 0.3, "max_retries": 3})
+    def autoretry(self):
+        note(f"auto:{self.request.retries}:{self.lease.fencing_token}")
+        if self.request.retries < 2:
+            raise Flaky("transient")
+        return self.lease.fencing_token
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.boom", ttl=5, key="boom")
+    def boom(self):
+        raise ValueError("body failed")
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.soft", ttl=5, key="soft", soft_time_limit=0.5)
+    def soft(self):
+        try:
+            time.sleep(3)
+        except SoftTimeLimitExceeded:
+            note("soft:limit")
+            raise
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.loses", ttl=5, key="loses")
+    def loses(self):
+        r.hset("{" + prefix + ":loses}", "owner", "someone-else")  # taken over mid-body
+        return "finished"
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.loses_warn", ttl=5, key="loses", on_lost="warn")
+    def loses_warn(self):
+        r.hset("{" + prefix + ":loses}", "owner", "someone-else")
+        return "finished"
+
+    for mode in ("ignore", "raise", "retry"):
+        def body(self, n=0, seconds=0.0, _mode=mode):
+            note(f"{_mode}:{n}:ran")
+            time.sleep(seconds)
+            return f"{_mode} ran"
+
+        app.task(base=GuardedTask, bind=True, shared=False, name=f"tg.on_skip_{mode}", ttl=5, key="modes", on_skip=mode,
+                 skip_retry_delay=0.4, skip_max_retries=2, max_retries=0)(body)
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.continuing", ttl=5, key="slow:{n}", continue_on_skip=True)
+    def continuing(self, n, seconds=0.0):
+        return n
+
+    @app.task(shared=False, name="tg.after")
+    def after(value):
+        note(f"after:{value!r}")
+        return "after ran"
+
+    @app.task(shared=False, name="tg.collect")
+    def collect(values):
+        return values
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.noresult", ttl=5, key="slow:{n}", ignore_result=True)
+    def noresult(self, n, seconds=0.0):
+        time.sleep(seconds)
+        return n
+
+    @app.task(base=GuardedTask, shared=False, name="tg.unguarded_noop", ttl=5)
+    def guarded_noop():
+        return 1
+
+    @app.task(shared=False, name="tg.noop")
+    def noop():
+        return 1
+
+    app.tg_log = log
+    return app
+
+
+if os.environ.get("TG_TEST_QUEUE"):
+    app = make_app(os.environ["TG_TEST_QUEUE"], os.environ["TG_TEST_PREFIX"],
+                   broker=os.environ.get("TG_TEST_BROKER"))

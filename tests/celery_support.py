@@ -1,0 +1,115 @@
+"""Helpers for the Celery adapter tests: embedded workers, an event receiver, subprocess workers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import redis
+from celery.contrib.testing.worker import start_worker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def embedded_worker(app, pool: str = "threads", concurrency: int = 4, **kwargs):
+    with start_worker(app, pool=pool, concurrency=concurrency, perform_ping_check=False, loglevel="WARNING",
+                      shutdown_timeout=15, **kwargs) as w:
+        yield w
+
+
+class EventLog:
+    """Captures every Celery event on the app's broker in a background thread."""
+
+    def __init__(self, app):
+        self.app = app
+        self.events: list[dict] = []
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._receiver = None
+
+    def _run(self):
+        with self.app.connection_for_read() as conn:
+            self._receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
+            self._ready.set()
+            self._receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    def __enter__(self):
+        self._thread.start()
+        self._ready.wait(10)
+        time.sleep(0.5)  # the receiver's queue is bound
+        return self
+
+    def __exit__(self, *exc):
+        if self._receiver is not None:
+            self._receiver.should_stop = True
+        self._thread.join(5)
+
+    def of(self, type_: str) -> list[dict]:
+        return [e for e in self.events if e.get("type") == type_]
+
+    def wait_for(self, type_: str, count: int = 1, timeout: float = 10.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while len(self.of(type_)) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.of(type_)
+
+
+def body_log(app) -> list[str]:
+    r = redis.Redis.from_url(app.conf.broker_url if app.conf.broker_url.startswith("redis") else
+                             os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    return [x.decode() for x in r.lrange(app.tg_log, 0, -1)]
+
+
+class WorkerProcess:
+    """A real ``celery -A tests.celery_app worker`` subprocess for one test's queue and prefix."""
+
+    def __init__(self, queue: str, prefix: str, *, pool: str = "prefork", concurrency: int = 2,
+                 broker: str | None = None, extra: tuple[str, ...] = (), env: dict | None = None):
+        self.queue, self.prefix = queue, prefix
+        self.args = [sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker", "-P", pool,
+                     "-c", str(concurrency), "-Q", queue, "-n", f"w-{queue}-{os.getpid()}-{time.time_ns()}@%h",
+                     "--loglevel", "INFO", "--without-gossip", "--without-mingle", *extra]
+        self.env = {**os.environ, "TG_TEST_QUEUE": queue, "TG_TEST_PREFIX": prefix, **(env or {})}
+        if broker:
+            self.env["TG_TEST_BROKER"] = broker
+        self.proc: subprocess.Popen | None = None
+        self.log_path = Path(f"/tmp/tg-worker-{queue}.log")
+
+    def start(self, wait_ready: bool = True) -> "WorkerProcess":
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        if wait_ready:
+            deadline = time.monotonic() + 60
+            while b" ready." not in self.log_path.read_bytes():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"worker did not start:\n{self.output()}")
+                time.sleep(0.1)
+        return self
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 20) -> int:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode if self.proc else 0
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
