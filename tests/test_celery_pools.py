@@ -1,0 +1,70 @@
+"""Worker pools (prefork subprocess, threads, solo; gevent/eventlet refused) and task protocol 1."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from taskguard import Skipped, is_skipped
+
+from .celery_app import make_app
+from .celery_support import WorkerProcess, body_log, embedded_worker
+
+
+@pytest.fixture
+def app(redis_url, prefix):
+    a = make_app(f"q-{prefix}", prefix)
+    yield a
+    redis.Redis.from_url(redis_url).delete(a.tg_log, f"q-{prefix}")
+
+
+def test_prefork_worker_process_guards_skips_and_restores(app, prefix):
+    with WorkerProcess(f"q-{prefix}", prefix, pool="prefork", concurrency=3) as worker:
+        first = app.tasks["tg.slow"].delay(1, seconds=1.5)
+        time.sleep(0.3)
+        second = app.tasks["tg.slow"].delay(1, seconds=0)
+        retried = app.tasks["tg.retrying"].delay("p", fail_times=2, countdown=0.3)
+        skipped = second.get(timeout=10)
+        ran = first.get(timeout=10)
+        fence = retried.get(timeout=20)
+        output = worker.output()
+    assert isinstance(skipped, Skipped) and skipped.reason == "held", output
+    assert ran["n"] == 1 and ran["same"]
+    runs = [e for e in body_log(app) if e.startswith("retrying:p:")]
+    assert len(runs) == 3 and {int(e.split(":")[3]) for e in runs} == {fence}
+    locks = app.conf.taskguard_locks
+    assert locks.holder("slow:1") is None and locks.holder("retry:p") is None
+    assert "Traceback" not in output
+
+
+def test_solo_pool(app):
+    with embedded_worker(app, pool="solo", concurrency=1):
+        held = app.conf.taskguard_locks.acquire("slow:2", ttl=10).lease
+        assert is_skipped(app.tasks["tg.slow"].delay(2, seconds=0).get(timeout=5))
+        held.release()
+        assert app.tasks["tg.slow"].delay(2, seconds=0).get(timeout=5)["n"] == 2
+
+
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_greenlet_pools_are_refused_at_worker_start(app, pool):
+    with pytest.raises(SystemExit, match=f"'{pool}' worker pool is not supported"):
+        app.WorkController(pool_cls=pool, concurrency=1, without_heartbeat=True, without_mingle=True,
+                           without_gossip=True)
+
+
+def test_task_protocol_1_reads_headers_from_request_headers(redis_url, prefix):
+    app = make_app(f"q-{prefix}", prefix, task_protocol=1)
+    try:
+        with embedded_worker(app):
+            first = app.tasks["tg.slow"].delay(3, seconds=1.0)
+            time.sleep(0.2)
+            assert is_skipped(app.tasks["tg.slow"].delay(3, seconds=0).get(timeout=5))
+            first.get(timeout=5)
+            fence = app.tasks["tg.retrying"].apply_async(("v1",), {"fail_times": 2, "countdown": 0.3},
+                                                          headers={"tenant": "acme"}).get(timeout=15)
+        runs = [e for e in body_log(app) if e.startswith("retrying:v1:")]
+        assert len(runs) == 3 and {int(e.split(":")[3]) for e in runs} == {fence}
+    finally:
+        redis.Redis.from_url(redis_url).delete(app.tg_log, f"q-{prefix}")
