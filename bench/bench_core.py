@@ -30,7 +30,7 @@ What it measures, in one run, on one Redis (default ``$TASKGUARD_REDIS_URL`` or
 3. Server-side commands per taskguard acquire+release (``INFO stats``/``INFO commandstats``
    deltas): client commands (= round trips) and the commands the Lua scripts run inside.
 
-4. Where taskguard's extra time goes: on a dedicated client whose ``evalsha`` is timed, the time
+4. Where taskguard's extra time goes: on a dedicated client whose ``EVALSHA`` commands are timed, the time
    inside the two EVALSHA calls vs outside them, for ``taskguard`` and ``tg scripts raw``.
 
 5. Client-side CPU of the taskguard API (no Redis I/O): the whole API over a no-op backend (hot
@@ -151,16 +151,16 @@ def make_contenders(client: redis.Redis, locks: RedisLocks, prefix: str) -> dict
         lk.release()
 
     # Diagnostic: taskguard's own scripts, same keys and argument sizes, no API around them.
-    lease_k, fence_k, signal_k = locks._keys("raw")
+    lease_k, fence_k, signal_k, waiting_k = locks._keys("raw")
     owner = new_owner_token()
     holder_json = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}, separators=(",", ":"))
-    acq_args = (owner, TTL * 1000, holder_json, int(locks.fence_idle_ttl * 1000))
-    rel_args = (owner, 10_000)
+    acq_args = (owner, TTL * 1000, holder_json, int(locks.fence_idle_ttl * 1000), 0)
+    rel_args = (owner, 10_000, 0)
     ACQ, REL = scripts.ACQUIRE, scripts.RELEASE
 
     def raw() -> None:
-        ACQ(client, (lease_k, fence_k), acq_args)
-        REL(client, (lease_k, signal_k), rel_args)
+        ACQ(client, (lease_k, fence_k, waiting_k), acq_args)
+        REL(client, (lease_k, signal_k, waiting_k), rel_args)
 
     return {"taskguard": tg, "2x PING": two_pings, "redis-py Lock": rp, "tg scripts raw": raw}
 
@@ -450,17 +450,19 @@ def print_split(url: str, prefix: str, ops: int, rounds: int) -> None:
     attribute wrapper: taskguard itself is not touched)."""
     client = redis.Redis.from_url(url)
     clock = time.perf_counter
-    orig = client.evalsha
+    orig = client.execute_command
     inside = [0.0]
 
-    def timed_evalsha(*a: Any, **k: Any) -> Any:
+    def timed_execute(*a: Any, **k: Any) -> Any:
+        if a and a[0] != "EVALSHA":
+            return orig(*a, **k)
         s = clock()
         try:
             return orig(*a, **k)
         finally:
             inside[0] += clock() - s
 
-    client.evalsha = timed_evalsha  # type: ignore[method-assign]
+    client.execute_command = timed_execute  # type: ignore[method-assign]
     cont = make_contenders(client, RedisLocks(client, prefix=prefix), prefix)
     names = ["taskguard", "tg scripts raw"]
     for name in names:

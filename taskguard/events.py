@@ -85,6 +85,11 @@ class Emitter:
         self._listeners.append(fn)
         return lambda: self._listeners.remove(fn) if fn in self._listeners else None
 
+    @property
+    def active(self) -> bool:
+        """Whether anyone listens (lets hot paths skip building events nobody reads)."""
+        return bool(self._listeners or _global)
+
     def emit(self, event: LeaseEvent) -> None:
         for fn in (*self._listeners, *_global):
             try:

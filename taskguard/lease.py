@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Lease", "Acquisition", "HolderInfo"]
 
+_STATE_LOCK = threading.Lock()  # guards lost/released transitions of every handle (rare, brief)
+
 
 class Lease:
     """A handle on a lease this process holds (or restored from persisted values).
@@ -59,9 +61,9 @@ class Lease:
         self.holder = dict(holder) if holder else {}
         self.acquired_at = time.time()
         self._pid = os.getpid()
-        self._state_lock = threading.Lock()
         self._lost_reason: str | None = None
         self._released = False
+        self._renewing = False  # registered with the heartbeat
         self._lost_callbacks: list[Callable[["Lease", str], None]] = []
 
     # -- read-only state -------------------------------------------------------------------
@@ -153,7 +155,7 @@ class Lease:
 
     # -- internal state transitions (used by the locks object and the heartbeat) ------------
     def _mark_lost(self, reason: str) -> bool:
-        with self._state_lock:
+        with _STATE_LOCK:
             if self._released or self._lost_reason is not None:
                 return False
             self._lost_reason = reason
@@ -171,7 +173,7 @@ class Lease:
         return True
 
     def _mark_released(self) -> None:
-        with self._state_lock:
+        with _STATE_LOCK:
             self._released = True
 
 

@@ -59,6 +59,9 @@ def _check_key(key: Any) -> str:
     return key
 
 
+_BASE_META: dict[int, tuple[dict, str]] = {}  # per pid: default holder metadata and its JSON
+
+
 def _check_run_id(run_id: Any) -> str | None:
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise ConfigError(f"run_id must be a non-empty str or None, got {run_id!r}")
@@ -109,8 +112,9 @@ class Locks:
         return time.time()
 
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str,
-                     run_id: str | None) -> tuple[int, int | None, float | None]:
-        """-> (1 acquired | 0 held | 2 run already done, fencing token, holder's TTL seconds or None)."""
+                     run_id: str | None, wait: float = 0.0) -> tuple[int, int | None, float | None]:
+        """-> (1 acquired | 0 held | 2 run already done, fencing token, holder's TTL seconds or None).
+        ``wait``: seconds the caller will wait if the lease is held (0: it will not)."""
         raise NotImplementedError
 
     def _wait_signal(self, key: str, timeout: float) -> None:
@@ -149,7 +153,8 @@ class Locks:
         return self._emitter.add_listener(fn)
 
     def _emit(self, kind: str, key: str, status: str, **fields: Any) -> None:
-        self._emitter.emit(LeaseEvent(kind, key, status, **fields))
+        if self._emitter.active:
+            self._emitter.emit(LeaseEvent(kind, key, status, **fields))
 
     # -- public API ----------------------------------------------------------------------------
     def acquire(
@@ -202,7 +207,8 @@ class Locks:
         while True:
             sent_at = self._now()
             try:
-                code, fence, holder_ttl = self._try_acquire(key, owner, ttl, meta_json, run_id)
+                remaining = max(0.0, deadline - time.monotonic())
+                code, fence, holder_ttl = self._try_acquire(key, owner, ttl, meta_json, run_id, remaining)
             except LeaseBackendError as e:
                 self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e))
                 raise
@@ -395,6 +401,7 @@ class Locks:
     def _track(self, lease: Lease, renew: bool, max_hold: float | None) -> None:
         self._live.add(lease)
         if renew:
+            lease._renewing = True
             get_heartbeat().add(lease, self.renew_fraction, max_hold)
 
     def _renew_lease(self, lease: Lease, ttl: float | None) -> bool:
@@ -419,7 +426,8 @@ class Locks:
     def _release_lease(self, lease: Lease, mark_done: bool = False) -> bool:
         if lease.inherited or lease.released:
             return False
-        get_heartbeat().discard(lease)
+        if lease._renewing:
+            get_heartbeat().discard(lease)
         started = time.monotonic()
         try:
             ok = self._release_one(lease.key, lease.owner_token, lease.run_id if mark_done else None)
@@ -445,7 +453,14 @@ class Locks:
         return ok
 
     def _holder_meta(self, holder: Mapping[str, Any] | None) -> tuple[dict, str]:
-        meta: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+        pid = os.getpid()
+        if holder is None:
+            base = _BASE_META.get(pid)
+            if base is None:
+                meta = {"host": socket.gethostname(), "pid": pid}
+                base = _BASE_META[pid] = (meta, json.dumps(meta, separators=(",", ":")))
+            return dict(base[0]), base[1]
+        meta: dict[str, Any] = {"host": socket.gethostname(), "pid": pid}
         if holder is not None:
             if not isinstance(holder, Mapping) or not all(isinstance(k, str) for k in holder):
                 raise ConfigError("holder must be a mapping with str keys")

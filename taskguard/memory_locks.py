@@ -68,7 +68,7 @@ class MemoryLocks(Locks):
         return e
 
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str,
-                     run_id: str | None) -> tuple[int, int | None, float | None]:
+                     run_id: str | None, wait: float = 0.0) -> tuple[int, int | None, float | None]:
         with self._cond:
             if run_id is not None and self._done.get((key, run_id), 0) > self._clock():
                 return 2, None, None

@@ -141,9 +141,10 @@ class RedisLocks(Locks):
     def _lease_key(self, key: str) -> str:
         return "{" + self.prefix + ":" + key + "}"
 
-    def _keys(self, key: str) -> tuple[str, str, str]:
+    def _keys(self, key: str) -> tuple[str, str, str, str]:
+        """lease, fence counter, release signal, waiting flag"""
         k = self._lease_key(key)
-        return k, k + ":fence", k + ":signal"
+        return k, k + ":fence", k + ":signal", k + ":waiting"
 
     def _run(self, op: str, key: str | None, script: scripts.Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
@@ -156,10 +157,14 @@ class RedisLocks(Locks):
         return self._lease_key(key) + ":done:" + run_id
 
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str,
-                     run_id: str | None) -> tuple[int, int | None, float | None]:
-        lease_k, fence_k, _ = self._keys(key)
-        keys = (lease_k, fence_k) if run_id is None else (lease_k, fence_k, self._done_key(key, run_id))
-        res = self._run("acquire", key, scripts.ACQUIRE, keys, (owner, _ms(ttl), holder_json, _ms(self.fence_idle_ttl)))
+                     run_id: str | None, wait: float = 0.0) -> tuple[int, int | None, float | None]:
+        lease_k, fence_k, _, waiting_k = self._keys(key)
+        keys = (lease_k, fence_k, waiting_k)
+        if run_id is not None:
+            keys += (self._done_key(key, run_id),)
+        wait_ms = _ms(wait + 1.0) if wait > 0 else 0  # the flag outlives the wait by a second
+        res = self._run("acquire", key, scripts.ACQUIRE, keys,
+                        (owner, _ms(ttl), holder_json, _ms(self.fence_idle_ttl), wait_ms))
         code = int(res[0])
         if code == 1:
             return 1, int(res[1]), None
@@ -207,8 +212,10 @@ class RedisLocks(Locks):
         return list(pipe.execute(raise_on_error=False))
 
     def _release_one(self, key: str, owner: str, done_run_id: str | None = None) -> bool:
-        lease_k, _, signal_k = self._keys(key)
-        keys = (lease_k, signal_k) if done_run_id is None else (lease_k, signal_k, self._done_key(key, done_run_id))
+        lease_k, _, signal_k, waiting_k = self._keys(key)
+        keys = (lease_k, signal_k, waiting_k)
+        if done_run_id is not None:
+            keys += (self._done_key(key, done_run_id),)
         args = (owner, _ms(SIGNAL_TTL), _ms(self.done_ttl))
         return int(self._run("release", key, scripts.RELEASE, keys, args)) == 1
 

@@ -10,6 +10,9 @@ every script touches one Redis Cluster slot; everything that is not a key goes i
                    (``fence_idle_ttl``, default 7 days) so Redis memory per distinct key is bounded.
 * ``{P:K}:signal`` a one-element list pushed on release; waiters ``BLPOP`` it, so a waiter wakes
                    on release instead of by polling. It expires by itself.
+* ``{P:K}:waiting`` set (with the longest pending wait as its TTL) by an acquire that found the
+                   lease held and will wait; a release pushes the signal only while it exists, so
+                   the common uncontended release does no signalling work.
 * ``{P:K}:done:R`` set when run ``R`` (e.g. a Celery task id) finished under this key; an acquire
                    on behalf of ``R`` is then refused, so a redelivered or duplicated copy of a
                    finished run does not run again. It expires after ``done_ttl``.
@@ -48,9 +51,9 @@ class Script:
 
     def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
+            return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
         except NoScriptError:
-            return client.eval(self.source, len(keys), *keys, *args)
+            return client.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
     def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
         """Queue an ``EVALSHA`` on a pipeline (no ``SCRIPT EXISTS`` round trip).
@@ -64,18 +67,24 @@ class Script:
         pipe.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
 
-# KEYS[1] lease, KEYS[2] fence counter, optional KEYS[3] done marker of the run asking
-# ARGV[1] owner token, ARGV[2] TTL ms, ARGV[3] holder JSON, ARGV[4] fence counter idle TTL ms
+# KEYS[1] lease, KEYS[2] fence counter, KEYS[3] waiting flag, optional KEYS[4] done marker of
+# the run asking
+# ARGV[1] owner token, ARGV[2] TTL ms, ARGV[3] holder JSON, ARGV[4] fence counter idle TTL ms,
+# ARGV[5] ms the caller will wait if the lease is held (0: it will not wait)
 # -> {1, fence, ttl_ms} when acquired; {0, holder's PTTL} when held (-1: held without expiry);
 #    {2, 0} when the run asking already finished (its done marker exists).
 ACQUIRE = Script(
     "acquire",
     """
-if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then
+if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then
   return {2, 0}
 end
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl ~= -2 then
+  local wait_ms = tonumber(ARGV[5])
+  if wait_ms > 0 and redis.call('PTTL', KEYS[3]) < wait_ms then
+    redis.call('SET', KEYS[3], '1', 'PX', wait_ms)
+  end
   return {0, pttl}
 end
 local t = redis.call('TIME')
@@ -104,20 +113,24 @@ return 0
 """,
 )
 
-# KEYS[1] lease, KEYS[2] release signal, optional KEYS[3] done marker of the finishing run
-# ARGV[1] owner token, ARGV[2] signal TTL ms, ARGV[3] done marker TTL ms (with KEYS[3])
-# -> 1 released (and one waiter signalled), 0 not the owner (or gone). The done marker is set
-# either way: the run is over, and later copies of it must not run again.
+# KEYS[1] lease, KEYS[2] release signal, KEYS[3] waiting flag, optional KEYS[4] done marker of
+# the finishing run
+# ARGV[1] owner token, ARGV[2] signal TTL ms, ARGV[3] done marker TTL ms (with KEYS[4])
+# -> 1 released (and, when someone waits, one waiter signalled), 0 not the owner (or gone).
+# The done marker is set either way: the run is over, and later copies of it must not run again.
 RELEASE = Script(
     "release",
     """
-if KEYS[3] then
-  redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+if KEYS[4] then
+  redis.call('SET', KEYS[4], '1', 'PX', ARGV[3])
 end
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
-  redis.call('DEL', KEYS[1], KEYS[2])
-  redis.call('RPUSH', KEYS[2], '1')
-  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  redis.call('DEL', KEYS[1])
+  if redis.call('EXISTS', KEYS[3]) == 1 then
+    redis.call('DEL', KEYS[2])
+    redis.call('RPUSH', KEYS[2], '1')
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  end
   return 1
 end
 return 0

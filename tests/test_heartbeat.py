@@ -7,7 +7,7 @@ import time
 
 import redis
 
-from taskguard import RedisLocks
+from taskguard import RedisLocks, scripts
 from taskguard.heartbeat import get_heartbeat
 
 
@@ -38,6 +38,7 @@ class CountingRedis(redis.Redis):
 
 def test_heartbeat_renews_all_leases_in_one_pipelined_round_trip(redis_url, prefix):
     c = CountingRedis.from_url(redis_url)
+    c.script_load(scripts.RENEW.source)  # cached, as after any earlier renewal (a flush is tested elsewhere)
     locks = RedisLocks(c, prefix=prefix, renew_fraction=0.25)
     leases = [locks.acquire(f"hb{i}", ttl=0.8, renew=True).lease for i in range(40)]
     c.direct.clear()

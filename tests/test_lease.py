@@ -118,6 +118,11 @@ def test_fence_counter_has_idle_ttl_bounding_memory(backend, prefix):
     k = lease_key(locks, "mem")
     assert 3500_000 < c.pttl(k + ":fence") <= 3600_000  # the counter goes once idle
     assert c.exists(k) == 0                               # the lease is gone at release
+    assert c.exists(k + ":signal", k + ":waiting") == 0   # nobody waited: no signalling keys
+    holder = locks.acquire("mem", ttl=5).lease
+    assert not locks.acquire("mem", ttl=1, wait=0.05).acquired  # a waiter came and gave up
+    assert 0 < c.pttl(k + ":waiting") <= 1_100            # its flag outlives its wait by 1 s
+    holder.release()
     assert 0 < c.pttl(k + ":signal") <= 10_000            # the release signal expires by itself
 
 
