@@ -26,6 +26,10 @@ def test_prefork_worker_process_guards_skips_and_restores(app, prefix):
         time.sleep(0.3)
         second = app.tasks["tg.slow"].delay(1, seconds=0)
         retried = app.tasks["tg.retrying"].delay("p", fail_times=2, countdown=0.3)
+        renewed = app.tasks["tg.short_ttl"].delay(seconds=2.0)  # ttl 0.6: a child's heartbeat renews it
+        time.sleep(1.4)
+        assert is_skipped(app.tasks["tg.short_ttl"].delay(seconds=0).get(timeout=10))
+        assert isinstance(renewed.get(timeout=10), int)
         skipped = second.get(timeout=10)
         ran = first.get(timeout=10)
         fence = retried.get(timeout=20)
