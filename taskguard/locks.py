@@ -375,6 +375,37 @@ class Locks:
             log.warning("lease %r was lost while the body ran (%s); returning its value", key, reason)
         return value
 
+    # -- persisted handles (for adapters whose retries cannot carry headers, e.g. RQ) -------------
+    def save_handle(self, run_id: str, handle: Mapping[str, Any], *, ttl: float) -> None:
+        """Store a lease handle (:func:`taskguard.handoff.persist`) for ``run_id`` (e.g. an RQ job
+        id) for ``ttl`` seconds. It holds the owner token: whoever can read this store can renew
+        or release that lease. Raises LeaseBackendError when Redis fails."""
+        self._save_handle(_check_run_id(run_id) or "", json.dumps(dict(handle)), check_seconds("ttl", ttl))
+
+    def load_handle(self, run_id: str) -> dict | None:
+        """The handle stored for ``run_id``, or ``None``. Raises LeaseBackendError."""
+        raw = self._load_handle(_check_run_id(run_id) or "")
+        if raw is None:
+            return None
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            return {"malformed": True}
+        return value if isinstance(value, dict) else {"malformed": True}
+
+    def delete_handle(self, run_id: str) -> None:
+        """Forget the handle stored for ``run_id``. Raises LeaseBackendError."""
+        self._delete_handle(_check_run_id(run_id) or "")
+
+    def _save_handle(self, run_id: str, data: str, ttl: float) -> None:
+        raise NotImplementedError
+
+    def _load_handle(self, run_id: str) -> str | None:
+        raise NotImplementedError
+
+    def _delete_handle(self, run_id: str) -> None:
+        raise NotImplementedError
+
     def report_skip(self, skipped: Skipped) -> None:
         """Emit the ``skip`` event for a run skipped outside :meth:`with_lease` (adapters)."""
         self._emit("skip", skipped.key, skipped.reason)

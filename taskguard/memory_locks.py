@@ -49,6 +49,7 @@ class MemoryLocks(Locks):
         super().__init__(prefix=prefix, renew_fraction=renew_fraction, max_hold=max_hold,
                          shutdown_timeout=shutdown_timeout, done_ttl=done_ttl, listeners=listeners)
         self._done: dict[tuple[str, str], float] = {}
+        self._handles: dict[str, tuple[str, float]] = {}
         self._clock = clock
         self._cond = threading.Condition()
         self._leases: dict[str, _Entry] = {}
@@ -126,6 +127,19 @@ class MemoryLocks(Locks):
         with self._cond:
             e = self._live_entry(key)
             return e is not None and e.owner == owner
+
+    def _save_handle(self, run_id: str, data: str, ttl: float) -> None:
+        with self._cond:
+            self._handles[run_id] = (data, self._clock() + ttl)
+
+    def _load_handle(self, run_id: str) -> str | None:
+        with self._cond:
+            data, until = self._handles.get(run_id, (None, 0.0))
+            return data if until > self._clock() else None
+
+    def _delete_handle(self, run_id: str) -> None:
+        with self._cond:
+            self._handles.pop(run_id, None)
 
     def check_health(self) -> Health:
         """Always healthy (nothing to reach)."""

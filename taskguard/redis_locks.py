@@ -248,6 +248,29 @@ class RedisLocks(Locks):
     def _owns_one(self, key: str, owner: str) -> bool:
         return int(self._run("renew", key, scripts.OWNS, (self._lease_key(key),), (owner,))) != -2
 
+    # -- persisted handles ---------------------------------------------------------------------
+    def _handle_key(self, run_id: str) -> str:
+        return "{" + self.prefix + ":handle:" + run_id + "}"
+
+    def _save_handle(self, run_id: str, data: str, ttl: float) -> None:
+        try:
+            self.client.set(self._handle_key(run_id), data, px=_ms(ttl))
+        except RedisError as e:
+            raise LeaseBackendError("save_handle", None, _detail(e)) from e
+
+    def _load_handle(self, run_id: str) -> str | None:
+        try:
+            raw = self.client.get(self._handle_key(run_id))
+        except RedisError as e:
+            raise LeaseBackendError("load_handle", None, _detail(e)) from e
+        return raw.decode() if isinstance(raw, bytes) else raw
+
+    def _delete_handle(self, run_id: str) -> None:
+        try:
+            self.client.delete(self._handle_key(run_id))
+        except RedisError as e:
+            raise LeaseBackendError("delete_handle", None, _detail(e)) from e
+
     # -- health and shutdown -------------------------------------------------------------------
     def check_health(self) -> Health:
         """PING Redis once. Returns :class:`~taskguard.locks.Health`; never raises.

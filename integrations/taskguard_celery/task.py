@@ -6,7 +6,6 @@ The guard runs where the body runs (``Task.__call__``): worker executions, direc
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import logging
 from datetime import datetime, timezone
@@ -16,13 +15,14 @@ from celery import Task, shared_task
 from celery.exceptions import Ignore, Reject, Retry
 
 from taskguard import ConfigError, Lease, LeaseBackendError, LeaseLost, Locks, Skipped, TaskSkipped
+from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, persist, release_handle, resume
 from taskguard.policy import OPTION_NAMES, GuardOptions
 
 from .config import locks_for
 from .serialization import result_value
 
-__all__ = ["GuardedTask", "guarded_task", "current_lease", "HEADER"]
+__all__ = ["GuardedTask", "guarded_task", "current_lease", "HEADER"]  # current_lease: taskguard.context
 
 log = logging.getLogger("taskguard.celery")
 
@@ -37,15 +37,6 @@ class _Run:
     key: str
     lease: Lease
     kept: bool = False  # the lease was handed to a published retry
-
-
-_runs: contextvars.ContextVar[tuple[_Run, ...]] = contextvars.ContextVar("taskguard_runs", default=())
-
-
-def current_lease() -> Lease | None:
-    """The lease of the guarded task body running in this thread, or ``None``."""
-    runs = _runs.get()
-    return runs[-1].lease if runs else None
 
 
 def _read_header(request: Any) -> dict | None:
@@ -104,10 +95,11 @@ class GuardedTask(Task):
     @property
     def lease(self) -> Lease | None:
         """The running request's lease (``None`` outside a guarded run)."""
-        for run in reversed(_runs.get()):
-            if run.task is self:
-                return run.lease
-        return None
+        run = self._current_run()
+        return run.lease if run else None
+
+    def _current_run(self) -> _Run | None:
+        return next((r for r in reversed(current_runs()) if getattr(r, "task", None) is self), None)
 
     @property
     def taskguard_locks(self) -> Locks:
@@ -147,16 +139,14 @@ class GuardedTask(Task):
                 raise Ignore(f"duplicate of {self.name}[{req.id}]")
             return self._skip(locks, key, acq.reason or "held", acq.holder_ttl, skips)
         run = _Run(self, key, acq.lease)
-        token = _runs.set((*_runs.get(), run))
         try:
-            result = super().__call__(*args, **kwargs)
+            with running(run):
+                result = super().__call__(*args, **kwargs)
         except BaseException as exc:
             if not run.kept:
                 requeued = isinstance(exc, Reject) and exc.requeue
                 self._release_quietly(run.lease, done=not requeued)
             raise
-        finally:
-            _runs.reset(token)
         if run.kept:
             return result
         self._finish(run)
@@ -251,7 +241,7 @@ class GuardedTask(Task):
         the handle travels in the ``taskguard`` header, merged with the request's other custom
         headers and any ``headers=`` given here (Celery's own retry would replace them). If the
         retry is not published (max retries exceeded, a publish error) the lease is released."""
-        run = next((r for r in reversed(_runs.get()) if r.task is self), None)
+        run = self._current_run()
         req = self.request
         if run is None or req.called_directly or run.kept:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)

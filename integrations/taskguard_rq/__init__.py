@@ -1,6 +1,30 @@
-"""RQ adapter for taskguard (``guarded_job``).
+"""RQ adapter for taskguard: job functions whose body runs under fenced Redis leases.
 
-Reserved: the adapter is built on the core's public API in its own change.
+    from taskguard_rq import guarded_job
+
+    @guarded_job(ttl=60, key="sync:{customer_id}")
+    def sync_customer(customer_id): ...
+
+Run workers as ``rq worker -w taskguard_rq.GuardedWorker`` so a killed work-horse's lease is
+settled at once (see :mod:`taskguard_rq.worker`).
 """
 
-__all__: list[str] = []
+from taskguard import Skipped, TaskSkipped, is_skipped
+from taskguard.context import current_lease
+
+from .job import META_KEY, ON_SKIP, guarded_job, locks_for, skip_counts
+from .worker import GuardedWorker, settle_killed_job
+
+__all__ = [
+    "GuardedWorker",
+    "META_KEY",
+    "ON_SKIP",
+    "Skipped",
+    "TaskSkipped",
+    "current_lease",
+    "guarded_job",
+    "is_skipped",
+    "locks_for",
+    "settle_killed_job",
+    "skip_counts",
+]

@@ -1,0 +1,64 @@
+"""RQ job functions for the adapter tests (imported by ``rq worker`` subprocesses too). Leases
+come from ``taskguard.from_env()``: TASKGUARD_REDIS_URL and the test's own TASKGUARD_PREFIX."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import redis
+
+from taskguard_rq import current_lease, guarded_job
+
+
+def _log(entry: str) -> None:
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":log}", entry)
+
+
+@guarded_job(ttl=5, key="slow:{n}")
+def slow(n, seconds=1.5):
+    lease = current_lease()
+    _log(f"slow:{n}:start:{lease.fencing_token}")
+    time.sleep(seconds)
+    _log(f"slow:{n}:end")
+    return {"n": n, "fence": lease.fencing_token}
+
+
+@guarded_job(ttl=5, key="raise:{n}", on_skip="raise")
+def strict(n, seconds=0.0):
+    time.sleep(seconds)
+    return n
+
+
+@guarded_job(ttl=0.6, key="short")
+def short_ttl(seconds=2.0):
+    time.sleep(seconds)  # longer than the TTL: the work-horse's heartbeat must renew
+    return current_lease().fencing_token
+
+
+@guarded_job(ttl=2, key="flaky:{name}")
+def flaky(name, fail_times=1):
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    attempt = r.incr("{" + os.environ["TASKGUARD_PREFIX"] + ":attempts:" + name + "}")
+    _log(f"flaky:{name}:{attempt}:{current_lease().fencing_token}")
+    if attempt <= fail_times:
+        raise RuntimeError(f"attempt {attempt} fails")
+    return current_lease().fencing_token
+
+
+@guarded_job(ttl=3, key="kill:{name}")
+def killed(name):
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    attempt = r.incr("{" + os.environ["TASKGUARD_PREFIX"] + ":attempts:" + name + "}")
+    _log(f"kill:{name}:{attempt}:{current_lease().fencing_token}")
+    if attempt == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # the work-horse dies without any finally
+    return current_lease().fencing_token
+
+
+@guarded_job(ttl=2, key="timeout")
+def overrun(seconds=5.0):
+    time.sleep(seconds)
+    return "never"

@@ -1,0 +1,201 @@
+"""The RQ adapter with real ``rq worker`` processes on real Redis."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from rq import Queue, Retry
+from rq.job import Job, JobStatus
+
+import taskguard_rq
+from taskguard import ConfigError, Skipped, TaskSkipped, is_skipped
+from taskguard_rq import guarded_job, skip_counts
+
+from . import rq_jobs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def rq_env(redis_url, prefix, monkeypatch):
+    """Leases under the test's prefix (here and in worker processes), and the test's own queue."""
+    monkeypatch.setenv("TASKGUARD_REDIS_URL", redis_url)
+    monkeypatch.setenv("TASKGUARD_PREFIX", prefix)
+    monkeypatch.setattr(taskguard_rq.job, "_default", None)
+    conn = redis.Redis.from_url(redis_url)
+    queue = Queue(f"q-{prefix}", connection=conn)
+    yield queue
+    queue.delete(delete_jobs=True)
+    for key in conn.scan_iter(match="{" + prefix + ":*"):
+        conn.delete(key)
+
+
+class RQWorker:
+    def __init__(self, queue: Queue, *extra: str):
+        self.queue = queue
+        self.log_path = Path(f"/tmp/tg-rq-{queue.name}-{time.time_ns()}.log")
+        self.args = [sys.executable, "-m", "rq.cli", "worker", "-u", os.environ["TASKGUARD_REDIS_URL"],
+                     "-w", "taskguard_rq.GuardedWorker", "--with-scheduler", *extra, queue.name]
+
+    def __enter__(self):
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=dict(os.environ), stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while b"Listening on" not in self.log_path.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"rq worker did not start:\n{self.output()}")
+            time.sleep(0.1)
+        return self
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def wait_done(job: Job, timeout: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = job.get_status(refresh=True)
+        if status in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
+            return status
+        time.sleep(0.05)
+    raise AssertionError(f"job {job.id} still {job.get_status()}")
+
+
+def log(queue: Queue) -> list[str]:
+    return [x.decode() for x in queue.connection.lrange("{" + os.environ["TASKGUARD_PREFIX"] + ":log}", 0, -1)]
+
+
+def locks():
+    return taskguard_rq.locks_for()
+
+
+def test_two_concurrent_jobs_of_one_key_one_runs_one_skipped(rq_env):
+    with RQWorker(rq_env), RQWorker(rq_env):  # two worker processes
+        first = rq_env.enqueue(rq_jobs.slow, 1)
+        time.sleep(0.5)
+        second = rq_env.enqueue(rq_jobs.slow, 1, meta={"team": "billing"})
+        assert wait_done(second) == JobStatus.FINISHED
+        assert wait_done(first) == JobStatus.FINISHED
+    out = second.return_value()
+    assert isinstance(out, Skipped) and out.reason == "held" and out.key == "slow:1"
+    assert 0 < out.holder_ttl <= 5
+    second.refresh()
+    assert second.meta["team"] == "billing"  # the user's meta is kept
+    assert second.meta["taskguard"]["outcome"] == "skipped" and second.meta["taskguard"]["reason"] == "held"
+    first.refresh()
+    assert first.meta["taskguard"]["outcome"] == "ran" and first.return_value()["n"] == 1
+    assert "owner" not in str(first.meta) and "owner" not in str(second.meta)
+    assert skip_counts()[rq_jobs.slow.taskguard_name] == 1
+    assert log(rq_env).count("slow:1:end") == 1
+    assert locks().holder("slow:1") is None
+
+
+def test_on_skip_raise_fails_the_job(rq_env):
+    held = locks().acquire("raise:1", ttl=10).lease
+    with RQWorker(rq_env):
+        job = rq_env.enqueue(rq_jobs.strict, 1)
+        assert wait_done(job) == JobStatus.FAILED
+    held.release()
+    assert "TaskSkipped" in job.latest_result().exc_string
+
+
+def test_retry_claims_its_lease_same_fence_and_others_are_skipped_meanwhile(rq_env):
+    with RQWorker(rq_env):
+        job = rq_env.enqueue(rq_jobs.flaky, "a", fail_times=1, retry=Retry(max=2, interval=2), meta={"k": "v"})
+        time.sleep(1.0)  # first attempt failed; the retry waits for its interval
+        info = locks().holder("flaky:a")
+        assert info is not None and info.ttl > 2  # ttl 2, stretched over the 2 s interval
+        intruder = rq_env.enqueue(rq_jobs.flaky, "a", fail_times=0)
+        assert wait_done(intruder) == JobStatus.FINISHED
+        assert is_skipped(intruder.return_value())
+        assert wait_done(job) == JobStatus.FINISHED
+    fences = [int(e.split(":")[3]) for e in log(rq_env) if e.startswith("flaky:a:")]
+    assert len(fences) == 2 and fences[0] == fences[1] == job.return_value() == info.fencing_token
+    job.refresh()
+    assert job.meta["k"] == "v" and job.meta["taskguard"]["outcome"] == "ran"
+    assert locks().holder("flaky:a") is None and locks().load_handle(job.id) is None
+
+
+def test_sigkilled_work_horse_with_retry_claims_the_kept_lease(rq_env):
+    with RQWorker(rq_env) as worker:
+        job = rq_env.enqueue(rq_jobs.killed, "k", retry=Retry(max=1, interval=1))
+        assert wait_done(job) == JobStatus.FINISHED, worker.output()
+        output = worker.output()
+    entries = [e for e in log(rq_env) if e.startswith("kill:k:")]
+    fences = [int(e.split(":")[3]) for e in entries]
+    assert len(fences) == 2 and fences[0] == fences[1] == job.return_value()
+    assert "lease 'kill:k' kept" in output
+    assert locks().holder("kill:k") is None
+
+
+def test_sigkilled_work_horse_without_retry_releases_promptly(rq_env):
+    with RQWorker(rq_env) as worker:
+        job = rq_env.enqueue(rq_jobs.killed, "n")
+        assert wait_done(job) == JobStatus.FAILED
+        time.sleep(0.3)
+        assert locks().holder("kill:n") is None  # released by the main process, not by its TTL
+        again = rq_env.enqueue(rq_jobs.slow, 3, seconds=0)
+        assert wait_done(again) == JobStatus.FINISHED
+        assert "lease 'kill:n' released" in worker.output()
+
+
+def test_job_timeout_releases_the_lease(rq_env):
+    with RQWorker(rq_env):
+        job = rq_env.enqueue(rq_jobs.overrun, seconds=5, job_timeout=1)
+        assert wait_done(job) == JobStatus.FAILED
+    assert "JobTimeoutException" in job.latest_result().exc_string
+    assert locks().holder("timeout") is None
+
+
+def test_heartbeat_renews_in_the_work_horse(rq_env):
+    with RQWorker(rq_env), RQWorker(rq_env):
+        job = rq_env.enqueue(rq_jobs.short_ttl, seconds=2.0)
+        time.sleep(1.3)  # two TTLs in
+        other = rq_env.enqueue(rq_jobs.short_ttl, seconds=0)
+        assert wait_done(other) == JobStatus.FINISHED and is_skipped(other.return_value())
+        assert wait_done(job) == JobStatus.FINISHED and isinstance(job.return_value(), int)
+
+
+def test_direct_calls_are_guarded(rq_env):
+    held = locks().acquire("slow:9", ttl=10).lease
+    out = rq_jobs.slow(9, seconds=0)
+    assert isinstance(out, Skipped) and out.reason == "held"
+    with pytest.raises(TaskSkipped):
+        held2 = locks().acquire("raise:9", ttl=10).lease
+        try:
+            rq_jobs.strict(9)
+        finally:
+            held2.release()
+    held.release()
+    assert rq_jobs.slow(9, seconds=0)["n"] == 9
+    assert locks().holder("slow:9") is None
+
+
+def test_bad_options_fail_at_declaration():
+    with pytest.raises(ConfigError, match="missing"):
+        @guarded_job(key="x:{missing}")
+        def f(present):
+            pass
+
+    with pytest.raises(ConfigError, match="on_skip"):
+        @guarded_job(on_skip="ignore")  # RQ has no way to record nothing
+        def g():
+            pass
