@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import secrets
-import socket
 import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
@@ -20,6 +19,7 @@ from .errors import ConfigError, LeaseBackendError, LeaseLost
 from .events import Emitter, LeaseEvent, Listener
 from .heartbeat import get_heartbeat
 from .lease import Acquisition, HolderInfo, Lease
+from .liveness import process_identity
 from .skipped import Skipped
 
 __all__ = ["Locks", "check_seconds", "check_fraction", "new_owner_token"]
@@ -137,7 +137,8 @@ class Locks:
     def _release_one(self, key: str, owner: str, done_run_id: str | None = None) -> bool:
         raise NotImplementedError
 
-    def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
+    def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
+                   run_id: str | None = None) -> tuple[bool, int | None, float | None]:
         """-> (claimed, fencing token, PTTL seconds of the key when not claimed; -2.0 if absent)."""
         raise NotImplementedError
 
@@ -299,7 +300,7 @@ class Locks:
         started = time.monotonic()
         sent_at = self._now()
         try:
-            ok, fence, pttl = self._claim_one(key, owner_token, new_owner, ttl, meta_json)
+            ok, fence, pttl = self._claim_one(key, owner_token, new_owner, ttl, meta_json, run_id)
         except LeaseBackendError as e:
             self._emit("claim", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e))
             raise
@@ -313,6 +314,22 @@ class Locks:
         self._track(lease, renew, max_hold)
         self._emit("claim", key, "claimed", duration=took, fencing_token=fence, ttl=ttl, holder=meta)
         return Acquisition(True, lease)
+
+    def release_run(self, key: str, run_id: str) -> bool:
+        """Release ``key`` on behalf of the run ``run_id`` (given at acquire/claim), without its
+        owner token: for a supervisor that knows the run is over but never had its handle (e.g.
+        a Celery worker's main process after a hard time limit killed the child). Returns
+        ``True`` when the lease was that run's and is now released. Raises LeaseBackendError."""
+        run_id = _check_run_id(run_id)
+        if run_id is None:
+            raise ConfigError("run_id is required")
+        started = time.monotonic()
+        ok = self._release_run(_check_key(key), run_id)
+        self._emit("release", key, "released_for_run" if ok else "not_owner", duration=time.monotonic() - started)
+        return ok
+
+    def _release_run(self, key: str, run_id: str) -> bool:
+        raise NotImplementedError
 
     def holder(self, key: str) -> HolderInfo | None:
         """Who holds ``key``: holder metadata, fencing token and remaining TTL (seconds), or
@@ -485,13 +502,13 @@ class Locks:
 
     def _holder_meta(self, holder: Mapping[str, Any] | None) -> tuple[dict, str]:
         pid = os.getpid()
+        base = _BASE_META.get(pid)
+        if base is None:
+            ident = process_identity()
+            base = _BASE_META[pid] = (ident, json.dumps(ident, separators=(",", ":")))
         if holder is None:
-            base = _BASE_META.get(pid)
-            if base is None:
-                meta = {"host": socket.gethostname(), "pid": pid}
-                base = _BASE_META[pid] = (meta, json.dumps(meta, separators=(",", ":")))
             return dict(base[0]), base[1]
-        meta: dict[str, Any] = {"host": socket.gethostname(), "pid": pid}
+        meta: dict[str, Any] = dict(base[0])
         if holder is not None:
             if not isinstance(holder, Mapping) or not all(isinstance(k, str) for k in holder):
                 raise ConfigError("holder must be a mapping with str keys")

@@ -20,10 +20,11 @@ __all__ = ["MemoryLocks"]
 
 
 class _Entry:
-    __slots__ = ("owner", "fence", "holder", "since", "expires")
+    __slots__ = ("owner", "fence", "holder", "since", "expires", "run")
 
-    def __init__(self, owner: str, fence: int, holder: str, since: float, expires: float) -> None:
+    def __init__(self, owner: str, fence: int, holder: str, since: float, expires: float, run: str | None) -> None:
         self.owner, self.fence, self.holder, self.since, self.expires = owner, fence, holder, since, expires
+        self.run = run
 
 
 class MemoryLocks(Locks):
@@ -79,7 +80,7 @@ class MemoryLocks(Locks):
             fence = self._fences.get(key, 0) + 1
             self._fences[key] = fence
             now = self._clock()
-            self._leases[key] = _Entry(owner, fence, holder_json, now, now + ttl)
+            self._leases[key] = _Entry(owner, fence, holder_json, now, now + ttl, run_id)
             return 1, fence, None
 
     def _wait_signal(self, key: str, timeout: float) -> None:
@@ -105,15 +106,25 @@ class MemoryLocks(Locks):
             self._cond.notify_all()
             return True
 
-    def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
+    def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
+                   run_id: str | None = None) -> tuple[bool, int | None, float | None]:
         with self._cond:
             e = self._live_entry(key)
             if e is None:
                 return False, None, -2.0
             if e.owner != owner:
                 return False, None, max(0.0, e.expires - self._clock())
-            e.owner, e.holder, e.expires = new_owner, holder_json, self._clock() + ttl
+            e.owner, e.holder, e.expires, e.run = new_owner, holder_json, self._clock() + ttl, run_id
             return True, e.fence, None
+
+    def _release_run(self, key: str, run_id: str) -> bool:
+        with self._cond:
+            e = self._live_entry(key)
+            if e is None or e.run != run_id:
+                return False
+            del self._leases[key]
+            self._cond.notify_all()
+            return True
 
     def _holder_one(self, key: str) -> HolderInfo | None:
         with self._cond:

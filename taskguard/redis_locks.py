@@ -164,7 +164,7 @@ class RedisLocks(Locks):
             keys += (self._done_key(key, run_id),)
         wait_ms = _ms(wait + 1.0) if wait > 0 else 0  # the flag outlives the wait by a second
         res = self._run("acquire", key, scripts.ACQUIRE, keys,
-                        (owner, _ms(ttl), holder_json, _ms(self.fence_idle_ttl), wait_ms))
+                        (owner, _ms(ttl), holder_json, _ms(self.fence_idle_ttl), wait_ms, run_id or ""))
         code = int(res[0])
         if code == 1:
             return 1, int(res[1]), None
@@ -219,12 +219,19 @@ class RedisLocks(Locks):
         args = (owner, _ms(SIGNAL_TTL), _ms(self.done_ttl))
         return int(self._run("release", key, scripts.RELEASE, keys, args)) == 1
 
-    def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str) -> tuple[bool, int | None, float | None]:
-        res = self._run("claim", key, scripts.CLAIM, (self._lease_key(key),), (owner, new_owner, _ms(ttl), holder_json))
+    def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
+                   run_id: str | None = None) -> tuple[bool, int | None, float | None]:
+        res = self._run("claim", key, scripts.CLAIM, (self._lease_key(key),),
+                        (owner, new_owner, _ms(ttl), holder_json, run_id or ""))
         if int(res[0]) == 1:
             return True, (int(res[1]) if res[1] is not None else None), None
         pttl = int(res[1])
         return False, None, (pttl / 1000.0 if pttl >= 0 else float(pttl))
+
+    def _release_run(self, key: str, run_id: str) -> bool:
+        lease_k, _, signal_k, waiting_k = self._keys(key)
+        return int(self._run("release", key, scripts.RELEASE_RUN, (lease_k, signal_k, waiting_k),
+                             (run_id, _ms(SIGNAL_TTL)))) == 1
 
     def _holder_one(self, key: str) -> HolderInfo | None:
         holder_raw, fence, pttl, since = self._run("holder", key, scripts.HOLDER, (self._lease_key(key),), ())

@@ -4,8 +4,9 @@ Key layout for a user key ``K`` under prefix ``P`` (all keys share the hash tag 
 every script touches one Redis Cluster slot; everything that is not a key goes in ARGV):
 
 * ``{P:K}``        the lease: a hash ``owner`` (secret owner token), ``fence`` (fencing token),
-                   ``holder`` (JSON holder metadata), ``since`` (server time, ms); it carries the
-                   lease TTL (``PEXPIRE``).
+                   ``holder`` (JSON holder metadata), ``since`` (server time, ms), ``run`` (the
+                   run id given at acquire/claim, e.g. a task id); it carries the lease TTL
+                   (``PEXPIRE``).
 * ``{P:K}:fence``  the last fencing token handed out for ``K``; it carries an idle TTL
                    (``fence_idle_ttl``, default 7 days) so Redis memory per distinct key is bounded.
 * ``{P:K}:signal`` a one-element list pushed on release; waiters ``BLPOP`` it, so a waiter wakes
@@ -38,7 +39,7 @@ from typing import Any, Sequence
 
 from redis.exceptions import NoScriptError
 
-__all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "CLAIM", "HOLDER", "OWNS"]
+__all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_RUN", "CLAIM", "HOLDER", "OWNS"]
 
 
 class Script:
@@ -70,7 +71,7 @@ class Script:
 # KEYS[1] lease, KEYS[2] fence counter, KEYS[3] waiting flag, optional KEYS[4] done marker of
 # the run asking
 # ARGV[1] owner token, ARGV[2] TTL ms, ARGV[3] holder JSON, ARGV[4] fence counter idle TTL ms,
-# ARGV[5] ms the caller will wait if the lease is held (0: it will not wait)
+# ARGV[5] ms the caller will wait if the lease is held (0: it will not wait), ARGV[6] run id ('' if none)
 # -> {1, fence, ttl_ms} when acquired; {0, holder's PTTL} when held (-1: held without expiry);
 #    {2, 0} when the run asking already finished (its done marker exists).
 ACQUIRE = Script(
@@ -94,7 +95,7 @@ local fence = math.max(stored + 1, now_us)
 local fence_s = string.format('%.0f', fence)
 redis.call('SET', KEYS[2], fence_s, 'PX', ARGV[4])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence_s, 'holder', ARGV[3],
-           'since', string.format('%.0f', math.floor(now_us / 1000)))
+           'since', string.format('%.0f', math.floor(now_us / 1000)), 'run', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {1, fence, tonumber(ARGV[2])}
 """,
@@ -139,16 +140,36 @@ return 0
 
 # One-shot claim of a persisted handle: swap the owner token, keep the fence, record the holder.
 # KEYS[1] lease; ARGV[1] persisted owner token, ARGV[2] new owner token, ARGV[3] TTL ms,
-# ARGV[4] holder JSON -> {1, fence} claimed; {0, PTTL} not the owner (-2: no lease at all).
+# ARGV[4] holder JSON, ARGV[5] run id ('' if none)
+# -> {1, fence} claimed; {0, PTTL} not the owner (-2: no lease at all).
 CLAIM = Script(
     "claim",
     """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
-  redis.call('HSET', KEYS[1], 'owner', ARGV[2], 'holder', ARGV[4])
+  redis.call('HSET', KEYS[1], 'owner', ARGV[2], 'holder', ARGV[4], 'run', ARGV[5])
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {1, tonumber(redis.call('HGET', KEYS[1], 'fence'))}
 end
 return {0, redis.call('PTTL', KEYS[1])}
+""",
+)
+
+# Release on behalf of a run known to be over, without its owner token (e.g. by a Celery worker's
+# main process after its child died): KEYS[1] lease, KEYS[2] release signal, KEYS[3] waiting flag;
+# ARGV[1] run id, ARGV[2] signal TTL ms -> 1 released, 0 the lease is not that run's (or gone).
+RELEASE_RUN = Script(
+    "release_run",
+    """
+if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'run') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  if redis.call('EXISTS', KEYS[3]) == 1 then
+    redis.call('DEL', KEYS[2])
+    redis.call('RPUSH', KEYS[2], '1')
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  end
+  return 1
+end
+return 0
 """,
 )
 

@@ -6,13 +6,14 @@
     def build_report(customer_id): ...
 
 See :class:`GuardedTask` for the options and :mod:`taskguard_celery.config` for which Redis
-is used. Importing this package registers ``Skipped`` with kombu's JSON serializer and the
-worker-pool check.
+is used. Importing this package registers ``Skipped`` with kombu's JSON serializer, the
+worker-pool check and the main-process lease release (:mod:`taskguard_celery.supervision`).
 """
 
 from taskguard import Skipped, TaskSkipped, is_skipped
 
 from . import pools as _pools  # noqa: F401  (connects the worker_init check)
+from . import supervision as _supervision  # noqa: F401  (main-process lease release)
 from .serialization import MARKER
 from .task import HEADER, GuardedTask, current_lease, guarded_task, release_retry_handle
 

@@ -14,9 +14,10 @@ from typing import Any, Callable
 from celery import Task, shared_task
 from celery.exceptions import Ignore, Reject, Retry
 
-from taskguard import ConfigError, Lease, LeaseBackendError, LeaseLost, Locks, Skipped, TaskSkipped
+from taskguard import Acquisition, ConfigError, Lease, LeaseBackendError, LeaseLost, Locks, Skipped, TaskSkipped
 from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, persist, release_handle, resume
+from taskguard.liveness import holder_is_dead
 from taskguard.policy import OPTION_NAMES, GuardOptions
 
 from .config import locks_for
@@ -29,6 +30,8 @@ log = logging.getLogger("taskguard.celery")
 #: The one namespaced message header taskguard writes: ``{"key", "owner", "fence", "expires"}``
 #: for a retry that keeps its lease, plus ``"skips"`` (``on_skip="retry"`` attempts so far).
 HEADER = "taskguard"
+#: Longest a deferred duplicate delivery waits before looking again, seconds.
+DEFER_MAX = 10.0
 
 
 @dataclasses.dataclass
@@ -130,13 +133,15 @@ class GuardedTask(Task):
         if acq is None:
             acq = locks.acquire(key, ttl=opts.ttl, wait=opts.wait, holder=holder, renew=opts.renew,
                                 max_hold=opts.max_hold, run_id=run_id)
+        if not acq.acquired and run_id and acq.reason != "done":
+            acq = self._same_task_holds(locks, key, run_id, acq, holder)
         if not acq.acquired:
-            if acq.reason == "done" or (run_id and self._held_by_same_run(locks, key, run_id)):
-                # another copy of this very task (same id) finished or is running: this copy must
-                # neither run nor write a result over the real one's (Ignore stores nothing)
-                log.info("task %s[%s]: duplicate delivery ignored (%s)", self.name, req.id,
-                         "already done" if acq.reason == "done" else "running elsewhere")
-                raise Ignore(f"duplicate of {self.name}[{req.id}]")
+            if acq.reason == "done":
+                # another copy of this very task id already finished: ack quietly, store nothing
+                log.info("task %s[%s]: duplicate delivery of a finished task ignored", self.name, req.id)
+                raise Ignore(f"duplicate of finished {self.name}[{req.id}]")
+            if acq.reason == "running":
+                self._defer_duplicate(acq.holder_ttl)
             return self._skip(locks, key, acq.reason or "held", acq.holder_ttl, skips)
         run = _Run(self, key, acq.lease)
         try:
@@ -152,10 +157,34 @@ class GuardedTask(Task):
         self._finish(run)
         return result
 
-    @staticmethod
-    def _held_by_same_run(locks: Locks, key: str, run_id: str) -> bool:
+    def _same_task_holds(self, locks: Locks, key: str, run_id: str, acq: Acquisition, holder: dict) -> Acquisition:
+        """The lease is held: by another delivery of this same task id? A redelivered message
+        (acks_late after a crash, a visibility timeout, a duplicated ETA message) carries the
+        same id as the run holding the lease. If that holder's process is known dead (this host),
+        release it and acquire; if it is alive or unknown, report ``"running"``."""
         info = locks.holder(key)
-        return info is not None and info.holder.get("task_id") == run_id
+        if info is None or info.holder.get("task_id") != run_id:
+            return acq
+        opts = self._taskguard
+        if holder_is_dead(info.holder) and locks.release_run(key, run_id):
+            log.warning("task %s[%s]: the previous holder of %r (pid %s) is dead; lease released",
+                        self.name, run_id, key, info.holder.get("pid"))
+            return locks.acquire(key, ttl=opts.ttl, holder=holder, renew=opts.renew, max_hold=opts.max_hold,
+                                 run_id=run_id)
+        return Acquisition(False, None, "running", info.ttl)
+
+    def _defer_duplicate(self, holder_ttl: float | None) -> None:
+        """Another delivery of this task id runs now: this copy neither runs nor stores a result
+        (that would overwrite the real run's). It is re-published to look again when the holder's
+        lease could have ended; then it is dropped quietly (done) or runs (the holder died)."""
+        req = self.request
+        countdown = min(max(holder_ttl or 1.0, 0.5), DEFER_MAX)
+        log.info("task %s[%s]: another delivery is running it; this copy looks again in %.1fs",
+                 self.name, req.id, countdown)
+        if not (req.called_directly or req.is_eager):
+            sig = self.signature_from_request(req, countdown=countdown, retries=req.retries, headers=req.headers)
+            sig.apply_async()
+        raise Ignore(f"duplicate of running {self.name}[{req.id}], deferred {countdown:.1f}s")
 
     def _finish(self, run: _Run) -> None:
         lease = run.lease

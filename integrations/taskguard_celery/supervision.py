@@ -1,0 +1,76 @@
+"""Release leases from the worker's main process when a child cannot.
+
+A prefork child killed by a hard time limit, ``revoke(terminate=True)`` or a crash
+(``WorkerLostError``) runs no ``finally``. Celery reports these from the main process
+(celery/worker/request.py: ``Request.on_timeout`` and ``Request.on_failure`` send
+``task_failure``; ``Request._announce_revoked`` sends ``task_revoked``), which knows the task id
+and arguments but not the lease's owner token. The lease records the task id as its run id, so
+the main process releases it with :meth:`taskguard.Locks.release_run`.
+
+Where this cannot happen — the whole worker killed, or a lost child whose message is requeued
+(``task_reject_on_worker_lost``; Celery sends no signal then) — the lease lives until its TTL,
+and a redelivered copy of the task finds its own task id holding it: if that holder process is
+known dead (same host) the copy releases and runs, else it waits out the TTL (see
+``GuardedTask._same_task_holds``).
+
+A retry message that is revoked or expires before it runs releases the lease it kept (its
+``taskguard`` header holds the handle).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from billiard.exceptions import WorkerLostError
+from celery.exceptions import TimeLimitExceeded
+from celery.signals import task_failure, task_revoked
+
+from taskguard import ConfigError, LeaseBackendError
+
+from .task import HEADER, GuardedTask, release_retry_handle
+
+__all__ = ["release_for_run"]
+
+log = logging.getLogger("taskguard.celery")
+
+
+def release_for_run(task: GuardedTask, task_id: str | None, args: Any, kwargs: Any) -> bool:
+    """Release the lease ``task_id`` holds for this call of ``task``; ``True`` when released."""
+    opts = task._taskguard
+    if opts is None or not task_id:
+        return False
+    try:
+        key = opts.key.render(tuple(args or ()), dict(kwargs or {}))
+        released = task.taskguard_locks.release_run(key, task_id)
+    except (ConfigError, LeaseBackendError) as e:
+        log.warning("task %s[%s]: could not release its lease from the main process (its TTL bounds it): %s",
+                    task.name, task_id, e)
+        return False
+    if released:
+        log.warning("task %s[%s]: lease %r released by the worker's main process", task.name, task_id, key)
+    return released
+
+
+@task_failure.connect(weak=False)
+def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
+                args: Any = None, kwargs: Any = None, **_: Any) -> None:
+    if isinstance(sender, GuardedTask) and isinstance(exception, (TimeLimitExceeded, WorkerLostError)):
+        release_for_run(sender, task_id, args, kwargs)
+
+
+@task_revoked.connect(weak=False)
+def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
+    if not isinstance(sender, GuardedTask) or request is None:
+        return
+    if terminated:
+        release_for_run(sender, request.id, request.args, request.kwargs)
+        return
+    headers = dict(getattr(request, "headers", None) or {})
+    if HEADER not in headers and getattr(request, HEADER, None) is not None:
+        headers[HEADER] = getattr(request, HEADER)
+    try:
+        if release_retry_handle(sender, headers):
+            log.warning("task %s[%s]: revoked retry released its kept lease", sender.name, request.id)
+    except (ConfigError, LeaseBackendError) as e:
+        log.warning("task %s[%s]: could not release the revoked retry's lease: %s", sender.name, request.id, e)
