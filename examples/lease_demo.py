@@ -27,6 +27,7 @@ import redis
 
 import taskguard
 from taskguard import RedisLocks, is_skipped
+from taskguard.urls import redact_url
 
 URL = os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -96,7 +97,7 @@ def main() -> int:
     try:
         client.ping()
     except redis.RedisError as e:
-        print(f"cannot reach Redis at {URL}: {e}", file=sys.stderr)
+        print(f"cannot reach Redis at {redact_url(URL)}: {e}", file=sys.stderr)
         return 1
     tmp = tempfile.mkdtemp(prefix="taskguard-demo-")
     db_path = os.path.join(tmp, "demo.sqlite")
@@ -106,7 +107,7 @@ def main() -> int:
         db.execute("CREATE TABLE outbox (id INTEGER PRIMARY KEY, sent_fence INTEGER)")
         db.executemany("INSERT INTO outbox (id) VALUES (?)", [(i,) for i in range(1, 13)])
 
-    print(f"taskguard {taskguard.__version__} demo on {URL} (key prefix {prefix})\n")
+    print(f"taskguard {taskguard.__version__} demo on {redact_url(URL)} (key prefix {prefix})\n")
 
     # Act 1 ----------------------------------------------------------------------------------
     print("1. six processes start the daily report at the same moment (wait=0)")

@@ -33,9 +33,10 @@ def persist(lease: Lease, ttl: float) -> dict[str, Any] | None:
 
     Returns ``None`` when the lease is no longer held (the retry will then acquire afresh).
     Raises LeaseBackendError when Redis fails."""
+    get_heartbeat().discard(lease)  # first: a heartbeat round must not renew it after the stretch
+    lease._renewing = False
     if not lease.renew(ttl):
         return None
-    get_heartbeat().discard(lease)
     return {"key": lease.key, "owner": lease.owner_token, "fence": lease.fencing_token, "expires": lease.expires_at}
 
 
@@ -50,9 +51,17 @@ def parse_handle(data: Any) -> dict[str, Any]:
         raise ConfigError("malformed lease handle: 'owner' must be a non-empty str")
     if fence is not None and (isinstance(fence, bool) or not isinstance(fence, int)):
         raise ConfigError("malformed lease handle: 'fence' must be an int or null")
-    if expires is not None and (isinstance(expires, bool) or not isinstance(expires, (int, float))
-                                or not math.isfinite(expires)):
-        raise ConfigError("malformed lease handle: 'expires' must be a number or null")
+    if expires is not None:
+        try:
+            ok = not isinstance(expires, bool) and isinstance(expires, (int, float)) and math.isfinite(float(expires))
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise ConfigError("malformed lease handle: 'expires' must be a finite number or null")
+    try:
+        key.encode("utf-8"), owner.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("malformed lease handle: 'key' and 'owner' must be valid Unicode text") from None
     return {"key": key, "owner": owner, "fence": fence, "expires": None if expires is None else float(expires)}
 
 

@@ -12,7 +12,8 @@ are renewed together (for Redis: one pipelined round trip). Outcomes:
 * ``max_hold`` passed: renewal stops (``renew`` event with status ``"max_hold"``) so a hung body's
   lease expires by its TTL.
 
-The thread never dies on an error. After ``fork`` the child gets a fresh, empty heartbeat: the
+Each locks object's round runs on its own pool thread, so a slow or unreachable Redis never
+delays renewals in another. The thread never dies on an error. After ``fork`` the child gets a fresh, empty heartbeat: the
 leases it inherited are neither renewed nor released there (their handles are inert in the
 child); it starts its own thread when it registers its own leases.
 """
@@ -23,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from .events import LeaseEvent
@@ -58,16 +60,21 @@ class Heartbeat:
         self._cond = threading.Condition()
         self._entries: dict[int, _Entry] = {}
         self._thread: threading.Thread | None = None
+        self._wake_at = 0.0  # when the thread's current sleep ends (monotonic)
+        self._in_flight: set[int] = set()  # locks objects whose renewal round is running
+        self._executor: ThreadPoolExecutor | None = None
         self.beats = 0  # renewal rounds run (for tests and benchmarks)
 
     def add(self, lease: "Lease", fraction: float, max_hold: float | None = None) -> None:
         deadline = time.monotonic() + max_hold if max_hold is not None else None
+        entry = _Entry(lease, lease.ttl * fraction, deadline)
         with self._cond:
-            self._entries[id(lease)] = _Entry(lease, lease.ttl * fraction, deadline)
+            self._entries[id(lease)] = entry
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="taskguard-heartbeat", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if entry.next_due < self._wake_at:  # wake the thread only when it would sleep too long
+                self._cond.notify()
 
     def discard(self, lease: "Lease") -> None:
         with self._cond:
@@ -85,11 +92,17 @@ class Heartbeat:
             with self._cond:
                 now = time.monotonic()
                 # coalesce: a lease falling due within a quarter of its interval is renewed in
-                # this round too (a little early), so leases taken close together share rounds
-                due = [e for e in self._entries.values() if e.next_due - COALESCE * e.interval <= now]
+                # this round too (a little early), so leases taken close together share rounds;
+                # leases whose locks object has a round in flight wait for it to finish
+                due = [e for e in self._entries.values()
+                       if e.next_due - COALESCE * e.interval <= now and id(e.lease._locks) not in self._in_flight]
                 if not due:
-                    nxt = min((e.next_due for e in self._entries.values()), default=None)
+                    pending = [e.next_due for e in self._entries.values()
+                               if id(e.lease._locks) not in self._in_flight]
+                    nxt = min(pending, default=None)
+                    self._wake_at = now + (3600.0 if nxt is None else max(nxt - now, 0.0))
                     self._cond.wait(None if nxt is None else nxt - now)
+                    self._wake_at = 0.0
                     continue
             try:
                 self._beat(due)
@@ -100,6 +113,8 @@ class Heartbeat:
                         e.next_due = time.monotonic() + min(e.interval, ERROR_RETRY)
 
     def _beat(self, due: list[_Entry]) -> None:
+        """Start one renewal round per locks object, each on its own pool thread, so a slow or
+        unreachable Redis never delays the renewal of leases held in another."""
         self.beats += 1
         now = time.monotonic()
         groups: dict[int, list[_Entry]] = {}
@@ -117,13 +132,34 @@ class Heartbeat:
                 )
                 continue
             groups.setdefault(id(lease._locks), []).append(e)
-        for entries in groups.values():
+        if not groups:
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="taskguard-renew")
+        with self._cond:
+            self._in_flight.update(groups)
+        for group_id, entries in groups.items():
+            self._executor.submit(self._renew_group, group_id, entries)
+
+    def _renew_group(self, group_id: int, entries: list[_Entry]) -> None:
+        try:
             locks = entries[0].lease._locks
             started_wall, started = time.time(), time.monotonic()
-            outcomes = locks._renew_many([(e.lease.key, e.lease.owner_token, e.lease.ttl) for e in entries])
+            try:
+                outcomes = locks._renew_many([(e.lease.key, e.lease.owner_token, e.lease.ttl) for e in entries])
+            except Exception as exc:  # a bug or an unexpected error: report it per lease, keep going
+                log.exception("taskguard renewal round failed")
+                outcomes = [exc] * len(entries)
             took = time.monotonic() - started
             for e, outcome in zip(entries, outcomes):
-                self._settle(e, outcome, started_wall, took)
+                try:
+                    self._settle(e, outcome, started_wall, took)
+                except Exception:
+                    log.exception("taskguard could not settle the renewal of %r", e.lease.key)
+        finally:
+            with self._cond:
+                self._in_flight.discard(group_id)
+                self._cond.notify()
 
     def _settle(self, e: _Entry, outcome: object, started_wall: float, took: float) -> None:
         lease = e.lease

@@ -35,14 +35,23 @@ def new_owner_token() -> str:
     return secrets.token_urlsafe(18)
 
 
+#: Longest duration accepted anywhere, seconds (about 31 years; far inside Redis's PEXPIRE range).
+MAX_SECONDS = 1e9
+
+
 def check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
-    """Validate a duration in seconds; raise :class:`ConfigError` naming ``name`` otherwise."""
+    """Validate a duration in seconds (finite, > 0 or >= 0, at most :data:`MAX_SECONDS`);
+    raise :class:`ConfigError` naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    v = float(value)
-    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero) or v > MAX_SECONDS:
         bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+        raise ConfigError(f"{name} must be a finite number of seconds {bound} and at most {MAX_SECONDS:.0e}, "
+                          f"got {value!r}")
     return v
 
 
@@ -53,10 +62,28 @@ def check_fraction(value: Any, name: str = "renew_fraction") -> float:
     return float(value)
 
 
+def _encodable(name: str, value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{name} must be valid Unicode text (it holds a lone surrogate), got {value!r}") from None
+    return value
+
+
 def _check_key(key: Any) -> str:
     if not isinstance(key, str) or not key:
         raise ConfigError(f"lease key must be a non-empty str, got {key!r}")
-    return key
+    return _encodable("lease key", key)
+
+
+def _check_token(token: Any) -> str:
+    if not isinstance(token, str) or not token:
+        raise ConfigError("owner_token must be a non-empty str")
+    try:
+        token.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("owner_token must be valid Unicode text") from None
+    return token
 
 
 _BASE_META: dict[int, tuple[dict, str]] = {}  # per pid: default holder metadata and its JSON
@@ -65,7 +92,7 @@ _BASE_META: dict[int, tuple[dict, str]] = {}  # per pid: default holder metadata
 def _check_run_id(run_id: Any) -> str | None:
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise ConfigError(f"run_id must be a non-empty str or None, got {run_id!r}")
-    return run_id
+    return run_id if run_id is None else _encodable("run_id", run_id)
 
 
 def _ms(seconds: float) -> int:
@@ -256,8 +283,7 @@ class Locks:
         """
         key = _check_key(key)
         ttl = check_seconds("ttl", ttl)
-        if not isinstance(owner_token, str) or not owner_token:
-            raise ConfigError("owner_token must be a non-empty str")
+        _check_token(owner_token)
         if fencing_token is not None and (isinstance(fencing_token, bool) or not isinstance(fencing_token, int)):
             raise ConfigError("fencing_token must be an int or None")
         lease = Lease(self, key, owner_token, ttl=ttl, fencing_token=fencing_token, expires_at=expires_at)
@@ -291,8 +317,7 @@ class Locks:
         """
         key = _check_key(key)
         ttl = check_seconds("ttl", ttl)
-        if not isinstance(owner_token, str) or not owner_token:
-            raise ConfigError("owner_token must be a non-empty str")
+        _check_token(owner_token)
         max_hold = self.max_hold if max_hold is None else check_seconds("max_hold", max_hold)
         run_id = _check_run_id(run_id)
         meta, meta_json = self._holder_meta(holder)
@@ -435,11 +460,15 @@ class Locks:
         at most ``timeout`` seconds (default :attr:`shutdown_timeout`); leases left unreleased
         then expire by their TTL."""
         deadline = time.monotonic() + (self.shutdown_timeout if timeout is None else timeout)
-        for lease in list(self._live):
+        live = [lease for lease in list(self._live) if not lease.released and not lease.inherited]
+        for lease in live:  # none of them is renewed any more, released below or not
+            if lease._renewing:
+                get_heartbeat().discard(lease)
+        for lease in live:
             if time.monotonic() >= deadline:
                 log.warning("close() ran out of time; remaining leases expire by their TTL")
                 break
-            if not lease.released and not lease.inherited:
+            if not lease.released:
                 try:
                     lease.release()
                 except LeaseBackendError as e:

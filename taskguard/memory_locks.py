@@ -50,6 +50,8 @@ class MemoryLocks(Locks):
         super().__init__(prefix=prefix, renew_fraction=renew_fraction, max_hold=max_hold,
                          shutdown_timeout=shutdown_timeout, done_ttl=done_ttl, listeners=listeners)
         self._done: dict[tuple[str, str], float] = {}
+        self._releases = 0  # bumped by every release; a waiter sleeps only while it is unchanged
+        self._seen = threading.local()
         self._handles: dict[str, tuple[str, float]] = {}
         self._clock = clock
         self._cond = threading.Condition()
@@ -72,6 +74,7 @@ class MemoryLocks(Locks):
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str,
                      run_id: str | None, wait: float = 0.0) -> tuple[int, int | None, float | None]:
         with self._cond:
+            self._seen.releases = self._releases
             if run_id is not None and self._done.get((key, run_id), 0) > self._clock():
                 return 2, None, None
             e = self._live_entry(key)
@@ -85,7 +88,8 @@ class MemoryLocks(Locks):
 
     def _wait_signal(self, key: str, timeout: float) -> None:
         with self._cond:
-            self._cond.wait(timeout)
+            if getattr(self._seen, "releases", None) == self._releases:  # no release since the last try
+                self._cond.wait(timeout)
 
     def _renew_one(self, key: str, owner: str, ttl: float) -> bool:
         with self._cond:
@@ -103,6 +107,7 @@ class MemoryLocks(Locks):
             if e is None or e.owner != owner:
                 return False
             del self._leases[key]
+            self._releases += 1
             self._cond.notify_all()
             return True
 
@@ -123,6 +128,7 @@ class MemoryLocks(Locks):
             if e is None or e.run != run_id:
                 return False
             del self._leases[key]
+            self._releases += 1
             self._cond.notify_all()
             return True
 

@@ -78,8 +78,9 @@ class RedisLocks(Locks):
         self.poll_interval = check_seconds("poll_interval", poll_interval)
         self.fence_idle_ttl = check_seconds("fence_idle_ttl", fence_idle_ttl)
         st = _socket_timeout(client)
-        # a blocking BLPOP must return before the client's socket timeout fires
-        self._slice = self.poll_interval if st is None else max(0.01, min(self.poll_interval, st / 2))
+        # A blocking BLPOP must return before the client's socket timeout fires. When the client
+        # does not say (redis-py 8 applies its default elsewhere), slices stay at 1 s.
+        self._slice = max(0.01, min(self.poll_interval, st / 2 if st else 1.0))
         self._owns_client = False
 
     @classmethod
@@ -146,6 +147,9 @@ class RedisLocks(Locks):
         k = self._lease_key(key)
         return k, k + ":fence", k + ":signal", k + ":waiting"
 
+    def _released_key(self, key: str) -> str:
+        return self._lease_key(key) + ":released"
+
     def _run(self, op: str, key: str | None, script: scripts.Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
             return script(self.client, keys, args)
@@ -167,7 +171,7 @@ class RedisLocks(Locks):
                         (owner, _ms(ttl), holder_json, _ms(self.fence_idle_ttl), wait_ms, run_id or ""))
         code = int(res[0])
         if code == 1:
-            return 1, int(res[1]), None
+            return 1, int(res[1]), None  # (a retried acquire that ran: its expiry may be a bit older)
         if code == 2:
             return 2, None, None
         pttl = int(res[1])
@@ -213,7 +217,7 @@ class RedisLocks(Locks):
 
     def _release_one(self, key: str, owner: str, done_run_id: str | None = None) -> bool:
         lease_k, _, signal_k, waiting_k = self._keys(key)
-        keys = (lease_k, signal_k, waiting_k)
+        keys = (lease_k, signal_k, waiting_k, self._released_key(key))
         if done_run_id is not None:
             keys += (self._done_key(key, done_run_id),)
         args = (owner, _ms(SIGNAL_TTL), _ms(self.done_ttl))

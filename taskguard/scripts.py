@@ -11,6 +11,8 @@ every script touches one Redis Cluster slot; everything that is not a key goes i
                    (``fence_idle_ttl``, default 7 days) so Redis memory per distinct key is bounded.
 * ``{P:K}:signal`` a one-element list pushed on release; waiters ``BLPOP`` it, so a waiter wakes
                    on release instead of by polling. It expires by itself.
+* ``{P:K}:released`` the owner token of the last release, for 10 s (makes a retried release
+                   idempotent).
 * ``{P:K}:waiting`` set (with the longest pending wait as its TTL) by an acquire that found the
                    lease held and will wait; a release pushes the signal only while it exists, so
                    the common uncontended release does no signalling work.
@@ -30,6 +32,10 @@ Scripts are run with ``EVALSHA``; on ``NOSCRIPT`` (after ``SCRIPT FLUSH``, a res
 failover) they are re-sent with ``EVAL``, which also caches them again. ``NOSCRIPT`` is never read
 as a lease answer. Pipelines call ``EVALSHA`` directly, so redis-py's ``Pipeline.load_scripts``
 (one ``SCRIPT EXISTS`` round trip per execute) is never involved.
+
+Every script is idempotent: redis-py may re-send a command after a timeout or a dropped
+connection although the server ran it (its ``Retry`` policy), so a second run of the same call
+must give the same answer.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ class Script:
 # ARGV[5] ms the caller will wait if the lease is held (0: it will not wait), ARGV[6] run id ('' if none)
 # -> {1, fence, ttl_ms} when acquired; {0, holder's PTTL} when held (-1: held without expiry);
 #    {2, 0} when the run asking already finished (its done marker exists).
+# Idempotent: re-sent by a client retry after it ran, it finds its own owner token and says so.
 ACQUIRE = Script(
     "acquire",
     """
@@ -82,6 +89,10 @@ if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then
 end
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl ~= -2 then
+  if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+    -- ours already: this is a client-side retry of an acquire that did run (idempotent)
+    return {1, tonumber(redis.call('HGET', KEYS[1], 'fence')), pttl}
+  end
   local wait_ms = tonumber(ARGV[5])
   if wait_ms > 0 and redis.call('PTTL', KEYS[3]) < wait_ms then
     redis.call('SET', KEYS[3], '1', 'PX', wait_ms)
@@ -102,36 +113,45 @@ return {1, fence, tonumber(ARGV[2])}
 )
 
 # KEYS[1] lease; ARGV[1] owner token, ARGV[2] TTL ms -> 1 renewed, 0 not the owner (or gone).
-# A missing key is never recreated.
+# A missing key is never recreated, and a renewal only ever extends: a late renewal with a short
+# TTL (a heartbeat round racing a retry's stretch) cannot cut a longer expiry back.
 RENEW = Script(
     "renew",
     """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  end
   return 1
 end
 return 0
 """,
 )
 
-# KEYS[1] lease, KEYS[2] release signal, KEYS[3] waiting flag, optional KEYS[4] done marker of
-# the finishing run
-# ARGV[1] owner token, ARGV[2] signal TTL ms, ARGV[3] done marker TTL ms (with KEYS[4])
+# KEYS[1] lease, KEYS[2] release signal, KEYS[3] waiting flag, KEYS[4] release tombstone,
+# optional KEYS[5] done marker of the finishing run
+# ARGV[1] owner token, ARGV[2] signal TTL ms, ARGV[3] done marker TTL ms (with KEYS[5])
 # -> 1 released (and, when someone waits, one waiter signalled), 0 not the owner (or gone).
 # The done marker is set either way: the run is over, and later copies of it must not run again.
+# Idempotent: the tombstone remembers the released owner token for a few seconds, so a client
+# retry of a release that did run still answers 1.
 RELEASE = Script(
     "release",
     """
-if KEYS[4] then
-  redis.call('SET', KEYS[4], '1', 'PX', ARGV[3])
+if KEYS[5] then
+  redis.call('SET', KEYS[5], '1', 'PX', ARGV[3])
 end
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('DEL', KEYS[1])
+  redis.call('SET', KEYS[4], ARGV[1], 'PX', 10000)
   if redis.call('EXISTS', KEYS[3]) == 1 then
     redis.call('DEL', KEYS[2])
     redis.call('RPUSH', KEYS[2], '1')
     redis.call('PEXPIRE', KEYS[2], ARGV[2])
   end
+  return 1
+end
+if redis.call('GET', KEYS[4]) == ARGV[1] then
   return 1
 end
 return 0
@@ -145,9 +165,13 @@ return 0
 CLAIM = Script(
     "claim",
     """
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner == ARGV[1] then
   redis.call('HSET', KEYS[1], 'owner', ARGV[2], 'holder', ARGV[4], 'run', ARGV[5])
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {1, tonumber(redis.call('HGET', KEYS[1], 'fence'))}
+end
+if owner == ARGV[2] then  -- a client retry of this very claim, which did run (idempotent)
   return {1, tonumber(redis.call('HGET', KEYS[1], 'fence'))}
 end
 return {0, redis.call('PTTL', KEYS[1])}

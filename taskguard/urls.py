@@ -21,11 +21,17 @@ def redact_url(url: object) -> str:
     try:
         parts = urlsplit(url)
         host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port else ""
+        port = f":{parts.port}" if parts.port is not None else ""
     except ValueError:
         return "'<unparseable URL>'"
+    if parts.query:  # redis-py also reads ?password= (and friends) from the query string
+        query = "&".join(
+            f"{k}=***" if k.lower() in ("password", "username", "user", "pass") else f"{k}={v}"
+            for k, _, v in (item.partition("=") for item in parts.query.split("&"))
+        )
+        parts = parts._replace(query=query)
     if parts.password is None and "@" not in parts.netloc:
-        return repr(url)
+        return repr(parts.geturl())
     user = parts.username or ""
     netloc = f"{user}:***@{host}{port}" if user else f":***@{host}{port}" if parts.password is not None else f"***@{host}{port}"
     return repr(parts._replace(netloc=netloc).geturl())

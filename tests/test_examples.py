@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("script, ok_line", [
-    ("examples/outbox/demo.py", "result:                     OK"),
+    ("examples/outbox/demo.py", "result:                           OK"),
     ("examples/lease_demo.py", "summary: OK"),
 ])
 def test_example_runs_and_reports_ok(redis_url, script, ok_line):
@@ -22,5 +23,17 @@ def test_example_runs_and_reports_ok(redis_url, script, ok_line):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ok_line in proc.stdout
     if "outbox" in script:
-        assert "duplicate moves:            0" in proc.stdout
-        assert "rows moved:                 40/40" in proc.stdout
+        assert re.search(r"duplicate moves: +0\n", proc.stdout)
+        assert re.search(r"rows moved: +40/40\n", proc.stdout)
+        assert re.search(r"retried and restored: +1 +1\n", proc.stdout)
+        assert "redis://" not in proc.stdout or "***" in proc.stdout or "@" not in proc.stdout
+
+
+@pytest.mark.parametrize("script", ["examples/outbox/demo.py", "examples/lease_demo.py"])
+def test_demos_fail_fast_and_never_print_a_url_password(script):
+    url = "redis://:s3cretPW99@127.0.0.1:6379/0"  # the local Redis has no password: AUTH fails
+    proc = subprocess.run([sys.executable, script], cwd=ROOT, env={**os.environ, "TASKGUARD_REDIS_URL": url},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "s3cretPW99" not in proc.stdout + proc.stderr
+    assert "***" in proc.stdout + proc.stderr

@@ -37,7 +37,7 @@ class CountingRedis(redis.Redis):
 
 
 def test_heartbeat_renews_all_leases_in_one_pipelined_round_trip(redis_url, prefix):
-    c = CountingRedis.from_url(redis_url)
+    c = CountingRedis.from_url(redis_url, client_name=f"hb-{prefix}")
     c.script_load(scripts.RENEW.source)  # cached, as after any earlier renewal (a flush is tested elsewhere)
     locks = RedisLocks(c, prefix=prefix, renew_fraction=0.25)
     leases = [locks.acquire(f"hb{i}", ttl=0.8, renew=True).lease for i in range(40)]
@@ -47,13 +47,16 @@ def test_heartbeat_renews_all_leases_in_one_pipelined_round_trip(redis_url, pref
     script_exists = 0
     with mon.monitor() as m:
         time.sleep(2.5)  # > 3 TTLs: without renewal every lease would be gone
+        ours = {f"{x['addr']}" for x in mon.client_list() if x.get("name") == f"hb-{prefix}"}
         c.ping()
         for cmd in m.listen():
-            if cmd["command"].upper().startswith("SCRIPT"):
+            mine = f"{cmd.get('client_address')}:{cmd.get('client_port')}" in ours
+            if mine and cmd["command"].upper().startswith("SCRIPT"):
                 script_exists += 1
-            if cmd["command"].upper() == "PING":
+            if mine and cmd["command"].upper() == "PING":
                 break
     mon.close()
+    assert ours  # the filter saw our connections
     assert [d for d in c.direct if d != "PING"] == []  # no renewal sent outside a pipeline
     assert all(locks.holder(f"hb{i}") is not None for i in range(40))
     assert not any(lease.lost for lease in leases)

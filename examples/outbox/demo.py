@@ -21,6 +21,16 @@ HERE = Path(__file__).resolve().parent
 ROWS = 40
 
 
+def describe(out) -> str:
+    """One line, the same wording for every run of the demo."""
+    from taskguard import is_skipped
+
+    if is_skipped(out):
+        left = f", the holder had {out.holder_ttl:.1f}s left" if out.holder_ttl is not None else ""
+        return f"skipped (lease {out.key!r} {out.reason}{left})"
+    return f"ran with fence {out['fence']}, moved {out['moved']} rows"
+
+
 def start_worker(env: dict, log_path: Path) -> subprocess.Popen:
     log = open(log_path, "wb")
     proc = subprocess.Popen(
@@ -44,11 +54,21 @@ def main() -> int:
     sys.path.insert(0, str(HERE))
     import app as outbox  # noqa: E402  (configured by the environment above)
 
+    import redis
+
     from taskguard import is_skipped
+    from taskguard.urls import check_url, redact_url
+
+    try:  # fail fast, before starting a worker that would retry for a minute
+        check_url(outbox.REDIS_URL, "TASKGUARD_REDIS_URL")
+        redis.Redis.from_url(outbox.REDIS_URL, socket_connect_timeout=2, socket_timeout=2).ping()
+    except Exception as e:
+        print(f"cannot use Redis at {redact_url(outbox.REDIS_URL)}: {e}", file=sys.stderr)
+        return 1
 
     outbox.create_schema(ROWS)
     print(f"taskguard demo: a prefork Celery worker (3 processes) drains an outbox of {ROWS} rows "
-          f"in SQLite, guarded by a fenced lease on {outbox.REDIS_URL}\n")
+          f"in SQLite, guarded by a fenced lease on {redact_url(outbox.REDIS_URL)}\n")
     worker = start_worker(env, tmp / "worker.log")
     results: dict[str, list] = {"ran": [], "skipped": [], "retried": [], "stale": []}
     try:
@@ -58,10 +78,9 @@ def main() -> int:
             out = r.get(timeout=30)
             if is_skipped(out):
                 results["skipped"].append(out)
-                print(f"   {r.id[:8]}: skipped ({out.reason}; holder had {out.holder_ttl:.1f}s left)")
             else:
                 results["ran"].append(out)
-                print(f"   {r.id[:8]}: ran with fence {out['fence']}, moved {out['moved']} rows")
+            print(f"   {r.id[:8]}: {describe(out)}")
 
         print("2. a drain that fails once (downstream timeout) and retries; a rival arrives during its countdown")
         retrying = outbox.drain.delay(batches=3, pause=0.2, fail_first=True)
@@ -78,8 +97,10 @@ def main() -> int:
             results["retried"].append(out)
         if is_skipped(rival_out):
             results["skipped"].append(rival_out)
-        print(f"   attempts (retry number, fence): {attempts} -> retry restored the same lease: {restored}")
-        print(f"   rival during the countdown: {rival_out.describe() if is_skipped(rival_out) else rival_out}")
+        print(f"   {retrying.id[:8]}: attempt 1 failed with fence {attempts[0][1]}; its retry ran with fence "
+              f"{attempts[-1][1]} ({'the same lease, restored' if restored else 'a different lease'}), "
+              f"moved {out['moved']} rows")
+        print(f"   {rival.id[:8]} (the rival, during the countdown): {describe(rival_out)}")
 
         print("3. a drain stalls past its 1 s TTL (no renewal); a second drain takes over")
         stalled = outbox.stalled_drain.delay(stall=2.5)
@@ -88,8 +109,9 @@ def main() -> int:
         t_out, s_out = takeover.get(timeout=30), stalled.get(timeout=30)
         results["ran"] += [t_out, s_out]
         results["stale"].append(s_out)
-        print(f"   new holder: fence {t_out['fence']}, moved {t_out['moved']} rows")
-        print(f"   stalled holder woke with fence {s_out['fence']}: fenced write rejected={s_out['rejected'] == 1}")
+        print(f"   {takeover.id[:8]} (new holder): {describe(t_out)}")
+        print(f"   {stalled.id[:8]} (stalled holder) woke with fence {s_out['fence']}: its fenced write was "
+              f"{'rejected' if s_out['rejected'] else 'ACCEPTED'}, moved {s_out['moved']} rows")
 
         print("4. drains until the outbox is empty")
         while True:
@@ -97,8 +119,10 @@ def main() -> int:
                 left = db.execute("SELECT COUNT(*) FROM outbox").fetchone()[0]
             if not left:
                 break
-            out = outbox.drain.delay(batches=5, pause=0.05, batch_size=5).get(timeout=30)
+            r = outbox.drain.delay(batches=5, pause=0.05, batch_size=5)
+            out = r.get(timeout=30)
             (results["skipped"] if is_skipped(out) else results["ran"]).append(out)
+            print(f"   {r.id[:8]}: {describe(out)}")
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(30)
@@ -116,16 +140,22 @@ def main() -> int:
     duplicates = delivered - distinct
     ok = (distinct == ROWS and left == 0 and duplicates == 0 and rejected >= 1 and len(results["retried"]) == 1
           and len(results["skipped"]) >= 3 and len(rq["skipped"]) == 1 and rq["retried"] == 1)
-    print("\nsummary                       Celery    RQ")
-    print(f"  ran:                        {len(results['ran']):<9} {rq['ran']}")
-    print(f"  skipped:                    {len(results['skipped']):<9} {len(rq['skipped'])}    (reasons: "
-          f"{', '.join(sorted(set(reasons) | {s.reason for s in rq['skipped']}))})")
-    print(f"  retried and restored:       {len(results['retried']):<9} {rq['retried']}")
-    print(f"  rows moved:                 {distinct}/{ROWS} (left in outbox: {left})")
-    print(f"  stale writes rejected:      {rejected}")
-    print(f"  duplicate moves:            {duplicates}")
-    print("  result:                     " + ("OK" if ok else "UNEXPECTED (see the worker log: "
-                                              f"{tmp / 'worker.log'})"))
+    rq_reasons = {s.reason for s in rq["skipped"]}
+    rows = [
+        ("", "Celery", "RQ"),
+        ("ran (runs that held the lease)", len(results["ran"]), rq["ran"]),
+        ("skipped", len(results["skipped"]), len(rq["skipped"])),
+        ("  skip reasons", ", ".join(reasons) or "-", ", ".join(sorted(rq_reasons)) or "-"),
+        ("retried and restored", len(results["retried"]), rq["retried"]),
+        ("rows moved", f"{distinct}/{ROWS}", ""),
+        ("stale writes rejected", rejected, ""),
+        ("duplicate moves", duplicates, ""),
+        ("result", "OK" if ok else "UNEXPECTED", ""),
+    ]
+    print("\nsummary")
+    for label, celery, rq_value in rows:
+        print(f"  {label + (':' if label.strip() else ''):<34}{celery!s:<8}{rq_value}".rstrip())
+    print(f"  (database and worker log kept in {tmp})")
     return 0 if ok else 1
 
 

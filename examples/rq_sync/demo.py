@@ -65,8 +65,9 @@ def run(redis_url: str) -> dict:
         outs = {"first": first.return_value(), "second": second.return_value(), "retried": retried.return_value()}
         second.refresh()
         print(f"   job {first.id[:8]}: ran with fence {outs['first']['fence']}")
-        print(f"   job {second.id[:8]}: {outs['second'].describe()} (meta outcome: "
-              f"{second.meta['taskguard']['outcome']})")
+        sk = outs["second"]
+        print(f"   job {second.id[:8]}: skipped (lease {sk.key!r} {sk.reason}, the holder had {sk.holder_ttl:.1f}s "
+              f"left); job.meta outcome: {second.meta['taskguard']['outcome']}")
         fences = [int(f) for f in conn.lrange(jobs.fences_key(8), 0, -1)]
         restored = retried.get_status() == JobStatus.FINISHED and len(fences) == 2 and fences[0] == fences[1]
         print(f"   job {retried.id[:8]}: failed once, retried by RQ; fences per attempt {fences} -> "

@@ -43,6 +43,10 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
         elif url:
             locks = RedisLocks.from_url(url, prefix=conf.get("taskguard_prefix") or "taskguard")
         else:
-            locks = taskguard.from_env()
+            try:
+                locks = taskguard.from_env()
+            except ConfigError as e:
+                raise ConfigError(f"{e} (for Celery: set app.conf.taskguard_redis_url, app.conf.taskguard_locks, "
+                                  "the task's locks= option, or the TASKGUARD_REDIS_URL variable)") from None
         _cache[app] = locks
         return locks

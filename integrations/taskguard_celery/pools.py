@@ -8,14 +8,11 @@ being half supported. ``prefork``, ``threads`` and ``solo`` are supported.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from celery.signals import worker_init
 
 __all__ = ["UNSUPPORTED_POOLS", "check_pool"]
-
-log = logging.getLogger("taskguard.celery")
 
 UNSUPPORTED_POOLS = ("gevent", "eventlet")
 
@@ -36,5 +33,4 @@ def check_pool(sender: Any = None, **_: Any) -> None:
     if name in UNSUPPORTED_POOLS:
         msg = (f"taskguard: the {name!r} worker pool is not supported (lease renewal runs in an OS "
                "thread); start the worker with -P prefork, -P threads or -P solo")
-        log.critical(msg)
         raise SystemExit(msg)

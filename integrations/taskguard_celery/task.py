@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from celery import Task, shared_task
 from celery.exceptions import Ignore, Reject, Retry
+from celery.utils.time import maybe_iso8601
 
 from taskguard import Acquisition, ConfigError, Lease, LeaseBackendError, LeaseLost, Locks, Skipped, TaskSkipped
 from taskguard.context import current_lease, current_runs, running
@@ -40,6 +41,7 @@ class _Run:
     key: str
     lease: Lease
     kept: bool = False  # the lease was handed to a published retry
+    retry_published: bool = False  # a retry of this task id is out: this run must not mark it done
 
 
 def _read_header(request: Any) -> dict | None:
@@ -82,6 +84,8 @@ class GuardedTask(Task):
     locks: Locks | None = None
 
     _taskguard: GuardOptions | None = None
+    _plain_call: bool = False
+    _locks_cache: Locks | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -93,6 +97,10 @@ class GuardedTask(Task):
         name = cls.__dict__.get("name") or f"{fn.__module__}.{fn.__qualname__}"
         cls._taskguard = GuardOptions.build(fn, name=name, skip_self=bound,
                                             **{opt: getattr(cls, opt) for opt in OPTION_NAMES})
+        # does any class between GuardedTask and Task define its own __call__ (a user's base)?
+        mro = cls.__mro__
+        after = mro[mro.index(GuardedTask) + 1:]
+        cls._plain_call = next((k for k in after if "__call__" in k.__dict__), Task) is Task
 
     # -- the body's view ----------------------------------------------------------------------
     @property
@@ -106,7 +114,10 @@ class GuardedTask(Task):
 
     @property
     def taskguard_locks(self) -> Locks:
-        return locks_for(self._get_app(), self.locks)
+        locks = self._locks_cache
+        if locks is None:
+            locks = self._locks_cache = locks_for(self._get_app(), self.locks)
+        return locks
 
     # -- the guard ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -122,6 +133,9 @@ class GuardedTask(Task):
         holder = {"task": self.name, "task_id": req.id}
         header = _read_header(req) or {}
         skips = header.get("skips", 0) if isinstance(header, dict) else 0
+        if isinstance(skips, bool) or not isinstance(skips, int) or skips < 0:
+            log.error("task %s[%s]: ignoring a malformed skip count in its %r header", self.name, req.id, HEADER)
+            skips = 0
         run_id = req.id or None
         acq = None
         if isinstance(header, dict) and "owner" in header:
@@ -146,11 +160,16 @@ class GuardedTask(Task):
         run = _Run(self, key, acq.lease)
         try:
             with running(run):
-                result = super().__call__(*args, **kwargs)
+                if self._plain_call and not req.called_directly:
+                    # the tracer already pushed this request (celery/app/trace.py): run the body
+                    # as it would for a task without its own __call__
+                    result = self.run(*args, **kwargs)
+                else:
+                    result = super().__call__(*args, **kwargs)
         except BaseException as exc:
             if not run.kept:
-                requeued = isinstance(exc, Reject) and exc.requeue
-                self._release_quietly(run.lease, done=not requeued)
+                final = not (isinstance(exc, (Retry, Reject)) and (not isinstance(exc, Reject) or exc.requeue))
+                self._release_quietly(run.lease, done=final and not run.retry_published)
             raise
         if run.kept:
             return result
@@ -190,7 +209,7 @@ class GuardedTask(Task):
         lease = run.lease
         was_lost = lease.lost
         try:
-            released = lease.release(mark_done=True)
+            released = lease.release(mark_done=not run.retry_published)
         except LeaseBackendError as e:
             log.warning("task %s: could not release lease %r: %s", self.name, run.key, e)
             released = not lease.lost
@@ -274,27 +293,43 @@ class GuardedTask(Task):
         req = self.request
         if run is None or req.called_directly or run.kept:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
-        if countdown is None and eta is None:
-            countdown = self.default_retry_delay
-        if eta is not None:
-            eta_dt = eta if eta.tzinfo else eta.replace(tzinfo=timezone.utc)
-            delay = max(0.0, (eta_dt - datetime.now(timezone.utc)).total_seconds())
-        else:
-            delay = float(countdown or 0)
-        handle = persist(run.lease, delay + self._taskguard.ttl)
         headers = {**(req.headers or {}), **(options.pop("headers", None) or {})}
+        headers.pop(HEADER, None)
+        if not throw:
+            # the body goes on running after this call: the retry must not claim the lease
+            # beside it. It goes out without the handle, finds this task id still holding the
+            # lease, waits (deferred) until this run releases, then acquires afresh.
+            out = super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
+            run.retry_published = True
+            return out
+        handle = persist(run.lease, _retry_delay(eta, countdown, self.default_retry_delay) + self._taskguard.ttl)
         if handle is not None:
             headers[HEADER] = handle
             run.kept = True
-        else:
-            headers.pop(HEADER, None)  # lost meanwhile: the retry acquires afresh
+        # else: lost meanwhile; the retry acquires afresh
         try:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
         except Retry:
+            run.retry_published = True
             raise
         except BaseException:
             run.kept = False  # not published: the lease is released on the way out
             raise
+
+
+def _retry_delay(eta: Any, countdown: Any, default: Any) -> float:
+    """Seconds until a retry runs, from ``retry()``'s ``eta``/``countdown`` as Celery accepts
+    them (``eta`` a datetime or ISO 8601 string; a negative countdown means now)."""
+    if eta is not None:
+        eta_dt = maybe_iso8601(eta) if isinstance(eta, str) else eta
+        if eta_dt.tzinfo is None:
+            eta_dt = eta_dt.replace(tzinfo=timezone.utc)
+        return max(0.0, (eta_dt - datetime.now(timezone.utc)).total_seconds())
+    value = default if countdown is None else countdown
+    try:
+        return max(0.0, float(value or 0))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def guarded_task(*args: Any, **opts: Any) -> Any:
