@@ -122,10 +122,76 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     def noop():
         return 1
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.retry_nothrow", ttl=3, key="nothrow", max_retries=1)
+    def retry_nothrow(self):
+        note(f"nothrow:{self.request.retries}:start:{time.time():.3f}")
+        if self.request.retries == 0:
+            self.retry(countdown=0, throw=False)  # the retry is out, the body goes on
+            time.sleep(1.0)
+        note(f"nothrow:{self.request.retries}:end:{time.time():.3f}")
+        return self.request.retries
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.retry_odd_times", ttl=3, key="odd:{how}",
+              max_retries=2)
+    def retry_odd_times(self, how):
+        note(f"odd:{how}:{self.request.retries}")
+        if self.request.retries == 0:
+            if how == "negative":
+                raise self.retry(countdown=-10)
+            from datetime import datetime, timedelta, timezone
+            raise self.retry(eta=(datetime.now(timezone.utc) + timedelta(seconds=0.3)).isoformat())
+        return "ok"
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.hung_then_retry", ttl=0.4, key="hung",
+              max_hold=0.5, max_retries=1, on_lost="warn")
+    def hung_then_retry(self):
+        note(f"hung:{self.request.retries}")
+        if self.request.retries == 0:
+            time.sleep(1.5)  # outlives max_hold: the lease is gone when it retries
+            raise self.retry(countdown=0.2)
+        return "second run"
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.sleeper", ttl=3, key="sleeper:{name}",
+              acks_late=True, reject_on_worker_lost=True)
+    def sleeper(self, name, seconds=4.0, fenced=True):
+        fence = self.lease.fencing_token
+        note(f"sleeper:{name}:start:{fence}:{os.getpid()}")
+        time.sleep(seconds)
+        if fenced:  # storage-side check: accept a token >= the last one seen, reject a lower one
+            accepted = r.eval(FENCED_SET, 1, f"{prefix}:store:{name}", fence, f"written with {fence}")
+            note(f"sleeper:{name}:write:{fence}:{'accepted' if accepted else 'rejected'}")
+        note(f"sleeper:{name}:end:{fence}")
+        return fence
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.limited", ttl=30, key="limited",
+              time_limit=1)
+    def limited(self):
+        note(f"limited:start:{os.getpid()}")
+        time.sleep(10)
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.long_holder", ttl=30, key="long")
+    def long_holder(self, seconds=10.0):
+        note(f"long:start:{self.lease.fencing_token}:{os.getpid()}")
+        time.sleep(seconds)
+        return self.lease.fencing_token
+
     app.tg_log = log
     return app
 
 
+# compare-and-set on a fence: the protected resource's own check
+FENCED_SET = """
+local last = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
+if tonumber(ARGV[1]) >= last then
+  redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'value', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
 if os.environ.get("TG_TEST_QUEUE"):
+    import json
+
     app = make_app(os.environ["TG_TEST_QUEUE"], os.environ["TG_TEST_PREFIX"],
-                   broker=os.environ.get("TG_TEST_BROKER"))
+                   broker=os.environ.get("TG_TEST_BROKER"), **json.loads(os.environ.get("TG_TEST_CONF", "{}")))

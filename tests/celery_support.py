@@ -71,7 +71,8 @@ class WorkerProcess:
     """A real ``celery -A tests.celery_app worker`` subprocess for one test's queue and prefix."""
 
     def __init__(self, queue: str, prefix: str, *, pool: str = "prefork", concurrency: int = 2,
-                 broker: str | None = None, extra: tuple[str, ...] = (), env: dict | None = None):
+                 broker: str | None = None, extra: tuple[str, ...] = (), env: dict | None = None,
+                 conf: dict | None = None):
         self.queue, self.prefix = queue, prefix
         self.args = [sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker", "-P", pool,
                      "-c", str(concurrency), "-Q", queue, "-n", f"w-{queue}-{os.getpid()}-{time.time_ns()}@%h",
@@ -79,8 +80,12 @@ class WorkerProcess:
         self.env = {**os.environ, "TG_TEST_QUEUE": queue, "TG_TEST_PREFIX": prefix, **(env or {})}
         if broker:
             self.env["TG_TEST_BROKER"] = broker
+        if conf:
+            import json
+
+            self.env["TG_TEST_CONF"] = json.dumps(conf)
         self.proc: subprocess.Popen | None = None
-        self.log_path = Path(f"/tmp/tg-worker-{queue}.log")
+        self.log_path = Path(f"/tmp/tg-worker-{queue}-{time.time_ns()}.log")
 
     def start(self, wait_ready: bool = True) -> "WorkerProcess":
         self.log = open(self.log_path, "wb")
@@ -97,6 +102,10 @@ class WorkerProcess:
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def signal_all(self, sig: int) -> None:
+        """Send ``sig`` to the worker's whole process group (main process and pool children)."""
+        os.killpg(self.proc.pid, sig)
+
     def stop(self, timeout: float = 20) -> int:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -105,6 +114,11 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        if self.proc:
+            try:  # pool children left behind by a killed main process
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.log.close()
         return self.proc.returncode if self.proc else 0
 

@@ -400,3 +400,46 @@ def test_retry_outside_worker_raises_like_celery(app):
     with pytest.raises(Retry):
         app.tasks["tg.retrying"]("direct", fail_times=1)
     assert lease_holder(app, "retry:direct") is None  # released: no retry was published
+
+
+# -- retry corner cases --------------------------------------------------------------------------------
+
+def test_retry_with_throw_false_never_runs_beside_the_original(app):
+    with embedded_worker(app, pool="threads", concurrency=4):
+        res = app.tasks["tg.retry_nothrow"].delay()
+        res.get(timeout=15)
+        deadline = time.monotonic() + 15
+        while len([e for e in body_log(app) if ":end:" in e]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    entries = body_log(app)
+    first_end = float(next(e for e in entries if e.startswith("nothrow:0:end:")).split(":")[3])
+    retry_start = float(next(e for e in entries if e.startswith("nothrow:1:start:")).split(":")[3])
+    assert retry_start >= first_end  # the retry waited for the original body to finish
+    assert lease_holder(app, "nothrow") is None
+
+
+def test_retry_with_negative_countdown_or_iso_eta(app):
+    with embedded_worker(app):
+        assert app.tasks["tg.retry_odd_times"].delay("negative").get(timeout=10) == "ok"
+        assert app.tasks["tg.retry_odd_times"].delay("iso").get(timeout=10) == "ok"
+
+
+def test_retry_after_the_lease_was_lost_still_runs(app):
+    with embedded_worker(app):
+        assert app.tasks["tg.hung_then_retry"].delay().get(timeout=15) == "second run"
+    assert [e for e in body_log(app) if e.startswith("hung:")] == ["hung:0", "hung:1"]
+
+
+@pytest.mark.parametrize("header", [
+    "garbage",
+    {"owner": 123},
+    {"key": "slow:4", "owner": "forged", "fence": "x", "expires": 10**400},
+    {"key": "slow:4", "owner": "forged", "fence": 1, "expires": 1.0},
+    {"skips": "abc"},
+    {"skips": -40},
+])
+def test_malformed_taskguard_header_is_ignored_not_fatal(app, header):
+    with embedded_worker(app):
+        out = app.tasks["tg.slow"].apply_async((4,), {"seconds": 0}, headers={"taskguard": header}).get(timeout=5)
+    assert out["n"] == 4
+    assert lease_holder(app, "slow:4") is None

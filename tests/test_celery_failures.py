@@ -1,0 +1,318 @@
+"""Where Celery deployments break: redelivery, crashes, time limits, revoke, outages, pauses.
+
+Real ``celery worker`` processes on real Redis, with the Redis broker and with RabbitMQ. Each
+scenario prints what it injected and what it observed (``pytest -s`` shows it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import redis
+from celery.result import AsyncResult
+
+from taskguard import LeaseBackendError, LeaseLost, RedisLocks, is_skipped
+
+from .celery_app import make_app
+from .celery_support import WorkerProcess, body_log, embedded_worker
+from .servers import RedisServer
+
+# Redis broker: unacked messages come back after 3 s; kombu sweeps for them every second
+# (kombu/transport/redis.py: unacked_restore_interval x unacked_restore_throttle, default 100 s)
+REDIS_REDELIVERY = {"visibility_timeout": 3, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+AMQP_URL = os.environ.get("TASKGUARD_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+def say(*parts):
+    print("   ", *parts, flush=True)
+
+
+def rabbitmq_available() -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker(request):
+    if request.param == "rabbitmq":
+        if not rabbitmq_available():
+            if os.environ.get("TASKGUARD_REQUIRE_RABBITMQ") == "1":
+                pytest.fail("RabbitMQ is required (TASKGUARD_REQUIRE_RABBITMQ=1) but 127.0.0.1:5672 is not answering")
+            pytest.skip("RabbitMQ not running on 127.0.0.1:5672 (set TASKGUARD_REQUIRE_RABBITMQ=1 to require it)")
+        return AMQP_URL
+    return None  # the shared Redis
+
+
+@pytest.fixture
+def env(redis_url, prefix, broker):
+    """(app, queue, prefix, broker) for one test; the queue is removed afterwards."""
+    queue = f"q-{prefix}"
+    conf = {"broker_transport_options": REDIS_REDELIVERY} if broker is None else {}
+    app = make_app(queue, prefix, broker=broker, **conf)
+    yield app, queue, prefix, broker, conf
+    redis.Redis.from_url(redis_url).delete(app.tg_log, queue)
+    if broker:
+        try:
+            with app.connection_for_write() as conn:
+                conn.default_channel.queue_delete(queue)
+        except Exception:
+            pass
+
+
+def wait_for(pred, timeout=20.0, step=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(step)
+    return pred()
+
+
+def entries(app, prefix_):
+    return [e for e in body_log(app) if e.startswith(prefix_)]
+
+
+# 1. a second delivery of a running task id neither runs nor writes a result ---------------------
+
+def test_duplicate_delivery_of_a_running_task_is_deferred_then_dropped(env):
+    app, queue, prefix, broker, conf = env
+    task_id = str(uuid.uuid4())
+    with WorkerProcess(queue, prefix, broker=broker, concurrency=2, conf=conf):
+        app.tasks["tg.sleeper"].apply_async(("dup",), {"seconds": 2.5}, task_id=task_id)
+        time.sleep(0.7)
+        say("injected: the same message (same task id) published again while the first runs")
+        app.tasks["tg.sleeper"].apply_async(("dup",), {"seconds": 2.5}, task_id=task_id)
+        time.sleep(0.5)
+        assert AsyncResult(task_id, app=app).state in ("PENDING", "STARTED")  # nothing written by the copy
+        fence = AsyncResult(task_id, app=app).get(timeout=20)
+        time.sleep(3.0)  # the deferred copy looks again, finds the run done, and goes quietly
+    starts = entries(app, "sleeper:dup:start")
+    say(f"observed: {len(starts)} body run(s), result {fence}, state {AsyncResult(task_id, app=app).state}")
+    assert len(starts) == 1
+    assert AsyncResult(task_id, app=app).get(timeout=1) == fence
+    assert app.conf.taskguard_locks.holder("sleeper:dup") is None
+
+
+def test_redis_visibility_timeout_redelivery_does_not_run_twice(redis_url, prefix):
+    """acks_late + a 2 s visibility timeout with a 5 s body: Redis hands the unacked message to
+    the other worker while the first still runs it."""
+    queue = f"q-{prefix}"
+    conf = {"broker_transport_options": {**REDIS_REDELIVERY, "visibility_timeout": 2}}
+    app = make_app(queue, prefix, **conf)
+    try:
+        with WorkerProcess(queue, prefix, concurrency=1, conf=conf), \
+                WorkerProcess(queue, prefix, concurrency=1, conf=conf):
+            res = app.tasks["tg.sleeper"].delay("vis", seconds=5.0)
+            fence = res.get(timeout=30)
+            time.sleep(4.0)
+        starts = entries(app, "sleeper:vis:start")
+        say(f"injected: visibility_timeout=2 s, body 5 s; observed {len(starts)} body run(s), result {fence}")
+        assert len(starts) == 1 and res.get(timeout=1) == fence
+    finally:
+        redis.Redis.from_url(redis_url).delete(app.tg_log, queue)
+
+
+# 2. a whole worker killed mid-body ------------------------------------------------------------------
+
+def test_whole_worker_sigkilled_mid_body(env):
+    app, queue, prefix, broker, conf = env
+    locks = app.conf.taskguard_locks
+    a = WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf).start()
+    try:
+        res = app.tasks["tg.sleeper"].delay("crash", seconds=6.0)
+        first = wait_for(lambda: entries(app, "sleeper:crash:start"))
+        first_fence = int(first[0].split(":")[3])
+        say(f"injected: SIGKILL to the whole worker (main + children) while it runs fence {first_fence}")
+        a.signal_all(signal.SIGKILL)
+    finally:
+        a.stop()
+    with WorkerProcess(queue, prefix, broker=broker, concurrency=2, conf=conf):
+        other = app.tasks["tg.sleeper"].delay("crash", seconds=0)
+        out = other.get(timeout=10)
+        say(f"observed: another run of the key while the dead holder's TTL lasts: {out!r}")
+        fence = res.get(timeout=30)  # the broker redelivers the killed run's message
+    say(f"observed: the redelivered run finished with fence {fence} > {first_fence}")
+    assert fence > first_fence
+    assert is_skipped(out) or out > first_fence  # skipped while held; never run beside the holder
+    assert locks.holder("sleeper:crash") is None
+
+
+# 3. hard time limit, terminate, lost child: the main process releases ------------------------------
+
+def test_hard_time_limit_is_released_by_the_main_process(env):
+    app, queue, prefix, broker, conf = env
+    locks = app.conf.taskguard_locks
+    with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
+        res = app.tasks["tg.limited"].delay()
+        with pytest.raises(Exception) as err:
+            res.get(timeout=15)
+        assert "TimeLimitExceeded" in type(err.value).__name__
+        released = wait_for(lambda: locks.holder("limited") is None, timeout=3)
+    say(f"injected: time_limit=1 on a 10 s body (ttl 30); observed lease released promptly: {released}")
+    assert released
+
+
+def test_revoke_terminate_is_released_by_the_main_process(env):
+    app, queue, prefix, broker, conf = env
+    locks = app.conf.taskguard_locks
+    with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
+        res = app.tasks["tg.long_holder"].delay(seconds=20)
+        wait_for(lambda: entries(app, "long:start"))
+        app.control.revoke(res.id, terminate=True, signal="SIGKILL")
+        released = wait_for(lambda: locks.holder("long") is None, timeout=5)
+    say(f"injected: revoke(terminate=True) of a 20 s body (ttl 30); observed released promptly: {released}")
+    assert released
+
+
+def test_lost_child_is_released_by_the_main_process(env):
+    app, queue, prefix, broker, conf = env
+    locks = app.conf.taskguard_locks
+    with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
+        res = app.tasks["tg.long_holder"].delay(seconds=20)
+        wait_for(lambda: locks.holder("long"))
+        pid = locks.holder("long").holder["pid"]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(Exception) as err:
+            res.get(timeout=15)
+        released = wait_for(lambda: locks.holder("long") is None, timeout=5)
+    say(f"injected: SIGKILL to the pool child {pid}; observed {type(err.value).__name__}, released: {released}")
+    assert "WorkerLost" in type(err.value).__name__ and released
+
+
+def test_lost_child_with_requeue_runs_again_with_a_larger_fence(env):
+    """acks_late + task_reject_on_worker_lost: the message is requeued and Celery sends no
+    failure; the redelivered copy finds its own task id holding the lease of a dead process."""
+    app, queue, prefix, broker, conf = env
+    locks = app.conf.taskguard_locks
+    with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
+        res = app.tasks["tg.sleeper"].delay("requeue", seconds=3.0, fenced=False)
+        wait_for(lambda: locks.holder("sleeper:requeue"))
+        info = locks.holder("sleeper:requeue")
+        os.kill(info.holder["pid"], signal.SIGKILL)
+        fence = res.get(timeout=30)
+    say(f"injected: SIGKILL to the child holding fence {info.fencing_token}; observed rerun with fence {fence}")
+    assert fence > info.fencing_token
+    assert len(entries(app, "sleeper:requeue:start")) == 2
+
+
+# 4. a retry message that is revoked releases its kept lease ----------------------------------------
+
+def test_revoked_retry_releases_its_kept_lease(env):
+    app, queue, prefix, broker, conf = env
+    locks = app.conf.taskguard_locks
+    with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
+        res = app.tasks["tg.retrying"].apply_async(("rv",), {"fail_times": 1, "countdown": 2.0})
+        assert wait_for(lambda: entries(app, "retrying:rv:0"))
+        time.sleep(0.3)
+        kept = locks.holder("retry:rv")
+        app.control.revoke(res.id)
+        released = wait_for(lambda: locks.holder("retry:rv") is None, timeout=6)
+    say(f"injected: revoke of a retry waiting 2 s (lease kept {kept and kept.ttl:.1f}s); released: {released}")
+    assert kept is not None and released
+    assert len(entries(app, "retrying:rv:")) == 1  # the retry never ran
+
+
+# 5. Redis (the lease store) unreachable ------------------------------------------------------------
+
+def test_lease_store_outage_fails_tasks_never_runs_them_unguarded(redis_url, prefix):
+    server = RedisServer(appendonly=True).start()
+    queue = f"q-{prefix}"
+    try:
+        locks = RedisLocks.from_url(server.url, prefix=prefix, connect_timeout=0.3, socket_timeout=0.3, retries=0)
+        app = make_app(queue, prefix, taskguard_locks=locks)
+        with embedded_worker(app):
+            server.stop()
+            res = app.tasks["tg.slow"].delay(1, seconds=0)
+            with pytest.raises(LeaseBackendError):
+                res.get(timeout=10)
+            say("injected: lease store stopped; observed FAILURE with LeaseBackendError, body not run")
+            assert not entries(app, "slow:1")
+            server.start()
+            out = app.tasks["tg.slow"].delay(1, seconds=0).get(timeout=10)
+            say(f"observed after restart, same worker: ran with fence {out['fence']}")
+            assert out["n"] == 1
+            # lost mid-body: the store goes away for longer than the TTL (3 s)
+            res = app.tasks["tg.sleeper"].delay("outage", seconds=4.5, fenced=False)
+            wait_for(lambda: entries(app, "sleeper:outage:start"))
+            server.stop()
+            time.sleep(4.0)
+            server.start()
+            with pytest.raises(LeaseLost):
+                res.get(timeout=10)
+            say("injected: store down 4 s under a 3 s TTL mid-body; observed LeaseLost (on_lost='raise')")
+    finally:
+        server.close()
+        redis.Redis.from_url(redis_url).delete(queue, f"{{{prefix}:log}}", f"{prefix}:log")
+
+
+# 6. the broker connection drops while a guarded task runs -------------------------------------------
+
+def test_rabbitmq_connection_drop_mid_body(redis_url, prefix):
+    if not rabbitmq_available():
+        if os.environ.get("TASKGUARD_REQUIRE_RABBITMQ") == "1":
+            pytest.fail("RabbitMQ is required (TASKGUARD_REQUIRE_RABBITMQ=1) but not answering")
+        pytest.skip("RabbitMQ not running")
+    import subprocess
+
+    queue = f"q-{prefix}"
+    app = make_app(queue, prefix, broker=AMQP_URL)
+    try:
+        with WorkerProcess(queue, prefix, broker=AMQP_URL, concurrency=2) as worker:
+            res = app.tasks["tg.sleeper"].delay("drop", seconds=3.0)
+            wait_for(lambda: entries(app, "sleeper:drop:start"))
+            out = subprocess.run(["rabbitmqctl", "close_all_connections", "taskguard test"],
+                                 capture_output=True, text=True, timeout=30)
+            say(f"injected: rabbitmqctl close_all_connections (rc {out.returncode})")
+            assert out.returncode == 0, out.stderr
+            fence = res.get(timeout=40)
+            time.sleep(4.0)
+            log = worker.output()
+        starts = entries(app, "sleeper:drop:start")
+        say(f"observed: {len(starts)} body run(s), result fence {fence}")
+        assert len(starts) == 1
+        assert app.conf.taskguard_locks.holder("sleeper:drop") is None
+        assert "Traceback" not in log or "ConnectionReset" in log or "Connection" in log
+    finally:
+        redis.Redis.from_url(redis_url).delete(app.tg_log)
+        try:
+            with app.connection_for_write() as conn:
+                conn.default_channel.queue_delete(queue)
+        except Exception:
+            pass
+
+
+# 7. a paused worker comes back after its TTL ----------------------------------------------------------
+
+def test_paused_worker_resumes_after_ttl_its_fenced_write_is_rejected(env):
+    app, queue, prefix, broker, conf = env
+    a = WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf).start()
+    try:
+        with WorkerProcess(f"{queue}-b", prefix, broker=broker, concurrency=1, conf=conf):
+            paused = app.tasks["tg.sleeper"].delay("pause", seconds=2.0)
+            start = wait_for(lambda: entries(app, "sleeper:pause:start"))
+            old_fence = int(start[0].split(":")[3])
+            a.signal_all(signal.SIGSTOP)
+            say(f"injected: SIGSTOP to the worker holding fence {old_fence} for 4.5 s (ttl 3)")
+            time.sleep(3.5)
+            newer = app.tasks["tg.sleeper"].apply_async(("pause",), {"seconds": 0}, queue=f"{queue}-b")
+            new_fence = newer.get(timeout=10)
+            a.signal_all(signal.SIGCONT)
+            with pytest.raises(LeaseLost):
+                paused.get(timeout=15)
+    finally:
+        a.stop()
+    writes = entries(app, "sleeper:pause:write")
+    say(f"observed: new holder fence {new_fence}; writes {writes}")
+    assert new_fence > old_fence
+    assert f"sleeper:pause:write:{new_fence}:accepted" in writes
+    assert f"sleeper:pause:write:{old_fence}:rejected" in writes
