@@ -155,12 +155,12 @@ def make_contenders(client: redis.Redis, locks: RedisLocks, prefix: str) -> dict
     owner = new_owner_token()
     holder_json = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}, separators=(",", ":"))
     acq_args = (owner, TTL * 1000, holder_json, int(locks.fence_idle_ttl * 1000), 0)
-    rel_args = (owner, 10_000, 0)
+    rel_args = (owner, 10_000, 0, "bench")
     ACQ, REL = scripts.ACQUIRE, scripts.RELEASE
 
     def raw() -> None:
         ACQ(client, (lease_k, fence_k, waiting_k), acq_args)
-        REL(client, (lease_k, signal_k, waiting_k), rel_args)
+        REL(client, (lease_k, signal_k, waiting_k, locks._released_key("raw")), rel_args)
 
     return {"taskguard": tg, "2x PING": two_pings, "redis-py Lock": rp, "tg scripts raw": raw}
 

@@ -80,7 +80,7 @@ class Lease:
             return True
         if self._released:
             return False
-        return self.expires_at is not None and time.time() >= self.expires_at
+        return self.expires_at is not None and self._locks._now() >= self.expires_at
 
     @property
     def lost_reason(self) -> str | None:

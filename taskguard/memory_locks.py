@@ -96,7 +96,7 @@ class MemoryLocks(Locks):
             e = self._live_entry(key)
             if e is None or e.owner != owner:
                 return False
-            e.expires = self._clock() + ttl
+            e.expires = max(e.expires, self._clock() + ttl)  # renewals only extend, as in Redis
             return True
 
     def _release_one(self, key: str, owner: str, done_run_id: str | None = None) -> bool:

@@ -130,11 +130,12 @@ return 0
 
 # KEYS[1] lease, KEYS[2] release signal, KEYS[3] waiting flag, KEYS[4] release tombstone,
 # optional KEYS[5] done marker of the finishing run
-# ARGV[1] owner token, ARGV[2] signal TTL ms, ARGV[3] done marker TTL ms (with KEYS[5])
+# ARGV[1] owner token, ARGV[2] signal TTL ms, ARGV[3] done marker TTL ms (with KEYS[5]),
+# ARGV[4] a nonce unique to this release call
 # -> 1 released (and, when someone waits, one waiter signalled), 0 not the owner (or gone).
 # The done marker is set either way: the run is over, and later copies of it must not run again.
-# Idempotent: the tombstone remembers the released owner token for a few seconds, so a client
-# retry of a release that did run still answers 1.
+# Idempotent: the tombstone remembers owner token + call nonce for 10 s, so a client retry of a
+# release that did run still answers 1 (a new release call with the same token answers 0).
 RELEASE = Script(
     "release",
     """
@@ -143,7 +144,7 @@ if KEYS[5] then
 end
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('SET', KEYS[4], ARGV[1], 'PX', 10000)
+  redis.call('SET', KEYS[4], ARGV[1] .. ' ' .. ARGV[4], 'PX', 10000)
   if redis.call('EXISTS', KEYS[3]) == 1 then
     redis.call('DEL', KEYS[2])
     redis.call('RPUSH', KEYS[2], '1')
@@ -151,7 +152,7 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   end
   return 1
 end
-if redis.call('GET', KEYS[4]) == ARGV[1] then
+if redis.call('GET', KEYS[4]) == ARGV[1] .. ' ' .. ARGV[4] then
   return 1
 end
 return 0

@@ -35,9 +35,10 @@ def test_scripts_are_idempotent_under_client_retries(client, prefix):
     assert int(scripts.CLAIM(client, (lk,), claim_args)[0]) == 1
     assert int(scripts.CLAIM(client, (lk,), claim_args)[0]) == 1  # re-sent: still claimed
     rel_keys = (lk, sk, wk, locks._released_key("idem"))
-    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0))) == 1
-    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0))) == 1  # re-sent: still released
-    assert int(scripts.RELEASE(client, rel_keys, ("someone-else", 10000, 0))) == 0
+    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0, "call-1"))) == 1
+    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0, "call-1"))) == 1  # re-sent: released
+    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0, "call-2"))) == 0  # a new call: no
+    assert int(scripts.RELEASE(client, rel_keys, ("someone-else", 10000, 0, "call-1"))) == 0
     assert locks.holder("idem") is None
 
 
