@@ -154,7 +154,7 @@ def make_contenders(client: redis.Redis, locks: RedisLocks, prefix: str) -> dict
     lease_k, fence_k, signal_k, waiting_k = locks._keys("raw")
     owner = new_owner_token()
     holder_json = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}, separators=(",", ":"))
-    acq_args = (owner, TTL * 1000, holder_json, int(locks.fence_idle_ttl * 1000), 0)
+    acq_args = (owner, TTL * 1000, holder_json, int(locks.fence_idle_ttl * 1000), 0, "")
     rel_args = (owner, 10_000, 0, "bench")
     ACQ, REL = scripts.ACQUIRE, scripts.RELEASE
 
