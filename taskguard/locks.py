@@ -417,6 +417,27 @@ class Locks:
             log.warning("lease %r was lost while the body ran (%s); returning its value", key, reason)
         return value
 
+    # -- once-markers (e.g. a beat schedule slot published at most once) ---------------------------
+    def mark_once(self, key: str, value: str, *, ttl: float) -> bool:
+        """Record ``value`` under ``key`` unless something is recorded there already (for ``ttl``
+        seconds). ``True`` for the one caller that recorded it. No fencing counter, no renewal:
+        cheap enough for one marker per schedule slot. Raises LeaseBackendError."""
+        return self._set_marker(_check_key(key), str(value), check_seconds("ttl", ttl), only_new=True)
+
+    def update_mark(self, key: str, value: str, *, ttl: float) -> None:
+        """Overwrite the value recorded under ``key`` (e.g. "claimed" -> "published")."""
+        self._set_marker(_check_key(key), str(value), check_seconds("ttl", ttl), only_new=False)
+
+    def read_mark(self, key: str) -> str | None:
+        """The value recorded under ``key``, or ``None``."""
+        return self._get_marker(_check_key(key))
+
+    def _set_marker(self, key: str, value: str, ttl: float, only_new: bool) -> bool:
+        raise NotImplementedError
+
+    def _get_marker(self, key: str) -> str | None:
+        raise NotImplementedError
+
     # -- persisted handles (for adapters whose retries cannot carry headers, e.g. RQ) -------------
     def save_handle(self, run_id: str, handle: Mapping[str, Any], *, ttl: float) -> None:
         """Store a lease handle (:func:`taskguard.handoff.persist`) for ``run_id`` (e.g. an RQ job

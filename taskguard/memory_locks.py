@@ -53,6 +53,7 @@ class MemoryLocks(Locks):
         self._releases = 0  # bumped by every release; a waiter sleeps only while it is unchanged
         self._seen = threading.local()
         self._handles: dict[str, tuple[str, float]] = {}
+        self._markers: dict[str, tuple[str, float]] = {}
         self._clock = clock
         self._cond = threading.Condition()
         self._leases: dict[str, _Entry] = {}
@@ -144,6 +145,19 @@ class MemoryLocks(Locks):
         with self._cond:
             e = self._live_entry(key)
             return e is not None and e.owner == owner
+
+    def _set_marker(self, key: str, value: str, ttl: float, only_new: bool) -> bool:
+        with self._cond:
+            current = self._markers.get(key)
+            if only_new and current is not None and current[1] > self._clock():
+                return False
+            self._markers[key] = (value, self._clock() + ttl)
+            return True
+
+    def _get_marker(self, key: str) -> str | None:
+        with self._cond:
+            value, until = self._markers.get(key, (None, 0.0))
+            return value if until > self._clock() else None
 
     def _save_handle(self, run_id: str, data: str, ttl: float) -> None:
         with self._cond:

@@ -260,6 +260,23 @@ class RedisLocks(Locks):
     def _owns_one(self, key: str, owner: str) -> bool:
         return int(self._run("renew", key, scripts.OWNS, (self._lease_key(key),), (owner,))) != -2
 
+    # -- once-markers -----------------------------------------------------------------------------
+    def _marker_key(self, key: str) -> str:
+        return "{" + self.prefix + ":once:" + key + "}"
+
+    def _set_marker(self, key: str, value: str, ttl: float, only_new: bool) -> bool:
+        try:
+            return bool(self.client.set(self._marker_key(key), value, px=_ms(ttl), nx=only_new))
+        except RedisError as e:
+            raise LeaseBackendError("mark", key, _detail(e)) from e
+
+    def _get_marker(self, key: str) -> str | None:
+        try:
+            raw = self.client.get(self._marker_key(key))
+        except RedisError as e:
+            raise LeaseBackendError("mark", key, _detail(e)) from e
+        return raw.decode() if isinstance(raw, bytes) else raw
+
     # -- persisted handles ---------------------------------------------------------------------
     def _handle_key(self, run_id: str) -> str:
         return "{" + self.prefix + ":handle:" + run_id + "}"

@@ -175,6 +175,22 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         time.sleep(seconds)
         return self.lease.fencing_token
 
+    @app.task(shared=False, name="tg.tick", bind=True)
+    def tick(self):
+        beat = (self.request.headers or {}).get("taskguard_beat") or getattr(self.request, "taskguard_beat", None) or {}
+        note(f"tick:{beat.get('slot')}:{beat.get('leader_fence')}:{time.time():.3f}")
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.guarded_tick", ttl=30, key="gtick")
+    def guarded_tick(self, seconds=0.0):
+        note(f"gtick:{self.lease.key}:{self.lease.ttl}")
+        time.sleep(seconds)
+        return self.lease.key
+
+    if os.environ.get("TG_TEST_BEAT"):
+        app.conf.beat_schedule = {
+            "tick": {"task": "tg.tick", "schedule": float(os.environ["TG_TEST_BEAT"])},
+        }
+
     app.tg_log = log
     return app
 

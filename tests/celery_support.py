@@ -127,3 +127,39 @@ class WorkerProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class BeatProcess:
+    """A real ``celery -A tests.celery_app beat -S taskguard`` with its own schedule file."""
+
+    def __init__(self, queue: str, prefix: str, schedule_dir: Path, name: str, every: float = 1.0,
+                 env: dict | None = None):
+        self.name = name
+        self.log_path = Path(f"/tmp/tg-beat-{queue}-{name}-{time.time_ns()}.log")
+        self.args = [sys.executable, "-m", "celery", "-A", "tests.celery_app", "beat", "-S", "taskguard",
+                     "-s", str(schedule_dir / f"schedule-{name}"), "--loglevel", "INFO"]
+        self.env = {**os.environ, "TG_TEST_QUEUE": queue, "TG_TEST_PREFIX": prefix, "TG_TEST_BEAT": str(every),
+                    **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "BeatProcess":
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()

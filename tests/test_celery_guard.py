@@ -24,9 +24,14 @@ def app(redis_url, prefix):
     r.delete(a.tg_log, f"q-{prefix}")
 
 
-def concurrent(task, *args, gap=0.2, **kwargs):
+def concurrent(task, *args, **kwargs):
+    """Start one run, wait until it holds its lease, then start a second one of the same key."""
     first = task.apply_async(args, kwargs)
-    time.sleep(gap)
+    locks = task.app.conf.taskguard_locks
+    key = task._taskguard.key.render(args, kwargs)
+    deadline = time.monotonic() + 10
+    while locks.holder(key) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
     second = task.apply_async(args, kwargs)
     return first, second
 

@@ -19,6 +19,8 @@ from taskguard import Acquisition, ConfigError, Lease, LeaseBackendError, LeaseL
 from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, persist, release_handle, resume
 from taskguard.liveness import holder_is_dead
+from taskguard.keys import KeyTemplate
+from taskguard.locks import check_seconds
 from taskguard.policy import OPTION_NAMES, GuardOptions
 
 from .config import locks_for
@@ -31,6 +33,8 @@ log = logging.getLogger("taskguard.celery")
 #: The one namespaced message header taskguard writes: ``{"key", "owner", "fence", "expires"}``
 #: for a retry that keeps its lease, plus ``"skips"`` (``on_skip="retry"`` attempts so far).
 HEADER = "taskguard"
+#: Header of messages published by the taskguard beat scheduler (see taskguard_celery.beat).
+BEAT_HEADER = "taskguard_beat"
 #: Longest a deferred duplicate delivery waits before looking again, seconds.
 DEFER_MAX = 10.0
 
@@ -44,15 +48,15 @@ class _Run:
     retry_published: bool = False  # a retry of this task id is out: this run must not mark it done
 
 
-def _read_header(request: Any) -> dict | None:
+def _read_header(request: Any, name: str = HEADER) -> dict | None:
     """The ``taskguard`` header of a request: custom headers are flat message headers under
     protocol 2 (``Context`` exposes them as attributes and, via ``_get_custom_headers``, in
     ``request.headers``); eager mode and protocol 1 only have ``request.headers``
     (celery/app/task.py, ``Context``)."""
     headers = getattr(request, "headers", None) or {}
-    value = headers.get(HEADER) if isinstance(headers, dict) else None
+    value = headers.get(name) if isinstance(headers, dict) else None
     if value is None:
-        value = getattr(request, HEADER, None)
+        value = getattr(request, name, None)
     return value
 
 
@@ -128,8 +132,13 @@ class GuardedTask(Task):
         if opts.on_skip == "ignore" and getattr(req, "chord", None):
             raise ConfigError(f"task {self.name!r}: on_skip='ignore' is refused inside a chord "
                               "(the chord would never complete); use on_skip='result'")
-        key = opts.key.render(args, kwargs)
         locks = self.taskguard_locks
+        beat = _read_header(req, BEAT_HEADER)
+        if isinstance(beat, dict):
+            opts = self._beat_options(opts, beat)
+        key = opts.key.render(args, kwargs)
+        if isinstance(beat, dict) and self._stale_leader(locks, beat):
+            return self._skip(locks, key, "stale_leader", None, 0)
         holder = {"task": self.name, "task_id": req.id}
         header = _read_header(req) or {}
         skips = header.get("skips", 0) if isinstance(header, dict) else 0
@@ -175,6 +184,35 @@ class GuardedTask(Task):
             return result
         self._finish(run)
         return result
+
+    def _beat_options(self, opts: GuardOptions, beat: dict) -> GuardOptions:
+        """A beat entry's own key / TTL (``options["taskguard"]`` in the schedule)."""
+        changes: dict[str, Any] = {}
+        spec, ttl = beat.get("key"), beat.get("ttl")
+        try:
+            if isinstance(spec, str) and spec:
+                cache = self.__class__.__dict__.get("_tg_entry_keys")
+                if cache is None:
+                    cache = {}
+                    type(self)._tg_entry_keys = cache
+                if spec not in cache:
+                    cache[spec] = KeyTemplate(spec, self.run)
+                changes["key"] = cache[spec]
+            if ttl is not None:
+                changes["ttl"] = check_seconds("ttl", ttl)
+        except ConfigError as e:
+            log.error("task %s: ignoring the beat entry's guard options: %s", self.name, e)
+            return opts
+        return dataclasses.replace(opts, **changes) if changes else opts
+
+    @staticmethod
+    def _stale_leader(locks: Locks, beat: dict) -> bool:
+        """Was this message published by a beat that is no longer the leader?"""
+        fence, leader_key = beat.get("leader_fence"), beat.get("leader_key")
+        if not isinstance(fence, int) or isinstance(fence, bool) or not isinstance(leader_key, str) or not leader_key:
+            return False
+        current = locks.holder(leader_key)
+        return current is not None and current.fencing_token is not None and fence < current.fencing_token
 
     def _same_task_holds(self, locks: Locks, key: str, run_id: str, acq: Acquisition, holder: dict) -> Acquisition:
         """The lease is held: by another delivery of this same task id? A redelivered message
