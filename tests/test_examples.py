@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -31,9 +32,13 @@ def test_example_runs_and_reports_ok(redis_url, script, ok_line):
 
 @pytest.mark.parametrize("script", ["examples/outbox/demo.py", "examples/lease_demo.py"])
 def test_demos_fail_fast_and_never_print_a_url_password(script):
-    url = "redis://:s3cretPW99@127.0.0.1:6379/0"  # the local Redis has no password: AUTH fails
+    from .servers import free_port
+
+    url = f"redis://:s3cretPW99@127.0.0.1:{free_port()}/0"  # nothing listens there
+    started = time.monotonic()
     proc = subprocess.run([sys.executable, script], cwd=ROOT, env={**os.environ, "TASKGUARD_REDIS_URL": url},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
+    assert time.monotonic() - started < 30  # fails fast, before starting any worker
     assert "s3cretPW99" not in proc.stdout + proc.stderr
     assert "***" in proc.stdout + proc.stderr
