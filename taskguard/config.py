@@ -37,19 +37,22 @@ def _show(raw: str) -> str:
 
 
 def _seconds(name: str, raw: str) -> float:
+    from .locks import MAX_SECONDS
+
     try:
         v = float(raw.strip())
     except ValueError:
         v = math.nan
-    if not math.isfinite(v) or v <= 0:
-        raise ConfigError(f"{name} must be a number of seconds > 0 (e.g. '5' or '2.5'), got {_show(raw)}")
+    if not math.isfinite(v) or v <= 0 or v > MAX_SECONDS:
+        raise ConfigError(f"{name} must be a number of seconds > 0 and at most {MAX_SECONDS:.0e} "
+                          f"(e.g. '5' or '2.5'), got {_show(raw)}")
     return v
 
 
 def _int_range(lo: int, hi: int) -> Callable[[str, str], int]:
     def parse(name: str, raw: str) -> int:
         s = raw.strip()
-        if not (s.isascii() and s.isdigit()) or not lo <= int(s) <= hi:
+        if not (s.isascii() and s.isdigit()) or len(s) > 12 or not lo <= int(s) <= hi:
             raise ConfigError(f"{name} must be an integer from {lo} to {hi}, got {_show(raw)}")
         return int(s)
 
@@ -130,4 +133,7 @@ def from_env(environ: Mapping[str, str] | None = None, *, client: Any = None, **
             "TASKGUARD_REDIS_URL is not set: set it to a Redis URL (e.g. redis://127.0.0.1:6379/0) "
             "or pass a client"
         )
-    return RedisLocks.from_url(url, **opts)
+    try:
+        return RedisLocks.from_url(url, **opts)
+    except ConfigError as e:
+        raise ConfigError(f"TASKGUARD_REDIS_URL: {e}") from None

@@ -15,7 +15,7 @@ from .errors import ConfigError, LeaseBackendError
 from .events import Listener
 from .lease import HolderInfo
 from .locks import Health, Locks, _ms, check_seconds
-from .urls import redact_url
+from .urls import ACCEPTED, redact_url
 
 __all__ = ["RedisLocks"]
 
@@ -26,6 +26,17 @@ SIGNAL_TTL = 10.0
 
 def _detail(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
+
+
+def _scrub(text: str, url: str) -> str:
+    """``text`` without the URL's password (error messages may quote parts of the URL)."""
+    from urllib.parse import urlsplit
+
+    try:
+        secret = urlsplit(url).password
+    except ValueError:
+        return "invalid URL"
+    return text.replace(secret, "***") if secret else text
 
 
 def _socket_timeout(client: Any) -> float | None:
@@ -121,17 +132,32 @@ class RedisLocks(Locks):
             socket_timeout=socket_timeout,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
         )
+        if db is not None:
+            if isinstance(db, bool) or not isinstance(db, int) or db < 0:
+                raise ConfigError(f"db must be an int >= 0, got {db!r}")
+            # the URL's own /db would win over a db= keyword in redis-py: put it in the URL
+            from urllib.parse import urlsplit
+
+            parts = urlsplit(url)
+            if parts.scheme == "unix":
+                kwargs["db"] = db
+            else:
+                url = parts._replace(path=f"/{db}").geturl()
+        problem = None
         try:
             if cluster:
                 from redis.cluster import RedisCluster
 
                 client = RedisCluster.from_url(url, **kwargs)
             else:
-                if db is not None:
-                    kwargs["db"] = db
                 client = redis.Redis.from_url(url, **kwargs)
+                pool = client.connection_pool  # a connection object is built without I/O: bad options fail here
+                pool.connection_class(**pool.connection_kwargs)
         except (ValueError, TypeError, RedisError) as e:
-            raise ConfigError(f"cannot build a Redis client from {redact_url(url)}: {type(e).__name__}") from None
+            problem = f"{type(e).__name__}: {e}"
+        if problem is not None:
+            raise ConfigError(f"url: cannot build a Redis client from {redact_url(url)} ({ACCEPTED}): "
+                              f"{_scrub(problem, url)}")
         locks = cls(client, prefix=prefix, **opts)
         locks._owns_client = True
         return locks

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+import re
+from urllib.parse import parse_qsl, urlsplit
 
 from .errors import ConfigError
 
@@ -10,6 +11,9 @@ __all__ = ["check_url", "redact_url"]
 
 SCHEMES = ("redis", "rediss", "unix")
 ACCEPTED = "redis://[user[:password]@]host[:port][/db], rediss://... or unix:///path/to.sock"
+_SECRET_QUERY = ("password", "username", "user", "pass")
+# user-info anywhere in the string, also where urlsplit finds no netloc ("redis:u:pw@host")
+_USERINFO = re.compile(r"(?<=:)[^:@/?#]*(?=@)")
 
 
 def redact_url(url: object) -> str:
@@ -26,10 +30,12 @@ def redact_url(url: object) -> str:
         return "'<unparseable URL>'"
     if parts.query:  # redis-py also reads ?password= (and friends) from the query string
         query = "&".join(
-            f"{k}=***" if k.lower() in ("password", "username", "user", "pass") else f"{k}={v}"
+            f"{k}=***" if k.lower() in _SECRET_QUERY else f"{k}={v}"
             for k, _, v in (item.partition("=") for item in parts.query.split("&"))
         )
         parts = parts._replace(query=query)
+    if not parts.netloc:
+        return repr(_USERINFO.sub("***", parts.geturl()))
     if parts.password is None and "@" not in parts.netloc:
         return repr(parts.geturl())
     user = parts.username or ""
@@ -37,18 +43,30 @@ def redact_url(url: object) -> str:
     return repr(parts._replace(netloc=netloc).geturl())
 
 
+def _known_query_options() -> set[str]:
+    from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+
+    return set(URL_QUERY_ARGUMENT_PARSERS) | {"db", "password", "username", "protocol", "client_name"}
+
+
 def check_url(url: object, name: str) -> str:
     """Validate a Redis URL; raise :class:`ConfigError` naming ``name`` and the accepted forms."""
     shown = redact_url(url)
     if not isinstance(url, str) or not url.strip():
         raise ConfigError(f"{name} must be a Redis URL ({ACCEPTED}), got {shown}")
+    problem = None
     try:
         parts = urlsplit(url)
         port = parts.port
-    except ValueError:
-        raise ConfigError(f"{name} must be a Redis URL ({ACCEPTED}), got {shown}") from None
+    except ValueError:  # raised below, outside this block: urlsplit's message holds the netloc
+        problem = f"{name} must be a Redis URL ({ACCEPTED}), got {shown}"
+    if problem:
+        raise ConfigError(problem)
     if parts.scheme not in SCHEMES:
         raise ConfigError(f"{name} must be a Redis URL ({ACCEPTED}), got {shown}: unknown scheme")
+    unknown = sorted({k for k, _ in parse_qsl(parts.query, keep_blank_values=True)} - _known_query_options())
+    if unknown:
+        raise ConfigError(f"{name}: unknown option(s) {', '.join(unknown)} in the URL's query string, got {shown}")
     if parts.scheme == "unix":
         if not parts.path:
             raise ConfigError(f"{name}: a unix:// URL needs a socket path ({ACCEPTED}), got {shown}")
@@ -58,6 +76,6 @@ def check_url(url: object, name: str) -> str:
     if port is not None and not 0 < port < 65536:
         raise ConfigError(f"{name}: the port must be 1-65535, got {shown}")
     db = parts.path.lstrip("/")
-    if db and not (db.isdigit() and db.isascii()):
+    if db and not (db.isdigit() and db.isascii() and len(db) <= 9):
         raise ConfigError(f"{name}: the path must be a database number, got {shown}")
     return url
