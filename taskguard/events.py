@@ -42,6 +42,8 @@ class LeaseEvent:
         ttl: the TTL in seconds the operation used, where relevant.
         holder: the non-secret holder metadata involved, where known.
         error: the error type and message for ``"error"`` statuses (never an owner token).
+        task: the task / job name the lease is for, where known (from holder metadata ``task`` or
+            ``job``, or the ``Skipped``); bounded, so usable as a metric label.
     """
 
     kind: str
@@ -53,6 +55,7 @@ class LeaseEvent:
     ttl: float | None = None
     holder: Mapping[str, Any] | None = None
     error: str | None = None
+    task: str | None = None
 
 
 Listener = Callable[[LeaseEvent], None]

@@ -128,7 +128,7 @@ class Heartbeat:
                 log.warning("lease %r passed max_hold; no longer renewed", lease.key)
                 lease._locks._emitter.emit(
                     LeaseEvent("renew", lease.key, "max_hold", fencing_token=lease.fencing_token,
-                               ttl=lease.ttl, holder=lease.holder)
+                               ttl=lease.ttl, holder=lease.holder, task=lease.task)
                 )
                 continue
             groups.setdefault(id(lease._locks), []).append(e)
@@ -171,14 +171,16 @@ class Heartbeat:
             lease.expires_at = started_wall + lease.ttl
             with self._cond:
                 e.next_due = time.monotonic() + e.interval
-            emit(LeaseEvent("renew", lease.key, "renewed", took, fencing_token=lease.fencing_token, ttl=lease.ttl))
+            emit(LeaseEvent("renew", lease.key, "renewed", took, fencing_token=lease.fencing_token, ttl=lease.ttl,
+                            task=lease.task))
         elif outcome is False:
             self.discard(lease)
-            emit(LeaseEvent("renew", lease.key, "not_owner", took, fencing_token=lease.fencing_token, ttl=lease.ttl))
+            emit(LeaseEvent("renew", lease.key, "not_owner", took, fencing_token=lease.fencing_token, ttl=lease.ttl,
+                            task=lease.task))
             lease._mark_lost("renewal found another owner or no lease")
         else:
             emit(LeaseEvent("renew", lease.key, "error", took, fencing_token=lease.fencing_token,
-                            ttl=lease.ttl, error=str(outcome)))
+                            ttl=lease.ttl, error=str(outcome), task=lease.task))
             if lease.expires_at is not None and time.time() >= lease.expires_at:
                 self.discard(lease)
                 lease._mark_lost(f"renewal failed until the lease expired: {outcome}")

@@ -72,6 +72,12 @@ class Lease:
         return self._owner_token
 
     @property
+    def task(self) -> str | None:
+        """The task / job name from the holder metadata, where given."""
+        name = self.holder.get("task") or self.holder.get("job")
+        return name if isinstance(name, str) else None
+
+    @property
     def lost(self) -> bool:
         """``True`` once the lease is known or presumed gone: a renew/release found another owner
         (or no lease), or ``expires_at`` passed without a renewal. ``False`` after a successful
@@ -161,7 +167,7 @@ class Lease:
             self._lost_reason = reason
         self._locks._emitter.emit(
             LeaseEvent("lost", self.key, reason, fencing_token=self.fencing_token, ttl=self.ttl,
-                       holder=self.holder)
+                       holder=self.holder, task=self.task)
         )
         for cb in self._lost_callbacks:
             try:

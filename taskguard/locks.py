@@ -89,6 +89,11 @@ def _check_token(token: Any) -> str:
 _BASE_META: dict[int, tuple[dict, str]] = {}  # per pid: default holder metadata and its JSON
 
 
+def _task_of(meta: Mapping[str, Any]) -> str | None:
+    name = meta.get("task") or meta.get("job")
+    return name if isinstance(name, str) else None
+
+
 def _check_run_id(run_id: Any) -> str | None:
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise ConfigError(f"run_id must be a non-empty str or None, got {run_id!r}")
@@ -238,28 +243,30 @@ class Locks:
                 remaining = max(0.0, deadline - time.monotonic())
                 code, fence, holder_ttl = self._try_acquire(key, owner, ttl, meta_json, run_id, remaining)
             except LeaseBackendError as e:
-                self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e))
+                self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e),
+                           task=_task_of(meta))
                 raise
             if code == 2:
-                self._emit("acquire", key, "done", duration=time.monotonic() - started, ttl=ttl)
+                self._emit("acquire", key, "done", duration=time.monotonic() - started, ttl=ttl, task=_task_of(meta))
                 return Acquisition(False, None, "done")
             if code == 1:
                 lease = Lease(self, key, owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta,
                               run_id=run_id)
                 self._track(lease, renew, max_hold)
                 self._emit("acquire", key, "acquired", duration=time.monotonic() - started,
-                           fencing_token=fence, ttl=ttl, holder=meta)
+                           fencing_token=fence, ttl=ttl, holder=meta, task=_task_of(meta))
                 return Acquisition(True, lease)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 reason = "wait_timeout" if wait > 0 else "held"
-                self._emit("acquire", key, reason, duration=time.monotonic() - started, ttl=ttl)
+                self._emit("acquire", key, reason, duration=time.monotonic() - started, ttl=ttl, task=_task_of(meta))
                 return Acquisition(False, None, reason, holder_ttl)
             pause = remaining if holder_ttl is None or holder_ttl < 0 else min(remaining, holder_ttl + 0.001)
             try:
                 self._wait_signal(key, pause)
             except LeaseBackendError as e:
-                self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e))
+                self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e),
+                           task=_task_of(meta))
                 raise
 
     def restore(
@@ -337,7 +344,8 @@ class Locks:
         lease = Lease(self, key, new_owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta,
                       run_id=run_id)
         self._track(lease, renew, max_hold)
-        self._emit("claim", key, "claimed", duration=took, fencing_token=fence, ttl=ttl, holder=meta)
+        self._emit("claim", key, "claimed", duration=took, fencing_token=fence, ttl=ttl, holder=meta,
+                   task=_task_of(meta))
         return Acquisition(True, lease)
 
     def release_run(self, key: str, run_id: str) -> bool:
@@ -471,7 +479,7 @@ class Locks:
 
     def report_skip(self, skipped: Skipped) -> None:
         """Emit the ``skip`` event for a run skipped outside :meth:`with_lease` (adapters)."""
-        self._emit("skip", skipped.key, skipped.reason)
+        self._emit("skip", skipped.key, skipped.reason, task=skipped.task)
 
     def check_health(self) -> "Health":
         raise NotImplementedError
@@ -510,10 +518,11 @@ class Locks:
         try:
             ok = self._renew_one(lease.key, lease.owner_token, ttl)
         except LeaseBackendError as e:
-            self._emit("renew", lease.key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e))
+            self._emit("renew", lease.key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e),
+                       task=lease.task)
             raise
         self._emit("renew", lease.key, "renewed" if ok else "not_owner", duration=time.monotonic() - started,
-                   fencing_token=lease.fencing_token, ttl=ttl)
+                   fencing_token=lease.fencing_token, ttl=ttl, task=lease.task)
         if ok:
             lease.expires_at = sent_at + ttl
         else:
@@ -530,10 +539,11 @@ class Locks:
         try:
             ok = self._release_one(lease.key, lease.owner_token, lease.run_id if mark_done else None)
         except LeaseBackendError as e:
-            self._emit("release", lease.key, "error", duration=time.monotonic() - started, error=str(e))
+            self._emit("release", lease.key, "error", duration=time.monotonic() - started, error=str(e),
+                       task=lease.task)
             raise
         self._emit("release", lease.key, "released" if ok else "not_owner", duration=time.monotonic() - started,
-                   fencing_token=lease.fencing_token)
+                   fencing_token=lease.fencing_token, task=lease.task)
         if ok:
             lease._mark_released()
         else:

@@ -264,6 +264,35 @@ class RedisLocks(Locks):
         return int(self._run("release", key, scripts.RELEASE_RUN, (lease_k, signal_k, waiting_k),
                              (run_id, _ms(SIGNAL_TTL)))) == 1
 
+    def force_release(self, key: str) -> bool:
+        """Delete the lease on ``key`` whoever holds it (an operator's tool, e.g. ``taskguard
+        release KEY --force``): the holder finds it lost at its next renewal or release, and its
+        fenced writes still carry the old, now lower, fencing token. Returns ``True`` when a lease
+        was there. Raises LeaseBackendError."""
+        lease_k, _, signal_k, waiting_k = self._keys(key)
+        ok = int(self._run("release", key, scripts.FORCE_RELEASE, (lease_k, signal_k, waiting_k),
+                           (_ms(SIGNAL_TTL),))) == 1
+        self._emit("release", key, "forced" if ok else "no_lease")
+        return ok
+
+    def leases(self, pattern: str = "*", count: int = 1000) -> list[HolderInfo]:
+        """Held leases whose key matches the glob ``pattern`` (SCAN; at most ``count`` results).
+        Never returns owner tokens. Raises LeaseBackendError."""
+        match = "{" + self.prefix + ":" + pattern + "}"
+        out: list[HolderInfo] = []
+        try:
+            for raw in self.client.scan_iter(match=match, _type="hash", count=500):
+                name = raw.decode() if isinstance(raw, bytes) else raw
+                key = name[len(self.prefix) + 2:-1]
+                info = self._holder_one(key)
+                if info is not None:
+                    out.append(info)
+                if len(out) >= count:
+                    break
+        except RedisError as e:
+            raise LeaseBackendError("scan", None, _detail(e)) from e
+        return sorted(out, key=lambda i: i.key)
+
     def _holder_one(self, key: str) -> HolderInfo | None:
         holder_raw, fence, pttl, since = self._run("holder", key, scripts.HOLDER, (self._lease_key(key),), ())
         pttl = int(pttl)

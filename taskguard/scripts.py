@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 from redis.exceptions import NoScriptError
 
-__all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_RUN", "CLAIM", "HOLDER", "OWNS"]
+__all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_RUN", "FORCE_RELEASE", "CLAIM", "HOLDER", "OWNS"]
 
 
 class Script:
@@ -191,6 +191,23 @@ if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'run') == ARGV[1] then
     redis.call('DEL', KEYS[2])
     redis.call('RPUSH', KEYS[2], '1')
     redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  end
+  return 1
+end
+return 0
+""",
+)
+
+# An operator's forced release, whoever holds it: KEYS[1] lease, KEYS[2] release signal, KEYS[3]
+# waiting flag; ARGV[1] signal TTL ms -> 1 released, 0 no lease.
+FORCE_RELEASE = Script(
+    "force_release",
+    """
+if redis.call('DEL', KEYS[1]) == 1 then
+  if redis.call('EXISTS', KEYS[3]) == 1 then
+    redis.call('DEL', KEYS[2])
+    redis.call('RPUSH', KEYS[2], '1')
+    redis.call('PEXPIRE', KEYS[2], ARGV[1])
   end
   return 1
 end

@@ -12,6 +12,7 @@ worker-pool check and the main-process lease release (:mod:`taskguard_celery.sup
 
 from taskguard import Skipped, TaskSkipped, is_skipped
 
+from . import metrics as _metrics  # noqa: F401  (Prometheus in worker processes, when enabled)
 from . import pools as _pools  # noqa: F401  (connects the worker_init check)
 from . import supervision as _supervision  # noqa: F401  (main-process lease release)
 from .serialization import MARKER

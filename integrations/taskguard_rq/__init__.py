@@ -9,11 +9,14 @@ Run workers as ``rq worker -w taskguard_rq.GuardedWorker`` so a killed work-hors
 settled at once (see :mod:`taskguard_rq.worker`).
 """
 
-from taskguard import Skipped, TaskSkipped, is_skipped
+from taskguard import Skipped, TaskSkipped, is_skipped, metrics as _metrics
 from taskguard.context import current_lease
 
 from .job import META_KEY, ON_SKIP, guarded_job, locks_for, skip_counts
 from .worker import GuardedWorker, settle_killed_job
+
+if _metrics.enabled_by_env():  # work-horses are forked from here: they inherit the listener
+    _metrics.install()
 
 __all__ = [
     "GuardedWorker",

@@ -1,0 +1,203 @@
+"""The ``taskguard`` command: ``doctor``, ``leases``, ``release``, ``metrics``.
+
+Every command takes ``--url`` (default: ``TASKGUARD_REDIS_URL``) and ``--prefix`` (default:
+``TASKGUARD_PREFIX`` or ``taskguard``), and ``--json`` for scripts. Owner tokens are never shown.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import click
+import redis
+
+from . import __version__
+from .config import from_env
+from .errors import ConfigError, LeaseBackendError
+from .redis_locks import RedisLocks
+from .urls import redact_url
+
+__all__ = ["main", "doctor_checks"]
+
+
+def _locks(url: str | None, prefix: str | None) -> RedisLocks:
+    overrides: dict[str, Any] = {}
+    if prefix:
+        overrides["prefix"] = prefix
+    env = {} if url is None else {"TASKGUARD_REDIS_URL": url}
+    try:
+        import os
+
+        merged = {**os.environ, **env}
+        return from_env(merged, connect_timeout=2.0, socket_timeout=2.0, retries=0, **overrides)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _info(client: Any, section: str) -> dict:
+    return client.info(section)
+
+
+def doctor_checks(locks: RedisLocks) -> list[dict]:
+    """Deployment checks (design: single primary, noeviction, persistence). Each is
+    ``{"name", "status": "ok" | "warn" | "fail", "detail"}``."""
+    c = locks.client
+    checks: list[dict] = []
+
+    def add(name: str, status: str, detail: str) -> None:
+        checks.append({"name": name, "status": status, "detail": detail})
+
+    health = locks.check_health()
+    if not health.ok:
+        add("reachable", "fail", health.detail)
+        return checks
+    add("reachable", "ok", "PING answered")
+    try:
+        server = _info(c, "server")
+        version = str(server.get("redis_version", "?"))
+        major_minor = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+        add("server version", "ok" if major_minor >= (6, 2) else "warn",
+            f"Redis {version}" + ("" if major_minor >= (6, 2) else " (6.2 or newer is what taskguard is tested on)"))
+        try:
+            policy = c.config_get("maxmemory-policy").get("maxmemory-policy")
+            add("maxmemory-policy", "ok" if policy == "noeviction" else "fail",
+                f"{policy}" + ("" if policy == "noeviction" else
+                               ": must be noeviction (leases carry TTLs, so volatile-* policies evict them first)"))
+        except redis.ResponseError as e:
+            add("maxmemory-policy", "warn", f"cannot read it (CONFIG disabled?): {e}")
+        persistence = _info(c, "persistence")
+        aof = bool(persistence.get("aof_enabled"))
+        try:
+            save = c.config_get("save").get("save") or ""
+        except redis.ResponseError:
+            save = ""
+        if aof or save.strip():
+            add("persistence", "ok", ("appendonly" if aof else "") + (" + " if aof and save.strip() else "")
+                + (f"RDB save '{save}'" if save.strip() else ""))
+        else:
+            add("persistence", "fail", "off: a restart forgets every lease (fencing tokens still grow by the "
+                                       "server-clock floor); enable appendonly")
+        cluster = _info(c, "cluster").get("cluster_enabled")
+        add("cluster", "ok", "Redis Cluster" if cluster else "standalone")
+        role = _info(c, "replication").get("role")
+        add("role", "ok" if role == "master" else "fail",
+            f"{role}" + ("" if role == "master" else ": leases must be written to a primary"))
+        samples = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            c.ping()
+            samples.append(time.perf_counter() - t0)
+        median_ms = statistics.median(samples) * 1000
+        add("latency", "ok" if median_ms < 5 else "warn", f"median PING round trip {median_ms:.2f} ms")
+    except redis.RedisError as e:
+        add("inspection", "fail", f"{type(e).__name__}: {e}")
+    return checks
+
+
+@click.group()
+@click.version_option(__version__, prog_name="taskguard")
+def main() -> None:
+    """Inspect and operate taskguard leases in Redis."""
+
+
+_url = click.option("--url", envvar="TASKGUARD_REDIS_URL", help="Redis URL (default: $TASKGUARD_REDIS_URL).")
+_prefix = click.option("--prefix", envvar="TASKGUARD_PREFIX", help="Key prefix (default: taskguard).")
+_json = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+@main.command()
+@_url
+@_prefix
+@_json
+@click.option("--strict", is_flag=True, help="Treat warnings as failures.")
+def doctor(url: str | None, prefix: str | None, as_json: bool, strict: bool) -> None:
+    """Check the Redis that holds the leases: reachable, version, noeviction, persistence,
+    primary, cluster or not, round-trip latency. Exits 1 when a check fails."""
+    locks = _locks(url, prefix)
+    checks = doctor_checks(locks)
+    bad = [c for c in checks if c["status"] == "fail" or (strict and c["status"] == "warn")]
+    if as_json:
+        click.echo(json.dumps({"url": redact_url(url or ""), "ok": not bad, "checks": checks}, indent=2))
+    else:
+        for c in checks:
+            mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}[c["status"]]
+            click.echo(f"{mark} {c['name']}: {c['detail']}")
+        click.echo("doctor: " + ("all checks passed" if not bad else f"{len(bad)} check(s) failed"))
+    sys.exit(1 if bad else 0)
+
+
+@main.command()
+@_url
+@_prefix
+@_json
+@click.argument("pattern", default="*")
+def leases(url: str | None, prefix: str | None, as_json: bool, pattern: str) -> None:
+    """List held leases whose key matches PATTERN (a glob, default *)."""
+    locks = _locks(url, prefix)
+    try:
+        found = locks.leases(pattern)
+    except LeaseBackendError as e:
+        raise click.ClickException(str(e)) from None
+    rows = [{"key": i.key, "ttl": i.ttl, "fencing_token": i.fencing_token,
+             "task": i.holder.get("task") or i.holder.get("job"), "task_id": i.holder.get("task_id") or i.holder.get("job_id"),
+             "host": i.holder.get("host"), "pid": i.holder.get("pid"), "since": i.since} for i in found]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no leases held")
+        return
+    click.echo(f"{'KEY':40} {'TTL':>8} {'FENCE':>17}  HOLDER")
+    for r in rows:
+        ttl = "-" if r["ttl"] is None else f"{r['ttl']:.1f}s"
+        who = " ".join(f"{k}={r[k]}" for k in ("task", "task_id", "host", "pid") if r[k] is not None)
+        click.echo(f"{r['key']:40} {ttl:>8} {r['fencing_token'] or '-':>17}  {who}")
+
+
+@main.command()
+@_url
+@_prefix
+@_json
+@click.argument("key")
+@click.option("--force", is_flag=True, required=True, help="Required: release whoever holds it.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def release(url: str | None, prefix: str | None, as_json: bool, key: str, force: bool, yes: bool) -> None:
+    """Release the lease on KEY whoever holds it (--force is required). Its holder finds the lease
+    lost at its next renewal or release; the next holder gets a larger fencing token."""
+    locks = _locks(url, prefix)
+    info = locks.holder(key)
+    if info is None:
+        if as_json:
+            click.echo(json.dumps({"key": key, "released": False, "reason": "no lease"}))
+        else:
+            click.echo(f"no lease held on {key!r}")
+        sys.exit(1)
+    if not yes:
+        click.confirm(f"release {key!r} held by {info.holder} (fence {info.fencing_token}, {info.ttl}s left)?",
+                      abort=True)
+    ok = locks.force_release(key)
+    if as_json:
+        click.echo(json.dumps({"key": key, "released": ok, "fencing_token": info.fencing_token}))
+    else:
+        click.echo(f"released {key!r}" if ok else f"{key!r} was released meanwhile")
+
+
+@main.command()
+@click.option("--port", type=int, default=9808, show_default=True)
+@click.option("--addr", default="0.0.0.0", show_default=True)
+def metrics(port: int, addr: str) -> None:
+    """Serve Prometheus /metrics (every process's samples when PROMETHEUS_MULTIPROC_DIR is set)."""
+    from .metrics import serve
+
+    serve(port, addr)
+    click.echo(f"serving taskguard metrics on {addr}:{port}/metrics")
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

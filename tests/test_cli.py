@@ -1,0 +1,97 @@
+"""The ``taskguard`` command line, as an operator runs it (a subprocess), on real Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import redis
+
+from taskguard import RedisLocks
+
+from .servers import RedisServer, free_port
+
+
+def taskguard(*args, url=None, prefix=None, input=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TASKGUARD_")}
+    if url:
+        env["TASKGUARD_REDIS_URL"] = url
+    if prefix:
+        env["TASKGUARD_PREFIX"] = prefix
+    return subprocess.run([sys.executable, "-m", "taskguard.cli", *args], env=env, capture_output=True, text=True,
+                          input=input, timeout=60)
+
+
+def test_doctor_fails_on_a_redis_without_persistence_or_with_eviction():
+    srv = RedisServer(extra=("--maxmemory-policy", "volatile-lru")).start()
+    try:
+        out = taskguard("doctor", url=srv.url)
+        assert out.returncode == 1
+        assert "FAIL maxmemory-policy: volatile-lru" in out.stdout
+        assert "FAIL persistence" in out.stdout
+        data = json.loads(taskguard("doctor", "--json", url=srv.url).stdout)
+        assert data["ok"] is False
+        assert {c["name"]: c["status"] for c in data["checks"]}["maxmemory-policy"] == "fail"
+    finally:
+        srv.close()
+
+
+def test_doctor_passes_on_a_production_like_redis():
+    srv = RedisServer(appendonly=True, extra=("--maxmemory-policy", "noeviction")).start()
+    try:
+        out = taskguard("doctor", url=srv.url)
+        assert out.returncode == 0, out.stdout
+        assert "doctor: all checks passed" in out.stdout
+        assert "standalone" in out.stdout and "median PING round trip" in out.stdout
+    finally:
+        srv.close()
+
+
+def test_doctor_unreachable_and_password_never_shown():
+    url = f"redis://:Sup3rS3cret@127.0.0.1:{free_port()}/0"
+    out = taskguard("doctor", url=url)
+    assert out.returncode == 1
+    assert "FAIL reachable" in out.stdout
+    assert "Sup3rS3cret" not in out.stdout + out.stderr
+    out = taskguard("doctor", "--json", url=url)
+    assert "Sup3rS3cret" not in out.stdout and '"ok": false' in out.stdout
+
+
+def test_doctor_without_url_says_what_to_set():
+    out = taskguard("doctor")
+    assert out.returncode == 2 and "TASKGUARD_REDIS_URL" in out.stderr
+
+
+def test_leases_lists_holders_never_owner_tokens(redis_url, prefix):
+    locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
+    a = locks.acquire("report:1", ttl=30, holder={"task": "reports.build", "task_id": "t-1"}).lease
+    b = locks.acquire("sync:9", ttl=30).lease
+    out = taskguard("leases", url=redis_url, prefix=prefix)
+    assert out.returncode == 0
+    assert "report:1" in out.stdout and "sync:9" in out.stdout and "task=reports.build" in out.stdout
+    rows = json.loads(taskguard("leases", "report:*", "--json", url=redis_url, prefix=prefix).stdout)
+    assert [r["key"] for r in rows] == ["report:1"]
+    assert rows[0]["fencing_token"] == a.fencing_token and rows[0]["task_id"] == "t-1" and rows[0]["ttl"] > 25
+    for token in (a.owner_token, b.owner_token):
+        assert token not in out.stdout
+    a.release(), b.release()
+    assert "no leases held" in taskguard("leases", url=redis_url, prefix=prefix).stdout
+
+
+def test_release_force_with_confirmation(redis_url, prefix):
+    locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
+    lease = locks.acquire("stuck", ttl=60).lease
+    assert taskguard("release", "stuck", url=redis_url, prefix=prefix).returncode == 2  # --force is required
+    declined = taskguard("release", "stuck", "--force", url=redis_url, prefix=prefix, input="n\n")
+    assert declined.returncode == 1 and locks.holder("stuck") is not None
+    done = taskguard("release", "stuck", "--force", url=redis_url, prefix=prefix, input="y\n")
+    assert done.returncode == 0 and "released 'stuck'" in done.stdout
+    assert locks.holder("stuck") is None
+    assert lease.renew() is False and lease.lost  # the old holder finds out
+    again = locks.acquire("stuck", ttl=5).lease
+    assert again.fencing_token > lease.fencing_token
+    out = json.loads(taskguard("release", "stuck", "--force", "--yes", "--json", url=redis_url, prefix=prefix).stdout)
+    assert out == {"key": "stuck", "released": True, "fencing_token": again.fencing_token}
+    assert taskguard("release", "stuck", "--force", "--yes", url=redis_url, prefix=prefix).returncode == 1
