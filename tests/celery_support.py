@@ -25,18 +25,22 @@ def embedded_worker(app, pool: str = "threads", concurrency: int = 4, **kwargs):
 
 
 class EventLog:
-    """Captures every Celery event on the app's broker in a background thread."""
+    """Captures the Celery events of one test's tasks in a background thread. The event
+    exchange is shared by everything on the broker, so only events of task ids this test
+    published (``track(result)``) or of tasks named in ``tasks`` are kept."""
 
-    def __init__(self, app):
+    def __init__(self, app, tasks=()):
         self.app = app
-        self.events: list[dict] = []
+        self.tasks = set(tasks)
+        self.ids: set[str] = set()
+        self.all: list[dict] = []
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._receiver = None
 
     def _run(self):
         with self.app.connection_for_read() as conn:
-            self._receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
+            self._receiver = self.app.events.Receiver(conn, handlers={"*": self.all.append})
             self._ready.set()
             self._receiver.capture(limit=None, timeout=None, wakeup=False)
 
@@ -50,6 +54,15 @@ class EventLog:
         if self._receiver is not None:
             self._receiver.should_stop = True
         self._thread.join(5)
+
+    def track(self, *results):
+        for r in results:
+            self.ids.add(r.id)
+        return results[0] if len(results) == 1 else results
+
+    @property
+    def events(self) -> list[dict]:
+        return [e for e in self.all if e.get("uuid") in self.ids or e.get("name") in self.tasks]
 
     def of(self, type_: str) -> list[dict]:
         return [e for e in self.events if e.get("type") == type_]

@@ -95,7 +95,7 @@ def test_different_keys_run_in_parallel_on_threads_pool(app):
 def test_skip_sends_task_skipped_event_with_events_otherwise_off(app):
     app.conf.worker_send_task_events = False
     with EventLog(app) as events, embedded_worker(app):
-        first, second = concurrent(app.tasks["tg.slow"], 3)
+        first, second = events.track(*concurrent(app.tasks["tg.slow"], 3))
         second.get(timeout=5)
         first.get(timeout=5)
         got = events.wait_for("task-skipped")
@@ -141,7 +141,7 @@ def test_chain_stops_after_a_skip_unless_asked_to_continue(app):
 
 def test_on_skip_ignore_records_nothing_and_sends_event(app):
     with EventLog(app) as events, embedded_worker(app):
-        first, second = concurrent(app.tasks["tg.on_skip_ignore"], seconds=1.5)
+        first, second = events.track(*concurrent(app.tasks["tg.on_skip_ignore"], seconds=1.5))
         first.get(timeout=5)
         time.sleep(0.3)
         got = events.wait_for("task-skipped")
@@ -174,7 +174,7 @@ def test_on_skip_retry_is_bounded_and_does_not_consume_max_retries(app):
     with EventLog(app) as events, embedded_worker(app):
         holder = app.tasks["tg.on_skip_retry"].delay(seconds=4.0)  # holds through all skip retries
         time.sleep(0.2)
-        waiting = app.tasks["tg.on_skip_retry"].delay(n=1)  # max_retries=0, skip_max_retries=2
+        waiting = events.track(app.tasks["tg.on_skip_retry"].delay(n=1))  # max_retries=0, skip_max_retries=2
         out = waiting.get(timeout=10)
         holder.get(timeout=10)
         skips = events.wait_for("task-skipped", 3)
@@ -226,9 +226,9 @@ def test_released_after_exception_and_soft_time_limit(app):
 def test_lease_lost_mid_body_is_reported(app):
     with EventLog(app) as events, embedded_worker(app):
         with pytest.raises(LeaseLost):
-            app.tasks["tg.loses"].delay().get(timeout=5)
+            events.track(app.tasks["tg.loses"].delay()).get(timeout=5)
         app.conf.taskguard_locks.client.delete("{" + app.conf.taskguard_locks.prefix + ":loses}")
-        assert app.tasks["tg.loses_warn"].delay().get(timeout=5) == "finished"
+        assert events.track(app.tasks["tg.loses_warn"].delay()).get(timeout=5) == "finished"
         lost = events.wait_for("task-lease-lost", 2)
     assert len(lost) == 2 and all(e["key"] == "loses" for e in lost)
 
