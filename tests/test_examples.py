@@ -42,3 +42,60 @@ def test_demos_fail_fast_and_never_print_a_url_password(script):
     assert time.monotonic() - started < 30  # fails fast, before starting any worker
     assert "s3cretPW99" not in proc.stdout + proc.stderr
     assert "***" in proc.stdout + proc.stderr
+
+
+def test_storage_side_fencing_recipes(redis_url, prefix, tmp_path):
+    import sqlite3
+
+    import redis as redis_py
+
+    from examples.fencing import redis_fenced_set, sql_fenced_update
+    from taskguard import RedisLocks
+
+    locks = RedisLocks(redis_py.Redis.from_url(redis_url), prefix=prefix)
+    old = locks.acquire("report", ttl=0.1).lease
+    time.sleep(0.2)  # the old holder's lease expires while it "pauses"
+    new = locks.acquire("report", ttl=5).lease
+    assert new.fencing_token > old.fencing_token
+
+    db = sqlite3.connect(tmp_path / "fence.sqlite", isolation_level=None)
+    db.execute("CREATE TABLE reports (id TEXT PRIMARY KEY, body TEXT, fence INTEGER NOT NULL DEFAULT 0)")
+    db.execute("INSERT INTO reports (id) VALUES ('daily')")
+    assert sql_fenced_update(db, "reports", "daily", new.fencing_token, body="new") is True
+    assert sql_fenced_update(db, "reports", "daily", new.fencing_token, body="new again") is True  # same token
+    assert sql_fenced_update(db, "reports", "daily", old.fencing_token, body="stale") is False
+    assert db.execute("SELECT body, fence FROM reports").fetchone() == ("new again", new.fencing_token)
+    with pytest.raises(ValueError):
+        sql_fenced_update(db, "reports; DROP TABLE reports", "daily", 1)
+
+    client = redis_py.Redis.from_url(redis_url)
+    key = f"{prefix}:store"
+    try:
+        assert redis_fenced_set(client, key, "new", new.fencing_token) is True
+        assert redis_fenced_set(client, key, "stale", old.fencing_token) is False
+        assert client.hget(key, "value") == b"new"
+    finally:
+        client.delete(key)
+        new.release()
+
+
+def test_example_celery_app_report_and_per_customer_syncs(redis_url, prefix, tmp_path, monkeypatch):
+    import importlib
+
+    monkeypatch.setenv("TASKGUARD_REDIS_URL", redis_url)
+    monkeypatch.setenv("OUTBOX_DB", str(tmp_path / "app.sqlite"))
+    monkeypatch.setenv("OUTBOX_PREFIX", prefix)
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "outbox"))
+    import app as example  # examples/outbox/app.py
+
+    example = importlib.reload(example)
+    example.app.conf.task_always_eager = True
+    example.create_schema(4)
+    assert example.daily_report.delay("2026-11-29").get()["written"] is True
+    assert {"daily-report", "outbox-drain"} <= set(example.app.conf.beat_schedule)
+    held = example.sync_customer.taskguard_locks.acquire("customer-sync:7", ttl=10).lease
+    from taskguard import is_skipped
+
+    assert is_skipped(example.sync_customer.delay(7, seconds=0).get())   # customer 7 is busy
+    assert example.sync_customer.delay(8, seconds=0).get()["customer"] == 8  # customer 8 is not
+    held.release()

@@ -1,4 +1,5 @@
-"""A Celery app that drains an outbox table under a fenced lease.
+"""The Celery example app: an outbox drain with fenced SQL writes, a singleton daily report on
+beat, and per-customer keyed syncs — each guarded by a fenced lease.
 
 Every batch moves rows from ``outbox`` to ``delivered`` in one SQLite transaction that first
 checks the fencing token (``UPDATE drain_fence SET fence = :t WHERE fence <= :t``, row count 1),
@@ -15,8 +16,9 @@ import sqlite3
 import time
 
 from celery import Celery
+from celery.schedules import crontab
 
-from taskguard_celery import guarded_task
+from taskguard_celery import current_lease, guarded_task
 
 REDIS_URL = os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
 DB = os.environ.get("OUTBOX_DB", "outbox.sqlite")
@@ -28,6 +30,12 @@ app.conf.update(
     taskguard_prefix=os.environ.get("OUTBOX_PREFIX", "outbox-demo"),
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
+    # run with several `celery beat -S taskguard`: each due run is published once
+    beat_schedule={
+        "daily-report": {"task": "reports.daily", "schedule": crontab(hour=6, minute=0),
+                         "options": {"taskguard": {"ttl": 3600}}},
+        "outbox-drain": {"task": "outbox.drain", "schedule": 10.0},
+    },
 )
 
 
@@ -51,6 +59,9 @@ def create_schema(rows: int) -> None:
             CREATE TABLE drain_fence (name TEXT PRIMARY KEY, fence INTEGER NOT NULL);
             INSERT INTO drain_fence VALUES ('outbox', 0);
             CREATE TABLE runs (task_id TEXT, attempt INTEGER, fence INTEGER, moved INTEGER, rejected INTEGER);
+            DROP TABLE IF EXISTS reports; DROP TABLE IF EXISTS customers;
+            CREATE TABLE reports (id TEXT PRIMARY KEY, body TEXT, fence INTEGER NOT NULL DEFAULT 0);
+            CREATE TABLE customers (id INTEGER PRIMARY KEY, synced_at REAL, fence INTEGER NOT NULL DEFAULT 0);
         """)
         db.executemany("INSERT INTO outbox (id, payload) VALUES (?, ?)",
                        [(i, f"event-{i}") for i in range(1, rows + 1)])
@@ -112,3 +123,28 @@ def record(task, fence: int, moved: int, rejected: int) -> None:
     with connect() as db:
         db.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?)", (task.request.id, task.request.retries, fence, moved,
                                                                rejected))
+
+
+@guarded_task(name="reports.daily", ttl=600, key="report:{day}")
+def daily_report(day: str = "today") -> dict:
+    """The once-a-day report: the lease keeps two runs (two beats, a redelivery) from both
+    building it; the fenced write keeps a stale run from overwriting a newer one."""
+    from examples.fencing import sql_fenced_update  # noqa: E402 (the storage-side recipe)
+
+    fence = current_lease().fencing_token
+    with connect() as db:
+        db.execute("INSERT OR IGNORE INTO reports (id) VALUES (?)", (day,))
+        written = sql_fenced_update(db, "reports", day, fence, body=f"report for {day}, built under fence {fence}")
+    return {"day": day, "fence": fence, "written": written}
+
+
+@guarded_task(name="customers.sync", ttl=60, key="customer-sync:{customer_id}")
+def sync_customer(customer_id: int, seconds: float = 0.5) -> dict:
+    """One sync per customer at a time; different customers in parallel."""
+    fence = current_lease().fencing_token
+    time.sleep(seconds)
+    with connect() as db:
+        db.execute("INSERT OR IGNORE INTO customers (id) VALUES (?)", (customer_id,))
+        db.execute("UPDATE customers SET synced_at = ?, fence = ? WHERE id = ? AND fence <= ?",
+                   (time.time(), fence, customer_id, fence))
+    return {"customer": customer_id, "fence": fence}

@@ -31,6 +31,37 @@ def describe(out) -> str:
     return f"ran with fence {out['fence']}, moved {out['moved']} rows"
 
 
+def print_metrics(metrics_dir: Path) -> None:
+    """What Prometheus would scrape (`taskguard metrics` serves this directory)."""
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(metrics_dir))
+    print("\nprometheus (taskguard_* from every worker process)")
+    for family in sorted(registry.collect(), key=lambda f: f.name):
+        if not family.name.startswith("taskguard_"):
+            continue
+        for s in sorted(family.samples, key=lambda s: (s.name, sorted(s.labels.items()))):
+            if s.name.endswith(("_created", "_bucket")) or (s.name.endswith("_sum") and not s.value):
+                continue
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            print(f"  {s.name}{{{labels}}} {s.value:g}")
+
+
+def print_doctor(url: str) -> None:
+    """The doctor's report on the Redis the demo used (`taskguard doctor`)."""
+    from taskguard import RedisLocks
+    from taskguard.cli import doctor_checks
+
+    print("\ntaskguard doctor")
+    checks = doctor_checks(RedisLocks.from_url(url, connect_timeout=2, socket_timeout=2))
+    for check in checks:
+        mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}[check["status"]]
+        print(f"  {mark} {check['name']}: {check['detail']}")
+    if any(c["status"] == "fail" for c in checks):
+        print("  (fine for a demo; production needs every check to pass: see README, Production checklist)")
+
+
 def start_worker(env: dict, log_path: Path) -> subprocess.Popen:
     log = open(log_path, "wb")
     proc = subprocess.Popen(
@@ -48,9 +79,12 @@ def start_worker(env: dict, log_path: Path) -> subprocess.Popen:
 def main() -> int:
     run = uuid.uuid4().hex[:8]
     tmp = Path(tempfile.mkdtemp(prefix="taskguard-demo-"))
-    env = {**os.environ, "OUTBOX_DB": str(tmp / "outbox.sqlite"), "OUTBOX_QUEUE": f"outbox-{run}",
+    metrics_dir = tmp / "metrics"  # prometheus_client multiprocess mode: every worker process writes here
+    metrics_dir.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "TASKGUARD_METRICS": "1",
+           "OUTBOX_DB": str(tmp / "outbox.sqlite"), "OUTBOX_QUEUE": f"outbox-{run}",
            "OUTBOX_PREFIX": f"outbox-demo-{run}", "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    os.environ.update(env)
+    os.environ.update({k: v for k, v in env.items() if k not in ("PROMETHEUS_MULTIPROC_DIR", "TASKGUARD_METRICS")})
     sys.path.insert(0, str(HERE))
     import app as outbox  # noqa: E402  (configured by the environment above)
 
@@ -130,7 +164,8 @@ def main() -> int:
     sys.path.insert(0, str(HERE.parent / "rq_sync"))
     import demo as rq_demo  # noqa: E402
 
-    rq = rq_demo.run(outbox.REDIS_URL)
+    rq = rq_demo.run(outbox.REDIS_URL, extra_env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+                                                   "TASKGUARD_METRICS": "1"})
 
     with sqlite3.connect(env["OUTBOX_DB"]) as db:
         delivered, distinct = db.execute("SELECT COUNT(*), COUNT(DISTINCT outbox_id) FROM delivered").fetchone()
@@ -156,6 +191,8 @@ def main() -> int:
     for label, celery, rq_value in rows:
         print(f"  {label + (':' if label.strip() else ''):<34}{celery!s:<8}{rq_value}".rstrip())
     print(f"  (database and worker log kept in {tmp})")
+    print_metrics(metrics_dir)
+    print_doctor(outbox.REDIS_URL)
     return 0 if ok else 1
 
 

@@ -28,10 +28,10 @@ def wait(job, timeout=30.0):
     return job
 
 
-def run(redis_url: str) -> dict:
+def run(redis_url: str, extra_env: dict | None = None) -> dict:
     tag = uuid.uuid4().hex[:8]
     env = {**os.environ, "TASKGUARD_REDIS_URL": redis_url, "TASKGUARD_PREFIX": f"rq-demo-{tag}",
-           "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+           "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(extra_env or {})}
     os.environ.update({k: env[k] for k in ("TASKGUARD_REDIS_URL", "TASKGUARD_PREFIX")})
     sys.path.insert(0, str(HERE))
     import jobs  # noqa: E402
