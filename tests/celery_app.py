@@ -186,6 +186,20 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         time.sleep(seconds)
         return self.lease.key
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.unit", ttl=2, key="unit:{key}", acks_late=True,
+              reject_on_worker_lost=True, on_skip="retry", skip_retry_delay=0.3, skip_max_retries=10000)
+    def unit(self, unit_id, key, seconds=0.5):
+        """One unit of work of the soak: checks nobody else entered the key while it ran."""
+        fence = self.lease.fencing_token
+        occ = f"{prefix}:occ:{key}"
+        r.set(occ, fence)
+        r.rpush(f"{prefix}:ledger:{key}", f"{fence}:{time.time():.6f}")
+        time.sleep(seconds)
+        if int(r.get(occ) or 0) != fence:
+            r.rpush(f"{prefix}:violations", f"{key}:{fence}:{r.get(occ)}")
+        r.sadd(f"{prefix}:done", unit_id)
+        return fence
+
     if os.environ.get("TG_TEST_BEAT"):
         app.conf.beat_schedule = {
             "tick": {"task": "tg.tick", "schedule": float(os.environ["TG_TEST_BEAT"])},
