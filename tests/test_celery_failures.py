@@ -167,7 +167,7 @@ def test_revoke_terminate_is_released_by_the_main_process(env):
     locks = app.conf.taskguard_locks
     with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
         res = app.tasks["tg.long_holder"].delay(seconds=20)
-        wait_for(lambda: entries(app, "long:start"))
+        assert wait_for(lambda: entries(app, "long:start"))
         app.control.revoke(res.id, terminate=True, signal="SIGKILL")
         released = wait_for(lambda: locks.holder("long") is None, timeout=5)
     say(f"injected: revoke(terminate=True) of a 20 s body (ttl 30); observed released promptly: {released}")
@@ -179,7 +179,7 @@ def test_lost_child_is_released_by_the_main_process(env):
     locks = app.conf.taskguard_locks
     with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
         res = app.tasks["tg.long_holder"].delay(seconds=20)
-        wait_for(lambda: locks.holder("long"))
+        assert wait_for(lambda: locks.holder("long"))
         pid = locks.holder("long").holder["pid"]
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(Exception) as err:
@@ -196,7 +196,7 @@ def test_lost_child_with_requeue_runs_again_with_a_larger_fence(env):
     locks = app.conf.taskguard_locks
     with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
         res = app.tasks["tg.sleeper"].delay("requeue", seconds=3.0, fenced=False)
-        wait_for(lambda: locks.holder("sleeper:requeue"))
+        assert wait_for(lambda: locks.holder("sleeper:requeue"))
         info = locks.holder("sleeper:requeue")
         os.kill(info.holder["pid"], signal.SIGKILL)
         fence = res.get(timeout=30)
@@ -243,7 +243,7 @@ def test_lease_store_outage_fails_tasks_never_runs_them_unguarded(redis_url, pre
             assert out["n"] == 1
             # lost mid-body: the store goes away for longer than the TTL (3 s)
             res = app.tasks["tg.sleeper"].delay("outage", seconds=4.5, fenced=False)
-            wait_for(lambda: entries(app, "sleeper:outage:start"))
+            assert wait_for(lambda: entries(app, "sleeper:outage:start"), timeout=30), "the task never started"
             server.stop()
             time.sleep(4.0)
             server.start()
@@ -269,7 +269,7 @@ def test_rabbitmq_connection_drop_mid_body(redis_url, prefix):
     try:
         with WorkerProcess(queue, prefix, broker=AMQP_URL, concurrency=2) as worker:
             res = app.tasks["tg.sleeper"].delay("drop", seconds=3.0)
-            wait_for(lambda: entries(app, "sleeper:drop:start"))
+            assert wait_for(lambda: entries(app, "sleeper:drop:start"))
             out = subprocess.run(["rabbitmqctl", "close_all_connections", "taskguard test"],
                                  capture_output=True, text=True, timeout=30)
             say(f"injected: rabbitmqctl close_all_connections (rc {out.returncode})")
