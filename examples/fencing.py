@@ -39,7 +39,7 @@ def sql_fenced_update(conn: Any, table: str, row_id: Any, fence: int, **values: 
 
 
 # KEYS[1] the protected key (a hash: value, fence); ARGV[1] fence, ARGV[2] value -> 1 written, 0 stale
-_FENCED_SET = """
+FENCED_SET_SCRIPT = """
 local last = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
 if tonumber(ARGV[1]) >= last then
   redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'value', ARGV[2])
@@ -52,4 +52,4 @@ return 0
 def redis_fenced_set(client: Any, key: str, value: str, fence: int) -> bool:
     """Compare-and-set on a fence in Redis: the hash ``key`` keeps ``value`` and the highest
     ``fence`` written; a write with a lower fence is rejected atomically (one Lua script)."""
-    return int(client.eval(_FENCED_SET, 1, key, fence, value)) == 1
+    return int(client.eval(FENCED_SET_SCRIPT, 1, key, fence, value)) == 1

@@ -261,7 +261,7 @@ class RedisLocks(Locks):
 
     def _release_run(self, key: str, run_id: str) -> bool:
         lease_k, _, signal_k, waiting_k = self._keys(key)
-        return int(self._run("release", key, scripts.RELEASE_RUN, (lease_k, signal_k, waiting_k),
+        return int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (lease_k, signal_k, waiting_k),
                              (run_id, _ms(SIGNAL_TTL)))) == 1
 
     def force_release(self, key: str) -> bool:
@@ -270,8 +270,8 @@ class RedisLocks(Locks):
         fenced writes still carry the old, now lower, fencing token. Returns ``True`` when a lease
         was there. Raises LeaseBackendError."""
         lease_k, _, signal_k, waiting_k = self._keys(key)
-        ok = int(self._run("release", key, scripts.FORCE_RELEASE, (lease_k, signal_k, waiting_k),
-                           (_ms(SIGNAL_TTL),))) == 1
+        ok = int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (lease_k, signal_k, waiting_k),
+                           ("", _ms(SIGNAL_TTL)))) == 1
         self._emit("release", key, "forced" if ok else "no_lease")
         return ok
 

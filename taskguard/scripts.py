@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 from redis.exceptions import NoScriptError
 
-__all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_RUN", "FORCE_RELEASE", "CLAIM", "HOLDER", "OWNS"]
+__all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_WITHOUT_TOKEN", "CLAIM", "HOLDER", "OWNS"]
 
 
 class Script:
@@ -73,6 +73,15 @@ class Script:
     def queue_eval(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
         pipe.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
+
+# Wake one waiter, if any waits (KEYS[2] release signal, KEYS[3] waiting flag): a one-element
+# list that a blocked BLPOP pops, expiring by itself.
+_SIGNAL_ONE_WAITER = """
+  if redis.call('EXISTS', KEYS[3]) == 1 then
+    redis.call('DEL', KEYS[2])
+    redis.call('RPUSH', KEYS[2], '1')
+    redis.call('PEXPIRE', KEYS[2], {ttl})
+  end"""
 
 # KEYS[1] lease, KEYS[2] fence counter, KEYS[3] waiting flag, optional KEYS[4] done marker of
 # the run asking
@@ -145,11 +154,7 @@ end
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.call('SET', KEYS[4], ARGV[1] .. ' ' .. ARGV[4], 'PX', 10000)
-  if redis.call('EXISTS', KEYS[3]) == 1 then
-    redis.call('DEL', KEYS[2])
-    redis.call('RPUSH', KEYS[2], '1')
-    redis.call('PEXPIRE', KEYS[2], ARGV[2])
-  end
+""" + _SIGNAL_ONE_WAITER.format(ttl="ARGV[2]") + """
   return 1
 end
 if redis.call('GET', KEYS[4]) == ARGV[1] .. ' ' .. ARGV[4] then
@@ -179,36 +184,18 @@ return {0, redis.call('PTTL', KEYS[1])}
 """,
 )
 
-# Release on behalf of a run known to be over, without its owner token (e.g. by a Celery worker's
-# main process after its child died): KEYS[1] lease, KEYS[2] release signal, KEYS[3] waiting flag;
-# ARGV[1] run id, ARGV[2] signal TTL ms -> 1 released, 0 the lease is not that run's (or gone).
-RELEASE_RUN = Script(
-    "release_run",
+# Release without the owner token: on behalf of a run known to be over (e.g. by a Celery worker's
+# main process after its child died), or by an operator's force. KEYS[1] lease, KEYS[2] release
+# signal, KEYS[3] waiting flag; ARGV[1] the run id whose lease to release ('' = whoever holds it),
+# ARGV[2] signal TTL ms -> 1 released, 0 the lease is not that run's (or there is none).
+RELEASE_WITHOUT_TOKEN = Script(
+    "release_without_token",
     """
-if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'run') == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  if redis.call('EXISTS', KEYS[3]) == 1 then
-    redis.call('DEL', KEYS[2])
-    redis.call('RPUSH', KEYS[2], '1')
-    redis.call('PEXPIRE', KEYS[2], ARGV[2])
-  end
-  return 1
+if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'run') ~= ARGV[1] then
+  return 0
 end
-return 0
-""",
-)
-
-# An operator's forced release, whoever holds it: KEYS[1] lease, KEYS[2] release signal, KEYS[3]
-# waiting flag; ARGV[1] signal TTL ms -> 1 released, 0 no lease.
-FORCE_RELEASE = Script(
-    "force_release",
-    """
 if redis.call('DEL', KEYS[1]) == 1 then
-  if redis.call('EXISTS', KEYS[3]) == 1 then
-    redis.call('DEL', KEYS[2])
-    redis.call('RPUSH', KEYS[2], '1')
-    redis.call('PEXPIRE', KEYS[2], ARGV[1])
-  end
+""" + _SIGNAL_ONE_WAITER.format(ttl="ARGV[2]") + """
   return 1
 end
 return 0

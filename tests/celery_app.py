@@ -209,19 +209,5 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     return app
 
 
-# compare-and-set on a fence: the protected resource's own check
-FENCED_SET = """
-local last = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
-if tonumber(ARGV[1]) >= last then
-  redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'value', ARGV[2])
-  return 1
-end
-return 0
-"""
-
-
-if os.environ.get("TG_TEST_QUEUE"):
-    import json
-
-    app = make_app(os.environ["TG_TEST_QUEUE"], os.environ["TG_TEST_PREFIX"],
-                   broker=os.environ.get("TG_TEST_BROKER"), **json.loads(os.environ.get("TG_TEST_CONF", "{}")))
+# compare-and-set on a fence: the protected resource's own check (the recipe in examples/fencing.py)
+from examples.fencing import FENCED_SET_SCRIPT as FENCED_SET  # noqa: E402
