@@ -146,10 +146,10 @@ class BeatProcess:
     """A real ``celery -A tests.celery_app beat -S taskguard`` with its own schedule file."""
 
     def __init__(self, queue: str, prefix: str, schedule_dir: Path, name: str, every: float = 1.0,
-                 env: dict | None = None):
+                 env: dict | None = None, scheduler: str = "taskguard"):
         self.name = name
         self.log_path = Path(f"/tmp/tg-beat-{queue}-{name}-{time.time_ns()}.log")
-        self.args = [sys.executable, "-m", "celery", "-A", "tests.celery_app", "beat", "-S", "taskguard",
+        self.args = [sys.executable, "-m", "celery", "-A", "tests.celery_app", "beat", "-S", scheduler,
                      "-s", str(schedule_dir / f"schedule-{name}"), "--loglevel", "INFO"]
         self.env = {**os.environ, "TG_TEST_QUEUE": queue, "TG_TEST_PREFIX": prefix, "TG_TEST_BEAT": str(every),
                     **(env or {})}

@@ -74,6 +74,32 @@ def test_two_beats_publish_each_slot_once(beat_env, stagger):
     assert "is the leader" in a.output() + b.output()
 
 
+def test_redbeat_with_the_mixin_publishes_each_slot_once(beat_env, redis_url):
+    """RedBeat keeps the schedule in Redis and publishes through ``apply_async`` (not
+    ``apply_entry``); its own lock is turned off so that only taskguard's checks keep the beats
+    from publishing twice."""
+    app, queue, prefix, tmp = beat_env
+    conf = {"TG_TEST_CONF": json.dumps({"redbeat_redis_url": redis_url, "redbeat_key_prefix": f"{prefix}:redbeat",
+                                        "redbeat_lock_key": None})}
+    with WorkerProcess(queue, prefix, pool="threads", concurrency=4):
+        beats = [BeatProcess(queue, prefix, tmp, n, env=conf, scheduler="tests.beat_schedulers:SingletonRedBeat").start()
+                 for n in ("a", "b")]
+        time.sleep(4.0)
+        started = time.time()
+        time.sleep(8.0)
+        stopped = time.time()
+        time.sleep(1.0)
+        for b in beats:
+            b.stop()
+    runs = [r for r in ticks(app) if started <= r[2] <= stopped]
+    say("injected: two RedBeat beats (RedBeat's own lock off) with the taskguard mixin")
+    due = check_once_per_slot(runs, started, stopped)
+    assert abs(len(runs) - due) <= 1, [b.output()[-2000:] for b in beats]
+    keys = list(redis.Redis.from_url(redis_url).scan_iter(match=f"{prefix}:redbeat*"))
+    if keys:
+        redis.Redis.from_url(redis_url).delete(*keys)
+
+
 def test_sigkill_of_the_leader_beat_hands_over_within_the_leader_ttl(beat_env):
     app, queue, prefix, tmp = beat_env
     conf = {"TG_TEST_CONF": json.dumps({"taskguard_beat_leader_ttl": 3})}

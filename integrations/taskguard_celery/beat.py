@@ -30,7 +30,6 @@ How it works:
 from __future__ import annotations
 
 import collections
-import copy
 import logging
 import math
 import os
@@ -88,6 +87,17 @@ def validate_entry_options(name: str, options: Any) -> dict:
     if key is not None and (not isinstance(key, str) or not key):
         raise ConfigError(f"beat entry {name!r}: key must be a non-empty template str, got {key!r}")
     return dict(options)
+
+
+class _WithOptions:
+    """The entry as published: the same entry with other publish options (entries of other
+    schedulers, e.g. RedBeat's, do not survive ``copy.copy``)."""
+
+    def __init__(self, entry: Any, options: dict) -> None:
+        self._entry, self.options = entry, options
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._entry, name)
 
 
 class SingletonBeatMixin:
@@ -161,29 +171,42 @@ class SingletonBeatMixin:
         return (window > self._tg_windows.get(entry.name, -1), next_in)
 
     def apply_entry(self, entry: Any, producer: Any = None) -> None:
+        """Celery's ``Scheduler.tick`` path (the entry is already reserved)."""
+        self._tg_publish(entry, producer, advance=False)
+
+    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True, **kwargs: Any) -> Any:
+        """Schedulers that publish without ``apply_entry`` (RedBeat's ``maybe_due``) come here."""
+        if getattr(self, "_tg_inside", False):  # our own publish, already checked
+            return super().apply_async(entry, producer, advance, **kwargs)  # type: ignore[misc]
+        return self._tg_publish(entry, producer, advance=advance, **kwargs)
+
+    def _tg_publish(self, entry: Any, producer: Any, advance: bool, **kwargs: Any) -> Any:
         slot, keep = slot_of(entry)
         if _is_interval(entry.schedule):
             self._tg_windows[entry.name] = int(slot.rsplit(":", 1)[1])
         leader = self.taskguard_leader()
         if leader is None:
+            # not ours to publish, nor to move on: a schedule shared through Redis (RedBeat)
+            # would otherwise look already run to the leader
             log.debug("beat %s is not the leader; %s slot %s left to the leader", self.taskguard_id, entry.name, slot)
-            return
+            return None
+        if advance:  # as Scheduler.apply_async does: move the entry on whatever happens below
+            self.reserve(entry)  # type: ignore[attr-defined]
         slot_key = f"beat-slot:{entry.name}:{slot}"
         try:
             claimed = self.taskguard_locks.mark_once(slot_key, f"claimed {self.taskguard_id} {time.time():.3f}",
                                                      ttl=keep)
             if not claimed:
                 self._report_if_unpublished(entry, slot, slot_key)
-                return
+                return None
             leader.ensure_held()
         except LeaseBackendError as e:
             self._note_outage(e)
-            return
+            return None
         except Exception as e:  # LeaseLost between the claim and the publish
             log.error("beat %s: slot %s of %s claimed but not published: %s", self.taskguard_id, slot, entry.name, e)
             self.taskguard_stats["unpublished_slots"] += 1
-            return
-        publish = copy.copy(entry)
+            return None
         options = dict(entry.options)
         guard = options.pop(ENTRY_OPTION, None)
         header = {"leader_key": self.taskguard_leader_key, "leader_fence": leader.fencing_token,
@@ -191,20 +214,23 @@ class SingletonBeatMixin:
         if guard:
             header.update(guard)
         options["headers"] = {**(options.get("headers") or {}), BEAT_HEADER: header}
-        publish.options = options
-        info_line = f"beat {self.taskguard_id}: publishing {entry.name} slot {slot}"
-        log.info(info_line)
+        publish = _WithOptions(entry, options)
+        log.info("beat %s: publishing %s slot %s", self.taskguard_id, entry.name, slot)
+        self._tg_inside = True
         try:
-            result = self.apply_async(publish, producer=producer, advance=False)  # type: ignore[attr-defined]
+            result = super().apply_async(publish, producer, False, **kwargs)  # type: ignore[misc]
         except Exception as e:
             log.error("beat %s: slot %s of %s claimed but not published: %s", self.taskguard_id, slot, entry.name, e)
             self.taskguard_stats["unpublished_slots"] += 1
-            return
+            return None
+        finally:
+            self._tg_inside = False
         self.taskguard_stats["published"] += 1
         try:
             self.taskguard_locks.update_mark(slot_key, f"published {getattr(result, 'id', '')}", ttl=keep)
         except LeaseBackendError as e:
             self._note_outage(e)
+        return result
 
     def _report_if_unpublished(self, entry: Any, slot: str, slot_key: str) -> None:
         mark = self.taskguard_locks.read_mark(slot_key) or ""
