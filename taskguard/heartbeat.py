@@ -166,13 +166,15 @@ class Heartbeat:
         if lease.released:  # released while the renewal was in flight: nothing to report
             self.discard(lease)
             return
-        emit = lease._locks._emitter.emit
+        emitter = lease._locks._emitter
+        emit = emitter.emit
         if outcome is True:
             lease.expires_at = started_wall + lease.ttl
             with self._cond:
                 e.next_due = time.monotonic() + e.interval
-            emit(LeaseEvent("renew", lease.key, "renewed", took, fencing_token=lease.fencing_token, ttl=lease.ttl,
-                            task=lease.task))
+            if emitter.active:  # the common case: skip building events nobody reads
+                emit(LeaseEvent("renew", lease.key, "renewed", took, fencing_token=lease.fencing_token,
+                                ttl=lease.ttl, task=lease.task))
         elif outcome is False:
             self.discard(lease)
             emit(LeaseEvent("renew", lease.key, "not_owner", took, fencing_token=lease.fencing_token, ttl=lease.ttl,

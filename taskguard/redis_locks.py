@@ -20,6 +20,8 @@ from .urls import ACCEPTED, redact_url
 __all__ = ["RedisLocks"]
 
 DEFAULT_FENCE_IDLE_TTL = 7 * 24 * 3600.0
+#: Renewals sent in one pipelined round trip by the heartbeat, at most.
+RENEW_BATCH = 1000
 #: How long a release signal waits for a waiter, seconds. Longer only costs a spurious wake-up.
 SIGNAL_TTL = 10.0
 
@@ -215,7 +217,13 @@ class RedisLocks(Locks):
         return int(self._run("renew", key, scripts.RENEW, (self._lease_key(key),), (owner, _ms(ttl)))) == 1
 
     def _renew_many(self, items: Sequence[tuple[str, str, float]]) -> list[Any]:
-        """All renewals in one pipelined round trip (plus one more only after a NOSCRIPT)."""
+        """Renewals pipelined, :data:`RENEW_BATCH` per round trip (plus one more only after a
+        NOSCRIPT), so 10,000 leases never hold Redis in one long burst."""
+        if len(items) > RENEW_BATCH:
+            out: list[Any] = []
+            for i in range(0, len(items), RENEW_BATCH):
+                out.extend(self._renew_many(items[i:i + RENEW_BATCH]))
+            return out
         if not items:
             return []
         try:

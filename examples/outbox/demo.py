@@ -71,6 +71,9 @@ def start_worker(env: dict, log_path: Path) -> subprocess.Popen:
     deadline = time.monotonic() + 60
     while b" ready." not in log_path.read_bytes():
         if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:  # never leave a half-started worker behind
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             sys.exit(f"the Celery worker did not start:\n{log_path.read_text()}")
         time.sleep(0.1)
     return proc

@@ -53,7 +53,7 @@ def run(redis_url: str, extra_env: dict | None = None) -> dict:
         for worker, log_path in workers:
             while b"Listening on" not in log_path.read_bytes():
                 if worker.poll() is not None or time.monotonic() > deadline:
-                    sys.exit(f"the rq worker did not start:\n{log_path.read_text()}")
+                    raise SystemExit(f"the rq worker did not start:\n{log_path.read_text()}")  # finally stops them
                 time.sleep(0.1)
         print("5. RQ: two syncs of customer 7 (one skipped), and a sync of customer 8 that fails once and retries")
         first = queue.enqueue(jobs.sync_customer, 7, seconds=1.5)
@@ -78,5 +78,8 @@ def run(redis_url: str, extra_env: dict | None = None) -> dict:
         for worker, _ in workers:
             worker.send_signal(signal.SIGTERM)
         for worker, _ in workers:
-            worker.wait(30)
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
         queue.delete(delete_jobs=True)

@@ -1,0 +1,474 @@
+#!/usr/bin/env python
+"""taskguard at scale: 10,000 live leases on one heartbeat, and Redis memory per distinct key.
+
+Run from the repository root:
+
+    .venv/bin/python bench/bench_scale.py [--leases N] [--seconds S] [--keys K] [--url URL]
+
+What it measures, on one Redis (``--url``, default ``$TASKGUARD_REDIS_URL`` or
+``redis://127.0.0.1:6379/0``; meant for loopback):
+
+1. Heartbeat at scale: ``--leases`` (10,000) live leases in this process, acquired with
+   ``renew=True, ttl=--ttl`` (3 s) and the default ``renew_fraction`` (1/3), kept alive by the
+   process heartbeat alone for ``--seconds`` (15 s) after a warm-up. Reported: heartbeat rounds and
+   pipelines (round trips) per round and per second, leases per pipeline, pipeline round-trip time,
+   renewals per second (client-side and from ``INFO commandstats``), the CPU of this process per
+   second (``time.process_time`` delta; also per thread from /proc), Redis's CPU, the PING latency
+   another process sees meanwhile (vs before the leases existed), leases lost (must be 0) and the
+   smallest TTL left on any lease at the end.
+
+   Pipelines are counted on the client: ``client.pipeline`` is wrapped on the instance (the only
+   instrumentation; taskguard is not patched).
+
+2. Redis memory per distinct key: ``INFO memory`` ``used_memory`` before and after acquiring and
+   releasing ``--keys`` (100,000) distinct keys, on a ``RedisLocks`` whose ``fence_idle_ttl`` is
+   short (chosen so that every counter outlives the creation plus the 10 s release tombstones; or
+   ``--fence-idle-ttl``). Three readings: right after the last release (fence counters plus the
+   release tombstones of the last 10 s), once the tombstones expired (what stays: the fence
+   counters; delta / keys = bytes per distinct key), and once the counters idled past
+   ``fence_idle_ttl`` (memory back to the baseline).
+
+Keys live under fresh ``tgbench-<pid>-<random>`` prefixes and are deleted at the end (also after an
+error, Ctrl-C or SIGTERM). Other clients of the same Redis change ``used_memory`` too: run it on an
+otherwise idle Redis for figures to quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import multiprocessing
+import os
+import platform
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import redis
+import redis.utils
+
+try:  # run from a checkout without installing
+    import taskguard
+except ImportError:  # pragma: no cover
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import taskguard
+
+from taskguard import RedisLocks
+from taskguard.heartbeat import COALESCE, get_heartbeat
+from taskguard.redis_locks import SIGNAL_TTL
+from taskguard.urls import redact_url
+
+TOMBSTONE_TTL = 10.0  # the release tombstone ({P:K}:released) lives 10 s (scripts.RELEASE)
+
+
+# -- small helpers ---------------------------------------------------------------------------------
+def pct(sorted_vals: list[float], q: float) -> float:
+    if not sorted_vals:
+        return float("nan")
+    i = max(0, min(len(sorted_vals) - 1, math.ceil(q * len(sorted_vals)) - 1))
+    return sorted_vals[i]
+
+
+def fmt_table(headers: list[str], rows: list[list[str]], align: str | None = None) -> str:
+    align = align or "l" + "r" * (len(headers) - 1)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align)).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def git_state() -> str:
+    pkg = os.path.dirname(os.path.abspath(taskguard.__file__))
+    try:
+        head = subprocess.run(["git", "-C", pkg, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", pkg, "status", "--porcelain", "--", "."], capture_output=True,
+                               text=True, timeout=5, check=True).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    changed = [line[3:] for line in dirty if line.strip()]
+    return f" (git {head}" + (f", uncommitted changes in: {' '.join(changed)})" if changed else ")")
+
+
+def redis_cpu(admin: redis.Redis) -> float:
+    info = admin.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def evalsha_calls(admin: redis.Redis) -> int:
+    return int(admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds per live thread of this process, by thread name (/proc; 10 ms ticks)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        tid = getattr(t, "native_id", None)
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        name = t.name if not t.name.startswith("taskguard-renew") else "taskguard-renew (pool)"
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cleanup(admin: redis.Redis, prefix: str) -> tuple[int, int]:
+    deleted, batch = 0, []
+    for k in admin.scan_iter(match=f"*{prefix}*", count=5000):
+        batch.append(k)
+        if len(batch) >= 1000:
+            deleted += admin.delete(*batch)
+            batch = []
+    if batch:
+        deleted += admin.delete(*batch)
+    left = sum(1 for _ in admin.scan_iter(match=f"*{prefix}*", count=5000))
+    return deleted, left
+
+
+def lat_cell(v: list[float]) -> str:
+    if not v:
+        return "n/a"
+    return (f"p50 {pct(v, .5) * 1e3:.2f} ms, p99 {pct(v, .99) * 1e3:.2f} ms, max {v[-1] * 1e3:.2f} ms "
+            f"({len(v)} pings)")
+
+
+# -- a PING prober in another process -----------------------------------------------------------------
+def prober(url: str, stop: Any, out: Any, every: float) -> None:
+    client = redis.Redis.from_url(url)
+    clock = time.monotonic
+    samples: list[tuple[float, float]] = []
+    try:
+        client.ping()
+        while not stop.is_set():
+            s = clock()
+            client.ping()
+            samples.append((s, clock() - s))
+            time.sleep(every)
+    finally:
+        out.put(samples)
+        client.close()
+
+
+# -- part 1: the heartbeat with many leases -------------------------------------------------------------
+class PipelineLog:
+    """Wraps ``client.pipeline`` on one client instance: size and round-trip time of each execute."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.entries: list[tuple[float, int, float]] = []  # (started monotonic, commands, seconds)
+        orig = client.pipeline
+        log = self.entries
+
+        def pipeline(*a: Any, **k: Any) -> Any:
+            pipe = orig(*a, **k)
+            run = pipe.execute
+
+            def execute(*ea: Any, **ek: Any) -> Any:
+                n = len(pipe.command_stack)
+                s = time.monotonic()
+                try:
+                    return run(*ea, **ek)
+                finally:
+                    log.append((s, n, time.monotonic() - s))
+
+            pipe.execute = execute
+            return pipe
+
+        client.pipeline = pipeline  # type: ignore[method-assign]
+
+
+def part_heartbeat(url: str, admin: redis.Redis, prefix: str, n: int, ttl: float, seconds: float,
+                   warmup: float) -> dict[str, float]:
+    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    plog = PipelineLog(client)
+    locks = RedisLocks(client, prefix=prefix)
+    interval = ttl * locks.renew_fraction
+    ctx = multiprocessing.get_context("fork")  # forked before any taskguard thread exists
+    stop, out = ctx.Event(), ctx.Queue()
+    probe = ctx.Process(target=prober, args=(url, stop, out, 0.002), daemon=True)
+    probe.start()
+    time.sleep(2.0)  # PING latency with no leases
+    idle_end = time.monotonic()
+
+    hb = get_heartbeat()
+    t0 = time.monotonic()
+    leases = []
+    for i in range(n):
+        acq = locks.acquire(f"live:{i}", ttl=ttl, renew=True)
+        if not acq.acquired:
+            raise RuntimeError(f"lease live:{i} unexpectedly held")
+        leases.append(acq.lease)
+    acquire_s = time.monotonic() - t0
+    time.sleep(warmup)
+
+    gc.collect()
+    beats0, pipes0 = hb.beats, len(plog.entries)
+    ev0, rcpu0, cpu0, th0 = evalsha_calls(admin), redis_cpu(admin), time.process_time(), thread_cpu()
+    w0 = time.monotonic()
+    time.sleep(seconds)
+    w1 = time.monotonic()
+    beats1, pipes1 = hb.beats, len(plog.entries)
+    ev1, rcpu1, cpu1, th1 = evalsha_calls(admin), redis_cpu(admin), time.process_time(), thread_cpu()
+    stop.set()
+    samples = out.get(timeout=30)
+    probe.join(10)
+
+    # end check: every lease still held, with how much TTL left (one pipelined PTTL over all keys)
+    lost = sum(1 for lease in leases if lease.lost)
+    pipe = admin.pipeline(transaction=False)
+    for lease in leases:
+        pipe.pttl(locks._lease_key(lease.key))
+    pttls = sorted(int(x) for x in pipe.execute())
+    t_rel = time.monotonic()
+    not_released = sum(1 for lease in leases if not lease.release())
+    release_s = time.monotonic() - t_rel
+
+    window = [e for e in plog.entries[pipes0:pipes1]]
+    sizes = [e[1] for e in window]
+    rtts = sorted(e[2] for e in window)
+    wall = w1 - w0
+    rounds = beats1 - beats0
+    renewals = sum(sizes)
+    cpu = cpu1 - cpu0
+    idle = sorted(x[1] for x in samples if x[0] < idle_end)
+    busy = sorted(x[1] for x in samples if w0 <= x[0] <= w1)
+
+    print(f"## 1. {n:,} live leases on one heartbeat: ttl={ttl:g} s, renew_fraction={locks.renew_fraction:.3g} "
+          f"(renewed every {interval:g} s,")
+    print(f"   up to {COALESCE:.0%} of that early to share a round); measured over {wall:.1f} s after a "
+          f"{warmup:g} s warm-up\n")
+    rows = [
+        ["acquire of the leases (renew=True), sequential", f"{acquire_s:.2f} s ({acquire_s / n * 1e6:.0f} us each)"],
+        ["heartbeat rounds", f"{rounds} ({rounds / wall:.2f}/s)"],
+        ["pipelines (round trips)", f"{len(window)} ({len(window) / wall:.2f}/s, "
+                                    f"{len(window) / max(rounds, 1):.2f} per round)"],
+        ["leases per pipeline", f"mean {statistics.mean(sizes):,.0f}, min {min(sizes):,}, max {max(sizes):,}"
+         if sizes else "n/a"],
+        ["pipeline round trip", f"p50 {pct(rtts, .5) * 1e3:.1f} ms, max {rtts[-1] * 1e3:.1f} ms" if rtts else "n/a"],
+        ["renewals / s (client-side)", f"{renewals / wall:,.0f} ({renewals / wall / n:.2f} per lease; "
+                                       f"1/interval = {1 / interval:.2f})"],
+        ["EVALSHA / s (INFO commandstats)", f"{(ev1 - ev0) / wall:,.0f} (other clients' included)"],
+        ["CPU of this process", f"{cpu / wall * 1e3:.0f} ms/s = {cpu / wall:.1%} of a core "
+                                f"({cpu / max(renewals, 1) * 1e6:.1f} us per renewal)"],
+    ]
+    for name in sorted(th1):
+        d = th1[name] - th0.get(name, 0.0)
+        if d > 0 or name in ("taskguard-heartbeat", "MainThread"):
+            rows.append([f"  thread {name}", f"{d / wall * 1e3:.0f} ms/s"])
+    rows += [
+        ["Redis CPU", f"{(rcpu1 - rcpu0) / wall * 1e3:.0f} ms/s "
+                      f"({(rcpu1 - rcpu0) / max(renewals, 1) * 1e6:.1f} us per renewal; other clients' included)"],
+        ["PING from another process, no leases", lat_cell(idle)],
+        ["PING from another process, heartbeat on", lat_cell(busy)],
+        ["leases lost", f"{lost} of {n:,}"],
+        ["TTL left at the end check", f"min {pttls[0] / 1e3:.2f} s, median {pct(pttls, .5) / 1e3:.2f} s "
+                                      f"(of ttl {ttl:g} s)"],
+        ["release of the leases, sequential", f"{release_s:.2f} s; {not_released} not released"],
+    ]
+    print(fmt_table(["measure", "value"], rows, align="ll"))
+    client.close()
+    return {"acq_rel_s": (acquire_s + release_s) / n}
+
+
+# -- part 2: Redis memory per distinct key ------------------------------------------------------------
+def used_memory(admin: redis.Redis, reads: int = 5) -> int:
+    vals = []
+    for _ in range(reads):
+        vals.append(int(admin.info("memory")["used_memory"]))
+        time.sleep(0.05)
+    return int(statistics.median(vals))
+
+
+def count_keys(admin: redis.Redis, prefix: str) -> dict[str, int]:
+    out = {"fence": 0, "released": 0, "other": 0}
+    for k in admin.scan_iter(match=f"*{prefix}*", count=5000):
+        kind = "fence" if k.endswith(":fence") else "released" if k.endswith(":released") else "other"
+        out[kind] += 1
+    return out
+
+
+def mean_memory_usage(admin: redis.Redis, prefix: str, suffix: str, n: int = 200) -> float:
+    keys = []
+    for k in admin.scan_iter(match=f"*{prefix}*{suffix}", count=5000):
+        keys.append(k)
+        if len(keys) >= n:
+            break
+    if not keys:
+        return float("nan")
+    pipe = admin.pipeline(transaction=False)
+    for k in keys:
+        pipe.memory_usage(k, samples=0)
+    vals = [v for v in pipe.execute() if v is not None]
+    return statistics.mean(vals) if vals else float("nan")
+
+
+def wait_until(pred: Any, timeout: float, step: float = 1.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+def part_memory(url: str, admin: redis.Redis, prefix: str, n: int, idle_ttl: float | None,
+                per_op_hint: float | None) -> None:
+    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    # how long creating n keys takes here: from part 1's acquire+release, else a short probe
+    if per_op_hint is None:
+        probe = RedisLocks(client, prefix=prefix + ":probe", fence_idle_ttl=5)
+        s = time.monotonic()
+        for i in range(500):
+            probe.acquire(f"p{i}", ttl=10).lease.release()
+        per_op_hint = (time.monotonic() - s) / 500
+        cleanup(admin, prefix + ":probe")
+    est = per_op_hint * n
+    if idle_ttl is None:  # every counter must outlive the creation plus the tombstones, with a margin
+        idle_ttl = float(math.ceil((est * 1.4 + TOMBSTONE_TTL + 5) / 5) * 5)
+    locks = RedisLocks(client, prefix=prefix, fence_idle_ttl=idle_ttl)
+    others0 = int(admin.dbsize())
+    time.sleep(0.5)
+    base = used_memory(admin)
+
+    t_first = time.monotonic()
+    for i in range(n):
+        acq = locks.acquire(f"k:{i}", ttl=10)
+        if not acq.acquired:
+            raise RuntimeError(f"key k:{i} unexpectedly held")
+        acq.lease.release()
+    t_last = time.monotonic()
+    create_s = t_last - t_first
+    time.sleep(0.3)
+    after = used_memory(admin)
+    kinds_after = count_keys(admin, prefix)
+    fence_usage = mean_memory_usage(admin, prefix, ":fence")
+    tomb_usage = mean_memory_usage(admin, prefix, ":released")
+
+    # stage b: the release tombstones (10 s) gone, the counters still there
+    time.sleep(max(0.0, t_last + TOMBSTONE_TTL + 0.5 - time.monotonic()))
+    wait_until(lambda: count_keys(admin, prefix)["released"] == 0, 10.0)
+    time.sleep(0.3)
+    stays = used_memory(admin)
+    kinds_stays = count_keys(admin, prefix)
+    t_stays = time.monotonic()
+
+    # stage c: the counters idle past fence_idle_ttl
+    time.sleep(max(0.0, t_last + idle_ttl + 0.5 - time.monotonic()))
+    gone = wait_until(lambda: sum(count_keys(admin, prefix).values()) == 0, 30.0)
+    time.sleep(1.5)  # let serverCron shrink the keyspace tables
+    end = used_memory(admin)
+    t_end = time.monotonic()
+    kinds_end = count_keys(admin, prefix)
+    others1 = int(admin.dbsize()) - sum(kinds_end.values())
+
+    def row(label: str, when: str, mem: int, kinds: dict[str, int]) -> list[str]:
+        d = mem - base
+        return [label, when, f"{mem:,}", f"{d:+,}", f"{d / n:+.1f}", f"{kinds['fence']:,}",
+                f"{kinds['released']:,}", f"{kinds['other']:,}"]
+
+    print(f"## 2. Redis memory per distinct key: {n:,} distinct keys acquired + released once "
+          f"(RedisLocks fence_idle_ttl={idle_ttl:g} s)")
+    print(f"   creating them took {create_s:.1f} s ({create_s / n * 1e6:.0f} us per acquire+release); "
+          f"used_memory = median of 5 INFO reads\n")
+    print(fmt_table(["reading", "at", "used_memory B", "delta B", "B per key", "fence counters",
+                     "release tombstones", "other keys"], [
+        ["baseline", "before", f"{base:,}", "", "", "0", "0", "0"],
+        row("after the last release", "+0 s", after, kinds_after),
+        row("tombstones expired: what stays", f"+{t_stays - t_last:.0f} s", stays, kinds_stays),
+        row("counters idle past fence_idle_ttl", f"+{t_end - t_last:.0f} s", end, kinds_end),
+    ], align="llrrrrrr"))
+    print(f"   MEMORY USAGE (the key and its value, without the keyspace tables): fence counter "
+          f"{fence_usage:.0f} B, release tombstone {tomb_usage:.0f} B (means of 200 keys)")
+    print(f"   what stays per distinct key once idle: {(stays - base) / n:.0f} B (its fence counter, with its "
+          f"share of the keyspace and expires tables) for fence_idle_ttl")
+    back = gone and abs(end - base) <= 0.1 * max(stays - base, 1)
+    print(f"   ({idle_ttl:g} s here; 7 days by default), then {(end - base) / n:+.1f} B: "
+          + ("back at the baseline (within 10% of what stayed; other clients move used_memory too)" if back
+             else "NOT back at the baseline" + ("" if gone else " (some keys did not expire in time)")))
+    print(f"   right after a release a key also keeps its release tombstone ({{P:K}}:released, "
+          f"{TOMBSTONE_TTL:g} s) - the release signal")
+    print(f"   list ({{P:K}}:signal, {SIGNAL_TTL:g} s) exists only when someone waited.")
+    if kinds_stays["fence"] < n:
+        print(f"   WARNING: {n - kinds_stays['fence']:,} counters expired before the 'what stays' reading (creating "
+              f"the keys took longer than estimated): rerun with a larger --fence-idle-ttl")
+    if others1 != others0:
+        print(f"   NOTE: other clients' keys in this db went from {others0:,} to {others1:,} meanwhile; their "
+              f"memory is in the deltas")
+    client.close()
+
+
+# -- main -------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                    help="Redis URL (default: $TASKGUARD_REDIS_URL or redis://127.0.0.1:6379/0)")
+    ap.add_argument("--leases", type=int, default=10_000, help="live leases in part 1 (default 10000)")
+    ap.add_argument("--ttl", type=float, default=3.0, help="their TTL, seconds (default 3)")
+    ap.add_argument("--seconds", type=float, default=15.0, help="measured window of part 1 (default 15)")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds before the window (default 3)")
+    ap.add_argument("--keys", type=int, default=100_000, help="distinct keys in part 2 (default 100000)")
+    ap.add_argument("--fence-idle-ttl", type=float, default=None,
+                    help="fence_idle_ttl of part 2, seconds (default: just long enough, see the docstring)")
+    ap.add_argument("--skip-heartbeat", action="store_true", help="part 2 only")
+    ap.add_argument("--skip-memory", action="store_true", help="part 1 only")
+    args = ap.parse_args(argv)
+    if args.leases < 1 or args.keys < 1 or args.seconds <= 0 or args.ttl <= 0:
+        ap.error("--leases, --keys must be >= 1; --seconds, --ttl > 0")
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    t_start = time.monotonic()
+    admin = redis.Redis.from_url(args.url, client_name="tgbench-admin", decode_responses=True)
+    try:
+        server = admin.info("server")
+    except redis.RedisError as e:
+        print(f"cannot reach Redis at {redact_url(args.url)}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    prefix = f"tgbench-{os.getpid()}-{secrets.token_hex(4)}"
+    mem = admin.info("memory")
+    print("# taskguard at scale: many leases on one heartbeat, Redis memory per key")
+    print(f"python        {platform.python_implementation()} {platform.python_version()} on {platform.system()} "
+          f"{platform.machine()}, {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"redis server  {server.get('redis_version')} ({server.get('redis_mode', '?')}, "
+          f"{mem.get('mem_allocator', '?')}, maxmemory-policy {mem.get('maxmemory_policy', '?')}) at "
+          f"{redact_url(args.url).strip(chr(39) + chr(34))}")
+    print(f"redis-py      {redis.__version__}, hiredis {'yes' if redis.utils.HIREDIS_AVAILABLE else 'no'}")
+    print(f"taskguard     {taskguard.__version__} from {os.path.dirname(taskguard.__file__)}{git_state()}")
+    print(f"key prefix    {prefix}:hb / {prefix}:mem (deleted at the end)")
+    others = int(admin.info("clients").get("connected_clients", 0)) - 1
+    if others > 0:
+        print(f"NOTE          {others} other client(s) connected to this Redis; their load and keys add noise")
+    print()
+    hint = None
+    try:
+        if not args.skip_heartbeat:
+            hint = part_heartbeat(args.url, admin, prefix + ":hb", args.leases, args.ttl, args.seconds,
+                                  args.warmup)["acq_rel_s"]
+            cleanup(admin, prefix + ":hb")  # part 1's counters (fence_idle_ttl 7 days) would skew part 2
+            print()
+        if not args.skip_memory:
+            part_memory(args.url, admin, prefix + ":mem", args.keys, args.fence_idle_ttl, hint)
+    finally:
+        deleted, left = cleanup(admin, prefix)
+        print(f"\ncleanup: deleted {deleted} keys under {prefix}; {left} left")
+        admin.close()
+    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+          f"total wall time {time.monotonic() - t_start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
