@@ -42,6 +42,9 @@ MAX_SECONDS = 1e9
 def check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
     """Validate a duration in seconds (finite, > 0 or >= 0, at most :data:`MAX_SECONDS`);
     raise :class:`ConfigError` naming ``name`` otherwise."""
+    kind = type(value)
+    if (kind is float or kind is int) and 0 < value <= MAX_SECONDS:  # the common case, fast
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__}")
     try:
@@ -186,6 +189,8 @@ class Locks:
         return self._emitter.add_listener(fn)
 
     def _emit(self, kind: str, key: str, status: str, **fields: Any) -> None:
+        # hot paths test self._emitter.active first, so that no event (nor its fields) is built
+        # when nobody listens
         if self._emitter.active:
             self._emitter.emit(LeaseEvent(kind, key, status, **fields))
 
@@ -253,8 +258,9 @@ class Locks:
                 lease = Lease(self, key, owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta,
                               run_id=run_id)
                 self._track(lease, renew, max_hold)
-                self._emit("acquire", key, "acquired", duration=time.monotonic() - started,
-                           fencing_token=fence, ttl=ttl, holder=meta, task=_task_of(meta))
+                if self._emitter.active:
+                    self._emit("acquire", key, "acquired", duration=time.monotonic() - started,
+                               fencing_token=fence, ttl=ttl, holder=meta, task=_task_of(meta))
                 return Acquisition(True, lease)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -542,8 +548,9 @@ class Locks:
             self._emit("release", lease.key, "error", duration=time.monotonic() - started, error=str(e),
                        task=lease.task)
             raise
-        self._emit("release", lease.key, "released" if ok else "not_owner", duration=time.monotonic() - started,
-                   fencing_token=lease.fencing_token, task=lease.task)
+        if self._emitter.active:
+            self._emit("release", lease.key, "released" if ok else "not_owner", duration=time.monotonic() - started,
+                       fencing_token=lease.fencing_token, task=lease.task)
         if ok:
             lease._mark_released()
         else:
