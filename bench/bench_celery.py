@@ -74,48 +74,13 @@ except ImportError:  # pragma: no cover
     import taskguard
 
 from taskguard.urls import redact_url
+from benchlib import fmt_table, git_state, pct, verdict  # noqa: E402
 
 KINDS = ("unguarded", "guarded")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # -- small helpers ---------------------------------------------------------------------------------
-def pct(sorted_vals: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list (q in [0, 1])."""
-    if not sorted_vals:
-        return float("nan")
-    i = max(0, min(len(sorted_vals) - 1, math.ceil(q * len(sorted_vals)) - 1))
-    return sorted_vals[i]
-
-
-def fmt_table(headers: list[str], rows: list[list[str]], align: str | None = None) -> str:
-    align = align or "l" + "r" * (len(headers) - 1)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align))
-
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
-
-
-def git_state() -> str:
-    pkg = os.path.dirname(os.path.abspath(taskguard.__file__))
-    try:
-        head = subprocess.run(["git", "-C", pkg, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "taskguard",
-                                "integrations/taskguard_celery"], capture_output=True, text=True, timeout=5,
-                               check=True).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    changed = [line[3:] for line in dirty if line.strip()]
-    return f" (git {head}" + (f", uncommitted changes in: {' '.join(changed)})" if changed else ")")
-
-
 # -- the worker subprocess -------------------------------------------------------------------------
 class Worker:
     """One ``celery -A celery_bench_app worker -P prefork -c N`` subprocess for this run's queue."""

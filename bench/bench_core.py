@@ -76,29 +76,12 @@ from taskguard.heartbeat import get_heartbeat
 from taskguard.lease import Acquisition, Lease
 from taskguard.locks import check_seconds, new_owner_token
 from taskguard.urls import redact_url
+from benchlib import fmt_table, git_state, pct, verdict  # noqa: E402
 
 TTL = 10  # seconds, every contender
 
 
 # -- small helpers ---------------------------------------------------------------------------------
-def pct(sorted_vals: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list (q in [0, 1])."""
-    if not sorted_vals:
-        return float("nan")
-    i = max(0, min(len(sorted_vals) - 1, math.ceil(q * len(sorted_vals)) - 1))
-    return sorted_vals[i]
-
-
-def fmt_table(headers: list[str], rows: list[list[str]], align: str | None = None) -> str:
-    align = align or "l" + "r" * (len(headers) - 1)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align))
-
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
 def parser_name(client: redis.Redis) -> tuple[str, Any]:
     pool = client.connection_pool
     conn = pool.get_connection()
@@ -106,24 +89,6 @@ def parser_name(client: redis.Redis) -> tuple[str, Any]:
         return type(conn._parser).__name__, getattr(conn, "protocol", "?")
     finally:
         pool.release(conn)
-
-
-def git_state() -> str:
-    """' (git <commit>[, uncommitted changes in: ...])' for the taskguard package, or ''."""
-    pkg = os.path.dirname(os.path.abspath(taskguard.__file__))
-    try:
-        head = subprocess.run(["git", "-C", pkg, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", pkg, "status", "--porcelain", "--", "."], capture_output=True,
-                               text=True, timeout=5, check=True).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    changed = [line[3:] for line in dirty if line.strip()]
-    return f" (git {head}" + (f", uncommitted changes in: {' '.join(changed)})" if changed else ")")
-
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
 
 
 # -- contenders ------------------------------------------------------------------------------------

@@ -63,41 +63,12 @@ from taskguard import RedisLocks
 from taskguard.heartbeat import COALESCE, get_heartbeat
 from taskguard.redis_locks import SIGNAL_TTL
 from taskguard.urls import redact_url
+from benchlib import fmt_table, git_state, pct  # noqa: E402
 
 TOMBSTONE_TTL = 10.0  # the release tombstone ({P:K}:released) lives 10 s (scripts.RELEASE)
 
 
 # -- small helpers ---------------------------------------------------------------------------------
-def pct(sorted_vals: list[float], q: float) -> float:
-    if not sorted_vals:
-        return float("nan")
-    i = max(0, min(len(sorted_vals) - 1, math.ceil(q * len(sorted_vals)) - 1))
-    return sorted_vals[i]
-
-
-def fmt_table(headers: list[str], rows: list[list[str]], align: str | None = None) -> str:
-    align = align or "l" + "r" * (len(headers) - 1)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align)).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
-def git_state() -> str:
-    pkg = os.path.dirname(os.path.abspath(taskguard.__file__))
-    try:
-        head = subprocess.run(["git", "-C", pkg, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", pkg, "status", "--porcelain", "--", "."], capture_output=True,
-                               text=True, timeout=5, check=True).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    changed = [line[3:] for line in dirty if line.strip()]
-    return f" (git {head}" + (f", uncommitted changes in: {' '.join(changed)})" if changed else ")")
-
-
 def redis_cpu(admin: redis.Redis) -> float:
     info = admin.info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
