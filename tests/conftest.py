@@ -43,9 +43,9 @@ def prefix(redis_url):
     p = f"tgtest-{uuid.uuid4().hex[:12]}"
     yield p
     c = redis.Redis.from_url(redis_url)
-    keys = list(c.scan_iter(match="{" + p + ":*"))
-    if keys:
-        c.delete(*keys)
+    keys = [k for pattern in ("{" + p + ":*", f"*{p}*") for k in c.scan_iter(match=pattern, count=1000)]
+    if keys:  # leases, markers, the test's queues and their kombu bindings
+        c.delete(*set(keys))
     c.close()
 
 

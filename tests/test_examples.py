@@ -79,23 +79,25 @@ def test_storage_side_fencing_recipes(redis_url, prefix, tmp_path):
         new.release()
 
 
-def test_example_celery_app_report_and_per_customer_syncs(redis_url, prefix, tmp_path, monkeypatch):
-    import importlib
-
-    monkeypatch.setenv("TASKGUARD_REDIS_URL", redis_url)
-    monkeypatch.setenv("OUTBOX_DB", str(tmp_path / "app.sqlite"))
-    monkeypatch.setenv("OUTBOX_PREFIX", prefix)
-    monkeypatch.syspath_prepend(str(ROOT / "examples" / "outbox"))
-    import app as example  # examples/outbox/app.py
-
-    example = importlib.reload(example)
-    example.app.conf.task_always_eager = True
-    example.create_schema(4)
-    assert example.daily_report.delay("2026-11-29").get()["written"] is True
-    assert {"daily-report", "outbox-drain"} <= set(example.app.conf.beat_schedule)
-    held = example.sync_customer.taskguard_locks.acquire("customer-sync:7", ttl=10).lease
-    from taskguard import is_skipped
-
-    assert is_skipped(example.sync_customer.delay(7, seconds=0).get())   # customer 7 is busy
-    assert example.sync_customer.delay(8, seconds=0).get()["customer"] == 8  # customer 8 is not
-    held.release()
+def test_example_celery_app_report_and_per_customer_syncs(redis_url, prefix, tmp_path):
+    """The example app as a user imports it (own process: its shared tasks stay out of this one)."""
+    script = """
+import app as example
+from taskguard import is_skipped
+example.app.conf.task_always_eager = True
+example.create_schema(4)
+assert example.daily_report.delay("2026-11-29").get()["written"] is True
+assert {"daily-report", "outbox-drain"} <= set(example.app.conf.beat_schedule)
+held = example.sync_customer.taskguard_locks.acquire("customer-sync:7", ttl=10).lease
+assert is_skipped(example.sync_customer.delay(7, seconds=0).get())   # customer 7 is busy
+assert example.sync_customer.delay(8, seconds=0).get()["customer"] == 8  # customer 8 is not
+held.release()
+print("example app OK")
+"""
+    env = {**os.environ, "TASKGUARD_REDIS_URL": redis_url, "OUTBOX_DB": str(tmp_path / "app.sqlite"),
+           "OUTBOX_PREFIX": prefix,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "examples" / "outbox"), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "example app OK" in proc.stdout
