@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import gc
-import math
 import os
 import platform
 import secrets

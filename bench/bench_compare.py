@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.metadata
-import math
 import multiprocessing
 import os
 import platform

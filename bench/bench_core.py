@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import platform
 import random
@@ -52,7 +51,6 @@ import re
 import secrets
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time

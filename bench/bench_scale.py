@@ -44,7 +44,6 @@ import platform
 import secrets
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time

@@ -96,7 +96,7 @@ def install(registry: Any = None) -> Metrics:
 
 
 def _after_fork() -> None:
-    global _installed, _lock
+    global _lock
     # the child keeps the parent's listener (same metric objects); in multiprocess mode
     # prometheus_client writes the child's samples to files of its own pid
     _lock = threading.Lock()

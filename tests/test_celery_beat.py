@@ -15,7 +15,7 @@ from celery import Celery
 from celery.beat import ScheduleEntry
 from celery.schedules import crontab
 
-from taskguard import MemoryLocks, Skipped, is_skipped
+from taskguard import MemoryLocks, Skipped
 from taskguard_celery.beat import slot_of
 
 from .celery_app import make_app

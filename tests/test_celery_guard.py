@@ -6,7 +6,7 @@ import time
 
 import pytest
 import redis
-from celery import chain, chord, group
+from celery import chain, chord
 from celery.exceptions import Retry
 
 from taskguard import ConfigError, LeaseLost, Skipped, TaskSkipped, is_skipped

@@ -15,7 +15,6 @@ import signal
 import threading
 import time
 
-import pytest
 import redis
 
 from taskguard import LeaseBackendError, RedisLocks
