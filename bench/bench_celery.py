@@ -73,7 +73,7 @@ except ImportError:  # pragma: no cover
     import taskguard
 
 from taskguard.urls import redact_url
-from benchlib import fmt_table, git_state, pct, verdict  # noqa: E402
+from benchlib import delete_matching, fmt_table, git_state, pct, verdict  # noqa: E402
 
 KINDS = ("unguarded", "guarded")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -732,15 +732,7 @@ def diagnostics(bench: Bench, ops: int, rounds: int) -> tuple[list[list[str]], l
 def cleanup(admin: redis.Redis, run: str, task_ids: list[str]) -> tuple[int, int]:
     """Delete every key of the run; remove its members from kombu's shared binding sets and any
     unacked entries of its messages. -> (keys deleted, keys left)."""
-    deleted = 0
-    batch: list[str] = []
-    for k in admin.scan_iter(match=f"*{run}*", count=1000):
-        batch.append(k)
-        if len(batch) >= 500:
-            deleted += admin.delete(*batch)
-            batch = []
-    if batch:
-        deleted += admin.delete(*batch)
+    deleted = delete_matching(admin, f"*{run}*")
     metas = [f"celery-task-meta-{t}" for t in task_ids]
     for i in range(0, len(metas), 1000):
         deleted += admin.delete(*metas[i:i + 1000])

@@ -49,7 +49,6 @@ instrumentation is a redis-py ``Connection`` subclass that counts the commands i
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib.metadata
 import multiprocessing
@@ -117,7 +116,7 @@ except ImportError:  # pragma: no cover
 
 from taskguard import RedisLocks, scripts  # noqa: E402
 from taskguard.urls import redact_url  # noqa: E402
-from benchlib import fmt_table, git_state, pct  # noqa: E402
+from benchlib import arg_parser, cleanup, fmt_table, git_state, pct, run_chunk  # noqa: E402
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -289,17 +288,6 @@ CONTENDERS: list[tuple[str, str, Callable[..., Any], str]] = [
      "2 round trips (SET NX PX via redis-py Lock, DEL): clear_lock deletes whoever holds the key"),
     ("2x PING", "redis", c_ping, "the floor: two round trips doing nothing"),
 ]
-
-
-def run_chunk(fn: Callable[[], None], n: int) -> tuple[float, list[float]]:
-    lat = [0.0] * n
-    clock = time.perf_counter
-    t0 = clock()
-    for i in range(n):
-        s = clock()
-        fn()
-        lat[i] = clock() - s
-    return clock() - t0, lat
 
 
 def section_throughput(url: str, admin: redis.Redis, prefix: str, ops: int, rounds: int, count_ops: int,
@@ -724,28 +712,12 @@ def section_contention(url: str, admin: redis.Redis, prefix: str, threads: list[
 
 
 # -- main -------------------------------------------------------------------------------------------
-def cleanup(admin: redis.Redis, prefix: str) -> tuple[int, int]:
-    deleted, batch = 0, []
-    for k in admin.scan_iter(match=f"*{prefix}*", count=1000):
-        batch.append(k)
-        if len(batch) >= 500:
-            deleted += admin.delete(*batch)
-            batch = []
-    if batch:
-        deleted += admin.delete(*batch)
-    left = sum(1 for _ in admin.scan_iter(match=f"*{prefix}*", count=1000))
-    return deleted, left
-
-
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()] if text.strip() else []
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                    help="Redis URL (default: $TASKGUARD_REDIS_URL or redis://127.0.0.1:6379/0)")
+    ap = arg_parser(__doc__)
     ap.add_argument("--ops", type=int, default=1500, help="ops per contender per round (default 1500)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds of section 1 (default 7)")
     ap.add_argument("--count-ops", type=int, default=500, help="ops per contender for the counts (default 500)")

@@ -41,7 +41,6 @@ Keys live under a fresh unique prefix and are deleted at the end. Nothing in tas
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -74,7 +73,7 @@ from taskguard.heartbeat import get_heartbeat
 from taskguard.lease import Acquisition, Lease
 from taskguard.locks import check_seconds, new_owner_token
 from taskguard.urls import redact_url
-from benchlib import fmt_table, git_state, pct, verdict  # noqa: E402
+from benchlib import arg_parser, cleanup, fmt_table, git_state, pct, run_chunk, verdict  # noqa: E402
 
 TTL = 10  # seconds, every contender
 
@@ -126,18 +125,6 @@ def make_contenders(client: redis.Redis, locks: RedisLocks, prefix: str) -> dict
         REL(client, (lease_k, signal_k, waiting_k, locks._released_key("raw")), rel_args)
 
     return {"taskguard": tg, "2x PING": two_pings, "redis-py Lock": rp, "tg scripts raw": raw}
-
-
-def run_chunk(fn: Callable[[], None], n: int) -> tuple[float, list[float]]:
-    """n ops; -> (wall seconds, per-op seconds)."""
-    lat = [0.0] * n
-    clock = time.perf_counter
-    t0 = clock()
-    for i in range(n):
-        s = clock()
-        fn()
-        lat[i] = clock() - s
-    return clock() - t0, lat
 
 
 def throughput(contenders: dict[str, Callable[[], None]], ops: int, rounds: int) -> dict[str, Any]:
@@ -538,26 +525,8 @@ def print_breakdown(client: redis.Redis) -> None:
 
 
 # -- main -----------------------------------------------------------------------------------------------
-def cleanup(admin: redis.Redis, prefix: str) -> tuple[int, int]:
-    deleted = 0
-    for pattern in (f"*{prefix}*",):
-        batch = []
-        for k in admin.scan_iter(match=pattern, count=1000):
-            batch.append(k)
-            if len(batch) >= 500:
-                deleted += admin.delete(*batch)
-                batch = []
-        if batch:
-            deleted += admin.delete(*batch)
-    left = sum(1 for _ in admin.scan_iter(match=f"*{prefix}*", count=1000))
-    return deleted, left
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                    help="Redis URL (default: $TASKGUARD_REDIS_URL or redis://127.0.0.1:6379/0)")
+    ap = arg_parser(__doc__)
     ap.add_argument("--ops", type=int, default=2000, help="ops per contender per round (default 2000)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
     ap.add_argument("--handoffs", type=int, default=50, help="hand-offs per waiter kind (default 50)")

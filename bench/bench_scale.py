@@ -35,7 +35,6 @@ otherwise idle Redis for figures to quote.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import multiprocessing
@@ -62,7 +61,7 @@ from taskguard import RedisLocks
 from taskguard.heartbeat import COALESCE, get_heartbeat
 from taskguard.redis_locks import SIGNAL_TTL
 from taskguard.urls import redact_url
-from benchlib import fmt_table, git_state, pct  # noqa: E402
+from benchlib import arg_parser, cleanup, fmt_table, git_state, pct  # noqa: E402
 
 TOMBSTONE_TTL = 10.0  # the release tombstone ({P:K}:released) lives 10 s (scripts.RELEASE)
 
@@ -91,19 +90,6 @@ def thread_cpu() -> dict[str, float]:
         name = t.name if not t.name.startswith("taskguard-renew") else "taskguard-renew (pool)"
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
-
-
-def cleanup(admin: redis.Redis, prefix: str) -> tuple[int, int]:
-    deleted, batch = 0, []
-    for k in admin.scan_iter(match=f"*{prefix}*", count=5000):
-        batch.append(k)
-        if len(batch) >= 1000:
-            deleted += admin.delete(*batch)
-            batch = []
-    if batch:
-        deleted += admin.delete(*batch)
-    left = sum(1 for _ in admin.scan_iter(match=f"*{prefix}*", count=5000))
-    return deleted, left
 
 
 def lat_cell(v: list[float]) -> str:
@@ -379,10 +365,7 @@ def part_memory(url: str, admin: redis.Redis, prefix: str, n: int, idle_ttl: flo
 
 # -- main -------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                    help="Redis URL (default: $TASKGUARD_REDIS_URL or redis://127.0.0.1:6379/0)")
+    ap = arg_parser(__doc__)
     ap.add_argument("--leases", type=int, default=10_000, help="live leases in part 1 (default 10000)")
     ap.add_argument("--ttl", type=float, default=3.0, help="their TTL, seconds (default 3)")
     ap.add_argument("--seconds", type=float, default=15.0, help="measured window of part 1 (default 15)")

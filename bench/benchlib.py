@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import subprocess
+import time
+from typing import Any, Callable
 
 import taskguard
 
@@ -53,3 +56,42 @@ def git_state() -> str:
 
 def verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
+
+
+def run_chunk(fn: Callable[[], None], n: int) -> tuple[float, list[float]]:
+    """n ops; -> (wall seconds, per-op seconds)."""
+    lat = [0.0] * n
+    clock = time.perf_counter
+    t0 = clock()
+    for i in range(n):
+        s = clock()
+        fn()
+        lat[i] = clock() - s
+    return clock() - t0, lat
+
+
+def delete_matching(admin: Any, pattern: str) -> int:
+    """Delete every key matching the glob ``pattern`` (SCAN, batches of 500); -> keys deleted."""
+    deleted, batch = 0, []
+    for k in admin.scan_iter(match=pattern, count=1000):
+        batch.append(k)
+        if len(batch) >= 500:
+            deleted += admin.delete(*batch)
+            batch = []
+    if batch:
+        deleted += admin.delete(*batch)
+    return deleted
+
+
+def cleanup(admin: Any, prefix: str) -> tuple[int, int]:
+    """Delete the run's keys (those holding ``prefix``); -> (keys deleted, keys left)."""
+    deleted = delete_matching(admin, f"*{prefix}*")
+    return deleted, sum(1 for _ in admin.scan_iter(match=f"*{prefix}*", count=1000))
+
+
+def arg_parser(doc: str) -> argparse.ArgumentParser:
+    """The scripts' parser: described by the first paragraph of ``doc``, with ``--url``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                    help="Redis URL (default: $TASKGUARD_REDIS_URL or redis://127.0.0.1:6379/0)")
+    return ap
