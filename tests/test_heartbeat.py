@@ -146,3 +146,16 @@ def test_fork_child_drops_inherited_leases_and_runs_its_own_heartbeat(redis_url,
     assert not parent_lease.lost
     assert locks.holder("inherited") is not None
     assert parent_lease.release() is True
+
+
+def test_renewals_go_out_in_batches_of_at_most_1000(redis_url, prefix):
+    """10,000 leases must not hold Redis in one burst: a round is split into pipelines of 1000."""
+    c = CountingRedis.from_url(redis_url)
+    locks = RedisLocks(c, prefix=prefix)
+    leases = [locks.acquire(f"b{i}", ttl=30).lease for i in range(2500)]
+    c.pipelines.clear()
+    outcomes = locks._renew_many([(lease.key, lease.owner_token, 30.0) for lease in leases])
+    assert outcomes == [True] * 2500
+    assert [len(p) for p in c.pipelines] == [1000, 1000, 500]
+    for lease in leases:
+        lease.release()
