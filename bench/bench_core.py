@@ -14,8 +14,12 @@ What it measures, in one run, on one Redis (default ``$TASKGUARD_REDIS_URL`` or
    * ``taskguard``      ``RedisLocks.acquire(key, ttl=10)`` then ``lease.release()``
    * ``2x PING``         ``client.ping(); client.ping()`` - the floor of two round trips
    * ``redis-py Lock``   ``client.lock(key, timeout=10)``, ``acquire(blocking=False)``, ``release()``
+   * ``tg via execute_command``  diagnostic: the same API with ``direct_connections=False``,
+                         every script call through redis-py's ``Redis.execute_command`` (pool
+                         checkout, health-check ``poll``, retry wrapper), as redis-py ``Lock`` sends
    * ``tg scripts raw``  diagnostic: taskguard's two Lua scripts through ``Script.__call__``
-                         with the same arguments, without the Python API around them
+                         with the same arguments and the same connection path as ``taskguard``,
+                         without the Python API around them
 
    All contenders share one ``redis.Redis`` client (hiredis parser when installed). Ratios are
    computed per round (the rounds are interleaved, so each round's ratio compares runs made
@@ -30,8 +34,9 @@ What it measures, in one run, on one Redis (default ``$TASKGUARD_REDIS_URL`` or
 3. Server-side commands per taskguard acquire+release (``INFO stats``/``INFO commandstats``
    deltas): client commands (= round trips) and the commands the Lua scripts run inside.
 
-4. Where taskguard's extra time goes: on a dedicated client whose ``EVALSHA`` commands are timed, the time
-   inside the two EVALSHA calls vs outside them, for ``taskguard`` and ``tg scripts raw``.
+4. Where taskguard's extra time goes: on a dedicated locks object whose script calls are timed
+   (a wrapper on its connection path), the time inside the two EVALSHA calls vs outside them, for
+   ``taskguard`` and ``tg scripts raw``.
 
 5. Client-side CPU of the taskguard API (no Redis I/O): the whole API over a no-op backend (hot
    loop, and right after a round trip) and its pieces: holder metadata, owner token, events, ...
@@ -112,6 +117,15 @@ def make_contenders(client: redis.Redis, locks: RedisLocks, prefix: str) -> dict
             raise RuntimeError("redis-py: key unexpectedly held")
         lk.release()
 
+    # Diagnostic: the same API, every script call through redis-py's Redis.execute_command.
+    pooled_acquire = RedisLocks(client, prefix=prefix, direct_connections=False).acquire
+
+    def tg_pooled() -> None:
+        acq = pooled_acquire("thr-pooled", ttl=TTL)
+        if not acq.acquired:
+            raise RuntimeError("taskguard: key unexpectedly held")
+        acq.lease.release()
+
     # Diagnostic: taskguard's own scripts, same keys and argument sizes, no API around them.
     lease_k, fence_k, signal_k, waiting_k = locks._keys("raw")
     owner = new_owner_token()
@@ -119,12 +133,14 @@ def make_contenders(client: redis.Redis, locks: RedisLocks, prefix: str) -> dict
     acq_args = (owner, TTL * 1000, holder_json, int(locks.fence_idle_ttl * 1000), 0, "")
     rel_args = (owner, 10_000, 0, "bench")
     ACQ, REL = scripts.ACQUIRE, scripts.RELEASE
+    path = locks._exec  # the connection path taskguard's own calls take
 
     def raw() -> None:
-        ACQ(client, (lease_k, fence_k, waiting_k), acq_args)
-        REL(client, (lease_k, signal_k, waiting_k, locks._released_key("raw")), rel_args)
+        ACQ(path, (lease_k, fence_k, waiting_k), acq_args)
+        REL(path, (lease_k, signal_k, waiting_k, locks._released_key("raw")), rel_args)
 
-    return {"taskguard": tg, "2x PING": two_pings, "redis-py Lock": rp, "tg scripts raw": raw}
+    return {"taskguard": tg, "2x PING": two_pings, "redis-py Lock": rp, "tg via execute_command": tg_pooled,
+            "tg scripts raw": raw}
 
 
 def throughput(contenders: dict[str, Callable[[], None]], ops: int, rounds: int) -> dict[str, Any]:
@@ -186,10 +202,15 @@ def print_throughput(res: dict[str, Any], ops: int, rounds: int) -> dict[str, fl
     med = {n: statistics.median(v) for n, v in pr.items()}
     print("   decomposition of the taskguard op (medians, us/op):")
     print(f"     2 round trips (2x PING)                    {med[base] * 1e6:7.1f}")
-    print(f"     + bigger commands, Lua, array replies      {(med['tg scripts raw'] - med[base]) * 1e6:+7.1f}"
-          "   (tg scripts raw - 2x PING)")
+    print(f"     + the scripts on taskguard's path          {(med['tg scripts raw'] - med[base]) * 1e6:+7.1f}"
+          "   (tg scripts raw - 2x PING: bigger commands, Lua, array replies,")
+    print("                                                           less redis-py's per-call overhead)")
     print(f"     + taskguard Python API around the scripts  {(med['taskguard'] - med['tg scripts raw']) * 1e6:+7.1f}"
           "   (taskguard - tg scripts raw)")
+    print(f"   redis-py's Redis.execute_command path instead of taskguard's direct connections: "
+          f"{(med['tg via execute_command'] - med['taskguard']) * 1e6:+.1f} us/op")
+    print("   (pool checkout with its health-check poll() syscall, observability hooks and retry wrapper, per call;")
+    print("   the 2x PING and redis-py Lock rows pay it too: they go through redis-py's client)")
     return {"tg_ping": m_ping, "tg_rp": m_rp, **{f"us:{n}": v * 1e6 for n, v in med.items()}}
 
 
@@ -396,11 +417,13 @@ def print_commands(admin: redis.Redis, contenders: dict[str, Callable[[], None]]
 
 # -- where taskguard's time goes: inside vs outside the EVALSHA calls ---------------------------------
 def print_split(url: str, prefix: str, ops: int, rounds: int) -> None:
-    """taskguard vs its raw scripts on a dedicated client whose ``evalsha`` is timed (an instance
-    attribute wrapper: taskguard itself is not touched)."""
+    """taskguard vs its raw scripts on a dedicated locks object whose script calls are timed (an
+    instance attribute wrapper on its connection path: taskguard's code is not touched)."""
     client = redis.Redis.from_url(url)
+    locks = RedisLocks(client, prefix=prefix)
+    path = locks._exec
     clock = time.perf_counter
-    orig = client.execute_command
+    orig = path.execute_command
     inside = [0.0]
 
     def timed_execute(*a: Any, **k: Any) -> Any:
@@ -412,8 +435,8 @@ def print_split(url: str, prefix: str, ops: int, rounds: int) -> None:
         finally:
             inside[0] += clock() - s
 
-    client.execute_command = timed_execute  # type: ignore[method-assign]
-    cont = make_contenders(client, RedisLocks(client, prefix=prefix), prefix)
+    path.execute_command = timed_execute
+    cont = make_contenders(client, locks, prefix)
     names = ["taskguard", "tg scripts raw"]
     for name in names:
         for _ in range(300):
@@ -425,6 +448,7 @@ def print_split(url: str, prefix: str, ops: int, rounds: int) -> None:
             inside[0] = 0.0
             wall, _ = run_chunk(cont[name], ops)
             res[name].append((wall / ops, inside[0] / ops))
+    locks.close()
     client.close()
     med = {n: (statistics.median(w for w, _ in v), statistics.median(i for _, i in v)) for n, v in res.items()}
     print(f"## 4. where taskguard's extra time goes: time inside the 2 EVALSHA calls vs outside them "
