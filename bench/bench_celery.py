@@ -12,8 +12,12 @@ backend and ONE ``celery worker -P prefork -c 2`` subprocess (``bench/celery_ben
 * ``guarded``    ``@app.task(base=GuardedTask, key="noop:{i}")`` - each call its own key (no
                  contention), GuardedTask defaults: ttl=60, renew=True, wait=0, done marker on
 * ``unguarded``  ``@app.task`` with the same body (``return i``)
+* ``2x PING``    (throughput only) the unguarded body plus two PINGs on a plain redis-py client:
+                 the two round trips (acquire, release) any Redis lease guard costs at least
+* ``redis-py Lock`` (throughput only) the body under redis-py's ``Lock`` taken by hand
+                 (``acquire(blocking=False)``, ``release()``): what users write today
 
-1. Throughput, in interleaved rounds (order alternated each round). Each round, per kind: N
+1. Throughput, in interleaved rounds (order rotated each round). Each round, per kind: N
    messages are published to a staging list the worker does not consume, then moved onto the
    worker's queue in one atomic ``RENAMENX``; the clock runs from that move until all N results
    are in the result backend (``EXISTS`` on the result keys; the values are then read back with
@@ -75,7 +79,9 @@ except ImportError:  # pragma: no cover
 from taskguard.urls import redact_url
 from benchlib import delete_matching, fmt_table, git_state, pct, verdict  # noqa: E402
 
-KINDS = ("unguarded", "guarded")
+KINDS = ("unguarded", "guarded")  # latency and command counts
+#: throughput also runs the two comparison tasks of celery_bench_app (no taskguard in them)
+THROUGHPUT_KINDS = ("unguarded", "2x PING", "redis-py Lock", "guarded")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -188,7 +194,8 @@ class Bench:
 
         self.m = m
         self.app = m.app
-        self.tasks = {"unguarded": m.noop, "guarded": m.guarded_noop}
+        self.tasks = {"unguarded": m.noop, "guarded": m.guarded_noop, "2x PING": m.two_pings_noop,
+                      "redis-py Lock": m.redispy_lock_noop}
         self.task_ids: list[str] = []
         self.next_i = 0
         self.worker: Worker | None = None
@@ -307,14 +314,16 @@ class Bench:
 
     def warm_up(self) -> None:
         """Both pool children import, connect, cache the scripts and start their heartbeat."""
-        for kind in KINDS:
+        for kind in THROUGHPUT_KINDS:
             self.drain(kind, self.args.warmup, measure_cpu=False)
 
     def throughput(self) -> dict[str, Any]:
         n, rounds = self.args.tasks, self.args.rounds
-        per: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
+        per: dict[str, list[dict[str, Any]]] = {k: [] for k in THROUGHPUT_KINDS}
+        kinds = list(THROUGHPUT_KINDS)
         for r in range(rounds):
-            for kind in (KINDS if r % 2 == 0 else KINDS[::-1]):
+            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]  # rotated each round
+            for kind in (order if r % 2 == 0 else order[::-1]):
                 per[kind].append(self.drain(kind, n))
         return per
 
@@ -492,62 +501,77 @@ def diff_stats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 # -- printing -------------------------------------------------------------------------------------------
 def print_throughput(per: dict[str, list[dict[str, Any]]], n: int, rounds: int, concurrency: int,
                      wait: str) -> dict[str, float]:
-    print(f"## 1. throughput: {rounds} interleaved rounds x {n} tasks per kind (order alternated each round)")
+    print(f"## 1. throughput: {rounds} interleaved rounds x {n} tasks per kind (order rotated each round)")
     print("   each batch is published to a staging list first, then moved onto the worker's queue at once;")
     until = ("ResultSet.get() returns all N (client-bound!)" if wait == "celery"
              else "all N results are stored (EXISTS polls)")
-    print(f"   tasks/s = N / (move -> {until}); worker-side = (N-1) / (first..last date_done).\n")
+    print(f"   tasks/s = N / (move -> {until}); worker-side = (N-1) / (first..last date_done).")
+    print("   2x PING: the unguarded body plus two PINGs on a plain redis-py client, the two round trips any")
+    print("   Redis lease guard needs; redis-py Lock: the body under Lock(timeout=60), acquire(blocking=False)")
+    print("   and release() by hand (no fencing, renewal, retry hand-over or skip reporting).\n")
+    kinds = [k for k in THROUGHPUT_KINDS if per.get(k)]
     rows = []
     med = {}
-    for kind in KINDS:
+
+    def ratios(a: str, b: str, field: str = "rate") -> list[float]:
+        return [x[field] / y[field] for x, y in zip(per[a], per[b])]
+
+    for kind in kinds:
         rates = [x["rate"] for x in per[kind]]
         wrates = [x["worker_rate"] for x in per[kind]]
         med[kind] = statistics.median(rates)
+        vs = ratios(kind, "unguarded")
         rows.append([kind, f"{med[kind]:,.0f}", f"{min(rates):,.0f}..{max(rates):,.0f}", f"{1e3 / med[kind]:.3f}",
-                     f"{statistics.median(wrates):,.0f}", f"{min(wrates):,.0f}..{max(wrates):,.0f}"])
-    print(fmt_table(["kind", "tasks/s", "rounds min..max", "ms/task", "worker-side tasks/s", "rounds min..max"],
-                    rows))
-    ratios = [g["rate"] / u["rate"] for g, u in zip(per["guarded"], per["unguarded"])]
-    wratios = [g["worker_rate"] / u["worker_rate"] for g, u in zip(per["guarded"], per["unguarded"])]
-    m, wm = statistics.median(ratios), statistics.median(wratios)
+                     f"{statistics.median(wrates):,.0f}", f"{statistics.median(vs):.3f}x"])
+    print(fmt_table(["kind", "tasks/s", "rounds min..max", "ms/task", "worker-side tasks/s", "vs unguarded"], rows))
+    r = ratios("guarded", "unguarded")
+    w = ratios("guarded", "unguarded", "worker_rate")
+    m, wm = statistics.median(r), statistics.median(w)
     print()
-    print(f"   guarded / unguarded throughput = {m:.3f}x  (rounds {min(ratios):.3f}..{max(ratios):.3f})  "
+    print(f"   guarded / unguarded throughput = {m:.3f}x  (rounds {min(r):.3f}..{max(r):.3f})  "
           f"target >= 0.90x: {verdict(m >= 0.9)}")
-    print(f"   worker-side ratio              = {wm:.3f}x  (rounds {min(wratios):.3f}..{max(wratios):.3f})")
+    print(f"   worker-side ratio              = {wm:.3f}x  (rounds {min(w):.3f}..{max(w):.3f})")
+    out = {"ratio": m, "worker_ratio": wm}
+    for other, label in (("2x PING", "the two-round-trip floor"), ("redis-py Lock", "redis-py Lock by hand")):
+        if other in med:
+            fl, vs = ratios(other, "unguarded"), ratios("guarded", other)
+            out[other] = statistics.median(fl)
+            print(f"   {other + ' / unguarded':<30} = {statistics.median(fl):.3f}x  (rounds {min(fl):.3f}..{max(fl):.3f})"
+                  f"   guarded / {label} = {statistics.median(vs):.3f}x")
     print(f"   added time per task: {(1 / med['guarded'] - 1 / med['unguarded']) * 1e6:+.0f} us of wall time "
           f"(at -c {concurrency}; the pool runs tasks in parallel)")
-    print(f"   per-round ratios: {' '.join(f'{x:.3f}' for x in ratios)}")
+    print(f"   per-round guarded/unguarded ratios: {' '.join(f'{x:.3f}' for x in r)}")
     # CPU per task
-    if all("cpu" in x for k in KINDS for x in per[k]):
+    if all("cpu" in x for k in kinds for x in per[k]):
         comps = [c for c in per["unguarded"][0]["cpu"] if c != HOST and not c.startswith("_")]
-        cpu = {k: {c: sum(x["cpu"][c] for x in per[k]) / (n * rounds) * 1e6 for c in comps} for k in KINDS}
-        wall = {k: sum(x["wall"] for x in per[k]) for k in KINDS}
-        host = {k: sum(x["cpu"][HOST] for x in per[k]) for k in KINDS}
+        cpu = {k: {c: sum(x["cpu"][c] for x in per[k]) / (n * rounds) * 1e6 for c in comps} for k in kinds}
+        wall = {k: sum(x["wall"] for x in per[k]) for k in kinds}
+        host = {k: sum(x["cpu"][HOST] for x in per[k]) for k in kinds}
         print("\n   CPU time per task during the drains, all rounds (/proc utime+stime in 10 ms ticks; redis-server "
               "from INFO cpu), us:")
         rows = []
         for c in comps + ["total"]:
-            u = sum(cpu["unguarded"].values()) if c == "total" else cpu["unguarded"][c]
-            g = sum(cpu["guarded"].values()) if c == "total" else cpu["guarded"][c]
-            rows.append([c, f"{u:.0f}", f"{g:.0f}", f"{g - u:+.0f}"])
-        table = fmt_table(["process", "unguarded", "guarded", "guarded - unguarded"], rows)
+            v = {k: (sum(cpu[k].values()) if c == "total" else cpu[k][c]) for k in kinds}
+            rows.append([c, *(f"{v[k]:.0f}" for k in kinds), f"{v['guarded'] - v['unguarded']:+.0f}"])
+        table = fmt_table(["process", *kinds, "guarded - unguarded"], rows)
         print("   " + table.replace("\n", "\n   "))
         cores = os.cpu_count() or 1
-        ours = {k: sum(cpu[k].values()) * n * rounds / 1e6 for k in KINDS}
+        ours = {k: sum(cpu[k].values()) * n * rounds / 1e6 for k in kinds}
         print(f"   cores busy during the drains: ours {ours['unguarded'] / wall['unguarded']:.2f} (unguarded) / "
               f"{ours['guarded'] / wall['guarded']:.2f} (guarded), other load on this host "
               f"{max(0.0, host['unguarded'] - ours['unguarded']) / wall['unguarded']:.2f} / "
               f"{max(0.0, host['guarded'] - ours['guarded']) / wall['guarded']:.2f}, of {cores}")
         det = {k: {c: sum(x["cpu"][c] for x in per[k]) / (n * rounds) for c in
-                   ("_kids_user", "_kids_sys", "_kids_vcsw", "_main_vcsw")} for k in KINDS}
+                   ("_kids_user", "_kids_sys", "_kids_vcsw", "_main_vcsw")} for k in kinds}
         ug, gd = det["unguarded"], det["guarded"]
         print(f"   pool children: user {ug['_kids_user'] * 1e6:.0f} -> {gd['_kids_user'] * 1e6:.0f} us, "
               f"system {ug['_kids_sys'] * 1e6:.0f} -> {gd['_kids_sys'] * 1e6:.0f} us, "
               f"voluntary context switches {ug['_kids_vcsw']:.2f} -> {gd['_kids_vcsw']:.2f} "
               f"per task (worker main {ug['_main_vcsw']:.2f} -> {gd['_main_vcsw']:.2f})")
-        tu, tg = sum(cpu["unguarded"].values()), sum(cpu["guarded"].values())
-        print(f"   if the drain were bound by total CPU: ratio = CPU/task unguarded / guarded = {tu / tg:.3f}x")
-    return {"ratio": m, "worker_ratio": wm}
+        tu = sum(cpu["unguarded"].values())
+        bound = "  ".join(f"{k} {tu / sum(cpu[k].values()):.3f}x" for k in kinds if k != "unguarded")
+        print(f"   if the drain were bound by total CPU (CPU/task unguarded / CPU/task of the kind): {bound}")
+    return out
 
 
 def print_latency(lat: dict[str, list[float]], calls: int) -> None:

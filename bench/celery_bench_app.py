@@ -1,4 +1,6 @@
-"""The Celery app of ``bench/bench_celery.py``: a no-op task, guarded and unguarded.
+"""The Celery app of ``bench/bench_celery.py``: a no-op task, unguarded, guarded by taskguard,
+and, for comparison, with the two round trips any Redis lock costs (``2x PING``) and guarded by
+hand with redis-py's ``Lock``.
 
 Both the benchmark (which enqueues) and its ``celery -A celery_bench_app worker`` subprocess
 (which runs the tasks) import this module. Configuration, from the environment:
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+import redis
 from celery import Celery, Task
 
 from taskguard_celery import GuardedTask
@@ -35,6 +38,8 @@ app.conf.update(
 )
 
 NOOP = "tgbench.noop"
+TWO_PINGS_NOOP = "tgbench.two_pings_noop"
+REDISPY_LOCK_NOOP = "tgbench.redispy_lock_noop"
 GUARDED_NOOP = "tgbench.guarded_noop"
 PASSTHROUGH_NOOP = "tgbench.passthrough_noop"
 
@@ -47,6 +52,39 @@ def noop(i: int) -> int:
 @app.task(name=GUARDED_NOOP, base=GuardedTask, shared=False, key="noop:{i}")
 def guarded_noop(i: int) -> int:
     return i
+
+
+_client: redis.Redis | None = None
+
+
+def _redis() -> redis.Redis:
+    """One plain redis-py client per process (made after the pool forks)."""
+    global _client
+    if _client is None:
+        _client = redis.Redis.from_url(REDIS_URL)
+    return _client
+
+
+@app.task(name=TWO_PINGS_NOOP, shared=False)
+def two_pings_noop(i: int) -> int:
+    """The floor of any Redis lease guard: two round trips (acquire, release) on redis-py."""
+    c = _redis()
+    c.ping()
+    c.ping()
+    return i
+
+
+@app.task(name=REDISPY_LOCK_NOOP, shared=False)
+def redispy_lock_noop(i: int) -> int:
+    """The same body under redis-py's ``Lock`` taken by hand (no fencing, no retry hand-over,
+    no skip reporting, no renewal): what users write today."""
+    lock = _redis().lock(f"{PREFIX}:rplock:{i}", timeout=60)
+    if not lock.acquire(blocking=False):
+        raise RuntimeError("redis-py lock unexpectedly held")
+    try:
+        return i
+    finally:
+        lock.release()
 
 
 class PassThroughTask(Task):
