@@ -45,6 +45,14 @@ class KeyTemplate:
             params = params[1:]
         self.signature = sig.replace(parameters=params)
         self._has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+        # Fast binding for the common signature (no *args, **kwargs or positional-only
+        # parameters); anything unusual in a call falls back to Signature.bind, which also
+        # words the errors.
+        kinds = {p.kind for p in params}
+        self._simple = kinds <= {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}
+        self._positional = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+        self._names = frozenset(p.name for p in params)
+        self._defaults = tuple((p.name, p.default) for p in params if p.default is not p.empty)
         self.fields: tuple[str, ...] = ()
         if isinstance(spec, str):
             if not spec:
@@ -82,6 +90,18 @@ class KeyTemplate:
 
     def bind(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """The call's arguments by parameter name, defaults applied (``**kwargs`` flattened)."""
+        if self._simple and len(args) <= len(self._positional):
+            values = dict(zip(self._positional, args))
+            for name, value in kwargs.items():
+                if name not in self._names or name in values:
+                    break  # unknown or given twice: Signature.bind says which
+                values[name] = value
+            else:
+                for name, default in self._defaults:
+                    if name not in values:
+                        values[name] = default
+                if len(values) == len(self._names):  # else a required argument is missing
+                    return values
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as e:

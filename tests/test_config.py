@@ -561,3 +561,47 @@ def test_property_a_url_password_never_appears_in_an_error():
 
     check()
     assert seen == {"ok", "error"}
+
+
+# -- key templates bind exactly as Signature.bind does --------------------------------------------------
+def _sig_a(a, b=2, *, c, d=4):
+    pass
+
+
+def _sig_b(a, b, c=3):
+    pass
+
+
+def _sig_c(x, *rest, **extra):
+    pass
+
+
+def _sig_d(p, /, q=1):
+    pass
+
+
+@settings(max_examples=400, deadline=None)
+@given(fn=st.sampled_from([_sig_a, _sig_b, _sig_c, _sig_d]),
+       nargs=st.integers(0, 4),
+       names=st.lists(st.sampled_from(["a", "b", "c", "d", "p", "q", "x", "zz"]), unique=True))
+def test_key_template_binds_like_signature_bind(fn, nargs, names):
+    """KeyTemplate's fast binding (common signatures) and its Signature.bind fallback agree with
+    inspect's own binding on every call: same values with defaults, an error where it errs."""
+    import inspect
+
+    from taskguard.keys import KeyTemplate
+
+    args = tuple(range(nargs))
+    kwargs = {n: f"v-{n}" for n in names}
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        expected = dict(bound.arguments)
+        expected.update(expected.pop("extra", {}))  # **kwargs come back flattened
+    except TypeError:
+        expected = "error"
+    try:
+        got = KeyTemplate("fixed", fn).bind(args, kwargs)
+    except ConfigError:
+        got = "error"
+    assert got == expected
