@@ -42,6 +42,9 @@ COALESCE = 0.25
 #: How soon (seconds) a renewal that failed on a Redis error is retried, at most.
 ERROR_RETRY = 0.5
 
+#: Shortest sleep (seconds) of the thread while no lease is registered (see ``Heartbeat``).
+IDLE_MIN = 0.5
+
 
 class _Entry:
     __slots__ = ("lease", "interval", "next_due", "deadline")
@@ -63,17 +66,26 @@ class Heartbeat:
         self._wake_at = 0.0  # when the thread's current sleep ends (monotonic)
         self._in_flight: set[int] = set()  # locks objects whose renewal round is running
         self._executor: ThreadPoolExecutor | None = None
+        # How long the thread sleeps with no lease registered: the renew interval of the latest
+        # lease added (bounded below by IDLE_MIN). A lease added while it sleeps is due no
+        # earlier than its interval from now, so one with an interval at least this long never
+        # needs to wake it: short tasks (a lease added and released long before its first
+        # renewal) cost no thread wake-up each. Until the first lease it sleeps an hour.
+        self._idle_sleep = 3600.0
         self.beats = 0  # renewal rounds run (for tests and benchmarks)
+        self.wakeups = 0  # times add() woke the thread (for tests and benchmarks)
 
     def add(self, lease: "Lease", fraction: float, max_hold: float | None = None) -> None:
         deadline = time.monotonic() + max_hold if max_hold is not None else None
         entry = _Entry(lease, lease.ttl * fraction, deadline)
         with self._cond:
             self._entries[id(lease)] = entry
+            self._idle_sleep = min(3600.0, max(IDLE_MIN, entry.interval))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="taskguard-heartbeat", daemon=True)
                 self._thread.start()
             if entry.next_due < self._wake_at:  # wake the thread only when it would sleep too long
+                self.wakeups += 1
                 self._cond.notify()
 
     def discard(self, lease: "Lease") -> None:
@@ -100,8 +112,9 @@ class Heartbeat:
                     pending = [e.next_due for e in self._entries.values()
                                if id(e.lease._locks) not in self._in_flight]
                     nxt = min(pending, default=None)
-                    self._wake_at = now + (3600.0 if nxt is None else max(nxt - now, 0.0))
-                    self._cond.wait(None if nxt is None else nxt - now)
+                    sleep = self._idle_sleep if nxt is None else max(nxt - now, 0.0)
+                    self._wake_at = now + sleep
+                    self._cond.wait(sleep)
                     self._wake_at = 0.0
                     continue
             try:

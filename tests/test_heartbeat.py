@@ -159,3 +159,25 @@ def test_renewals_go_out_in_batches_of_at_most_1000(redis_url, prefix):
     assert [len(p) for p in c.pipelines] == [1000, 1000, 500]
     for lease in leases:
         lease.release()
+
+
+def test_short_leases_do_not_wake_the_heartbeat_thread_each(redis_url, prefix):
+    """A lease taken and released long before its first renewal (a short task) must not cost a
+    thread wake-up: the idle thread sleeps as long as the latest lease's renew interval."""
+    client = redis.Redis.from_url(redis_url)
+    locks = RedisLocks(client, prefix=prefix)
+    hb = get_heartbeat()
+    locks.acquire("warm", ttl=60, renew=True).lease.release()
+    time.sleep(0.2)  # the thread has woken for the first lease and gone idle
+    before = hb.wakeups
+    for i in range(200):  # a no-op body: released before the woken thread could see the lease
+        lease = locks.acquire(f"short{i}", ttl=60, renew=True).lease
+        assert lease.release()
+    assert hb.wakeups - before <= 2, hb.wakeups - before
+    # a lease with a shorter interval than the idle sleep still wakes it, and is renewed in time
+    lease = locks.acquire("quick", ttl=0.9, renew=True).lease
+    time.sleep(2.0)  # > 2 TTLs
+    assert not lease.lost and locks.holder("quick") is not None
+    assert lease.release()
+    locks.close()
+    client.close()
