@@ -267,7 +267,7 @@ class RedisLocks(Locks):
         keys = (lease_k, signal_k, waiting_k, self._released_key(key))
         if done_run_id is not None:
             keys += (self._done_key(key, done_run_id),)
-        args = (owner, _ms(SIGNAL_TTL), _ms(self.done_ttl), secrets.token_hex(4))
+        args = (owner, _ms(SIGNAL_TTL), _ms(self.done_ttl), secrets.token_hex(8))
         return int(self._run("release", key, scripts.RELEASE, keys, args)) == 1
 
     def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,

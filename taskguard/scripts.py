@@ -11,14 +11,15 @@ every script touches one Redis Cluster slot; everything that is not a key goes i
                    (``fence_idle_ttl``, default 7 days) so Redis memory per distinct key is bounded.
 * ``{P:K}:signal`` a one-element list pushed on release; waiters ``BLPOP`` it, so a waiter wakes
                    on release instead of by polling. It expires by itself.
-* ``{P:K}:released`` the owner token of the last release, for 10 s (makes a retried release
-                   idempotent).
+* ``{P:K}:released`` the owner token and call nonce of the last release without a done marker,
+                   for 10 s (makes a retried release idempotent).
 * ``{P:K}:waiting`` set (with the longest pending wait as its TTL) by an acquire that found the
                    lease held and will wait; a release pushes the signal only while it exists, so
                    the common uncontended release does no signalling work.
 * ``{P:K}:done:R`` set when run ``R`` (e.g. a Celery task id) finished under this key; an acquire
                    on behalf of ``R`` is then refused, so a redelivered or duplicated copy of a
-                   finished run does not run again. It expires after ``done_ttl``.
+                   finished run does not run again. It expires after ``done_ttl``. Its value is
+                   the nonce of the release call that set it (it doubles as that call's tombstone).
 
 Fencing: ``next = max(stored + 1, server TIME in microseconds)``. The stored counter gives strict
 growth while it exists; the server-clock floor keeps tokens growing when the counter is lost
@@ -140,22 +141,32 @@ return 0
 # KEYS[1] lease, KEYS[2] release signal, KEYS[3] waiting flag, KEYS[4] release tombstone,
 # optional KEYS[5] done marker of the finishing run
 # ARGV[1] owner token, ARGV[2] signal TTL ms, ARGV[3] done marker TTL ms (with KEYS[5]),
-# ARGV[4] a nonce unique to this release call
+# ARGV[4] a random nonce unique to this release call
 # -> 1 released (and, when someone waits, one waiter signalled), 0 not the owner (or gone).
 # The done marker is set either way: the run is over, and later copies of it must not run again.
-# Idempotent: the tombstone remembers owner token + call nonce for 10 s, so a client retry of a
-# release that did run still answers 1 (a new release call with the same token answers 0).
+# Idempotent: a release that did run leaves a mark of this very call, so a client retry of it
+# still answers 1 (a new release call with the same token answers 0). The mark is the done
+# marker itself when there is one (holding the call's nonce: one key per finished run, not two),
+# else the tombstone KEYS[4] (owner token + nonce, for 10 s).
 RELEASE = Script(
     "release",
     """
-if KEYS[5] then
-  redis.call('SET', KEYS[5], '1', 'PX', ARGV[3])
-end
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('SET', KEYS[4], ARGV[1] .. ' ' .. ARGV[4], 'PX', 10000)
+  if KEYS[5] then
+    redis.call('SET', KEYS[5], ARGV[4], 'PX', ARGV[3])
+  else
+    redis.call('SET', KEYS[4], ARGV[1] .. ' ' .. ARGV[4], 'PX', 10000)
+  end
 """ + _SIGNAL_ONE_WAITER.format(ttl="ARGV[2]") + """
   return 1
+end
+if KEYS[5] then
+  if redis.call('GET', KEYS[5]) == ARGV[4] then
+    return 1
+  end
+  redis.call('SET', KEYS[5], '1', 'PX', ARGV[3])
+  return 0
 end
 if redis.call('GET', KEYS[4]) == ARGV[1] .. ' ' .. ARGV[4] then
   return 1

@@ -42,6 +42,24 @@ def test_scripts_are_idempotent_under_client_retries(client, prefix):
     assert locks.holder("idem") is None
 
 
+def test_release_with_a_done_marker_is_idempotent_without_a_tombstone(client, prefix):
+    """The done marker doubles as the release's tombstone: a re-sent release of a finished run
+    answers 1, a new release call answers 0, and no separate tombstone key is written."""
+    locks = RedisLocks(client, prefix=prefix)
+    lease = locks.acquire("done", ttl=5, run_id="task-1").lease
+    lk, _, sk, wk = locks._keys("done")
+    done_k, tomb_k = locks._done_key("done", "task-1"), locks._released_key("done")
+    rel_keys = (lk, sk, wk, tomb_k, done_k)
+    args = (lease.owner_token, 10000, 60000, "nonce-1")
+    assert int(scripts.RELEASE(client, rel_keys, args)) == 1
+    assert int(scripts.RELEASE(client, rel_keys, args)) == 1  # re-sent after it ran: released
+    assert int(scripts.RELEASE(client, rel_keys, args[:3] + ("nonce-2",))) == 0  # a new call: no
+    assert client.exists(done_k) == 1 and client.exists(tomb_k) == 0
+    assert 0 < client.pttl(done_k) <= 60000
+    assert locks.acquire("done", ttl=5, run_id="task-1").reason == "done"  # the finished run is refused
+    assert lease.owner_token.encode() not in client.get(done_k)  # the marker keeps no owner token
+
+
 def test_renew_never_shortens_a_stretched_lease(client, prefix):
     locks = RedisLocks(client, prefix=prefix)
     lease = locks.acquire("stretch", ttl=1, renew=True).lease
