@@ -166,7 +166,7 @@ class Heartbeat:
             took = time.monotonic() - started
             for e, outcome in zip(entries, outcomes):
                 try:
-                    self._settle(e, outcome, started_wall, took)
+                    self._settle(e, outcome, started_wall, started, took)
                 except Exception:
                     log.exception("taskguard could not settle the renewal of %r", e.lease.key)
         finally:
@@ -174,7 +174,7 @@ class Heartbeat:
                 self._in_flight.discard(group_id)
                 self._cond.notify()
 
-    def _settle(self, e: _Entry, outcome: object, started_wall: float, took: float) -> None:
+    def _settle(self, e: _Entry, outcome: object, started_wall: float, started: float, took: float) -> None:
         lease = e.lease
         if lease.released:  # released while the renewal was in flight: nothing to report
             self.discard(lease)
@@ -184,7 +184,9 @@ class Heartbeat:
         if outcome is True:
             lease.expires_at = started_wall + lease.ttl
             with self._cond:
-                e.next_due = time.monotonic() + e.interval
+                # counted from when the round was sent, as the new expiry is: the cadence stays
+                # one interval, not an interval plus the round trip and the settling
+                e.next_due = started + e.interval
             if emitter.active:  # the common case: skip building events nobody reads
                 emit(LeaseEvent("renew", lease.key, "renewed", took, fencing_token=lease.fencing_token,
                                 ttl=lease.ttl, task=lease.task))

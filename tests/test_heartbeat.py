@@ -181,3 +181,34 @@ def test_short_leases_do_not_wake_the_heartbeat_thread_each(redis_url, prefix):
     assert lease.release()
     locks.close()
     client.close()
+
+
+def test_renewal_cadence_does_not_drift_by_the_round_trip(redis_url, prefix):
+    """Renewals fall due one interval after the previous round was sent, not after its answer
+    came back: behind a slow link (80 ms each way) the gaps stay at the interval."""
+    from urllib.parse import urlsplit
+
+    from .tcp_proxy import TcpProxy
+
+    parts = urlsplit(redis_url)
+    proxy = TcpProxy(parts.port or 6379, parts.hostname or "127.0.0.1")
+    client = redis.Redis.from_url(proxy.url.replace("/0", parts.path or "/0"))
+    renewed: list[float] = []
+    locks = RedisLocks(client, prefix=prefix, renew_fraction=0.5,
+                       listeners=[lambda e: renewed.append(time.monotonic())
+                                  if e.kind == "renew" and e.status == "renewed" else None])
+    client.ping()  # the pool's connection (the heartbeat's pipelines use it) is set up before the delay
+    lease = locks.acquire("cadence", ttl=2.0, renew=True).lease  # renewed every 1 s
+    proxy.delay = 0.08
+    time.sleep(5.5)
+    proxy.delay = 0.0
+    assert not lease.lost, (lease.lost_reason, renewed)
+    assert lease.release()
+    gaps = sorted(b - a for a, b in zip(renewed, renewed[1:]))
+    assert len(gaps) >= 3, renewed
+    median = gaps[len(gaps) // 2]
+    # anchored at the answer instead, each gap would be 1 s + the round trip (>= 0.16 s here)
+    assert median < 1.1, gaps
+    locks.close()
+    client.close()
+    proxy.close()
