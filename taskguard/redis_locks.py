@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from typing import Any, Iterable, Sequence
@@ -17,6 +18,8 @@ from .events import Listener
 from .lease import HolderInfo
 from .locks import Health, Locks, _ms, check_seconds
 from .urls import ACCEPTED, redact_url
+
+log = logging.getLogger("taskguard")
 
 __all__ = ["RedisLocks"]
 
@@ -196,6 +199,28 @@ class RedisLocks(Locks):
             return script(self._exec, keys, args)
         except RedisError as e:
             raise LeaseBackendError(op, key, _detail(e)) from e
+        except BaseException:
+            if self._direct is None:
+                self._drop_idle_pool_connections()
+            raise
+
+    def _drop_idle_pool_connections(self) -> None:
+        """After a call through ``client.execute_command`` was interrupted by a non-Redis
+        exception (a signal handler raising between send and read, e.g. Celery's soft time
+        limit): redis-py has already put that connection back in its pool, possibly with the
+        reply still to come, where the next command would read it as its own. Disconnect the
+        pool's idle connections (they reconnect on use). The direct path needs none of this
+        (see :mod:`taskguard.connections`)."""
+        try:
+            pool = getattr(self.client, "connection_pool", None)
+            if pool is not None:
+                pools = [pool]
+            else:  # Redis Cluster: one pool per node
+                pools = [n.redis_connection.connection_pool for n in self.client.get_nodes() if n.redis_connection]
+            for p in pools:
+                p.disconnect(inuse_connections=False)  # other threads' calls in flight are left alone
+        except Exception:  # pragma: no cover - best effort, the original exception matters
+            log.debug("could not drop idle connections", exc_info=True)
 
     # -- primitives ---------------------------------------------------------------------------
     def _done_key(self, key: str, run_id: str) -> str:
@@ -224,6 +249,9 @@ class RedisLocks(Locks):
             self.client.blpop([self._keys(key)[2]], timeout=timeout)
         except RedisError as e:
             raise LeaseBackendError("acquire", key, _detail(e)) from e
+        except BaseException:
+            self._drop_idle_pool_connections()  # a BLPOP reply may still be on its way
+            raise
 
     def _renew_one(self, key: str, owner: str, ttl: float) -> bool:
         return int(self._run("renew", key, scripts.RENEW, (self._lease_key(key),), (owner, _ms(ttl)))) == 1
