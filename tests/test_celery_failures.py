@@ -31,24 +31,29 @@ def say(*parts):
     print("   ", *parts, flush=True)
 
 
-def rabbitmq_available() -> bool:
+def require_rabbitmq() -> str:
+    """``AMQP_URL`` when its RabbitMQ answers; otherwise fail when ``TASKGUARD_REQUIRE_RABBITMQ=1``
+    (CI sets it, so CI always runs these scenarios on RabbitMQ), else skip saying why."""
     import socket
+    from urllib.parse import urlsplit
 
+    parts = urlsplit(AMQP_URL)
+    where = f"{parts.hostname or '127.0.0.1'}:{parts.port or 5672}"
     try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=1):
-            return True
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5672), timeout=1):
+            return AMQP_URL
     except OSError:
-        return False
+        pass
+    if os.environ.get("TASKGUARD_REQUIRE_RABBITMQ") == "1":
+        pytest.fail(f"RabbitMQ is required (TASKGUARD_REQUIRE_RABBITMQ=1) but {where} is not answering")
+    pytest.skip(f"RabbitMQ not answering at {where} (TASKGUARD_AMQP_URL; set TASKGUARD_REQUIRE_RABBITMQ=1 "
+                "to make this a failure)")
 
 
 @pytest.fixture(params=["redis", "rabbitmq"])
 def broker(request):
     if request.param == "rabbitmq":
-        if not rabbitmq_available():
-            if os.environ.get("TASKGUARD_REQUIRE_RABBITMQ") == "1":
-                pytest.fail("RabbitMQ is required (TASKGUARD_REQUIRE_RABBITMQ=1) but 127.0.0.1:5672 is not answering")
-            pytest.skip("RabbitMQ not running on 127.0.0.1:5672 (set TASKGUARD_REQUIRE_RABBITMQ=1 to require it)")
-        return AMQP_URL
+        return require_rabbitmq()
     return None  # the shared Redis
 
 
@@ -258,10 +263,7 @@ def test_lease_store_outage_fails_tasks_never_runs_them_unguarded(redis_url, pre
 # 6. the broker connection drops while a guarded task runs -------------------------------------------
 
 def test_rabbitmq_connection_drop_mid_body(redis_url, prefix):
-    if not rabbitmq_available():
-        if os.environ.get("TASKGUARD_REQUIRE_RABBITMQ") == "1":
-            pytest.fail("RabbitMQ is required (TASKGUARD_REQUIRE_RABBITMQ=1) but not answering")
-        pytest.skip("RabbitMQ not running")
+    require_rabbitmq()
     import subprocess
 
     queue = f"q-{prefix}"
