@@ -77,7 +77,7 @@ except ImportError:  # pragma: no cover
     import taskguard
 
 from taskguard.urls import redact_url
-from benchlib import delete_matching, fmt_table, git_state, pct, verdict  # noqa: E402
+from benchlib import delete_matching, fmt_table, git_state, pct, run_prefix, verdict  # noqa: E402
 
 KINDS = ("unguarded", "guarded")  # latency and command counts
 #: throughput also runs the two comparison tasks of celery_bench_app (no taskguard in them)
@@ -818,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     others_at_start = [c for i, c in clients_before.items() if i != my_admin_id]
     args.url_host = (redis.connection.parse_url(args.url).get("host") or "") if args.url.startswith("redis") else ""
 
-    run = f"tgbench-{os.getpid()}-{secrets.token_hex(4)}"
+    run = run_prefix()
     os.environ["TASKGUARD_REDIS_URL"] = args.url
     os.environ["TGBENCH_QUEUE"] = run
     os.environ["TGBENCH_PREFIX"] = run

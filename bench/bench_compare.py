@@ -55,8 +55,6 @@ import multiprocessing
 import os
 import platform
 import re
-import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -116,7 +114,8 @@ except ImportError:  # pragma: no cover
 
 from taskguard import RedisLocks, scripts  # noqa: E402
 from taskguard.urls import redact_url  # noqa: E402
-from benchlib import arg_parser, cleanup, fmt_table, git_state, pct, run_chunk  # noqa: E402
+from benchlib import (arg_parser, cleanup, exit_on_sigterm, fmt_table, git_state, interleaved_rounds,  # noqa: E402
+                      open_admin, pct, run_prefix)
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -310,17 +309,7 @@ def section_throughput(url: str, admin: redis.Redis, prefix: str, ops: int, roun
             skipped[name] = f"failed at warm-up: {type(e).__name__}: {e}"
             del ops_by_name[name]
     names = list(ops_by_name)
-    per_round: dict[str, list[float]] = {n: [] for n in names}
-    lat: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
-            gc.collect()
-            wall, lt = run_chunk(ops_by_name[name], ops)
-            per_round[name].append(wall / ops)
-            lat[name].extend(lt)
-    for n in names:
-        lat[n].sort()
+    per_round, lat, _ = interleaved_rounds(ops_by_name, ops, rounds, warm_up=False)
 
     print(f"## 1. acquire + release, uncontended: {rounds} interleaved rounds x {ops} ops per contender, "
           f"one shared client")
@@ -738,18 +727,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("counts must be >= 1 and --contention-seconds > 0")
     threads, procs = int_list(args.threads), int_list(args.procs)
 
-    def on_term(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_term)
+    exit_on_sigterm()
     t_start = time.monotonic()
-    admin = redis.Redis.from_url(args.url, client_name="tgbench-admin", decode_responses=True)
-    try:
-        server = admin.info("server")
-    except redis.RedisError as e:
-        print(f"cannot reach Redis at {redact_url(args.url)}: {type(e).__name__}: {e}", file=sys.stderr)
+    opened = open_admin(args.url)
+    if opened is None:
         return 2
-    prefix = f"tgbench-{os.getpid()}-{secrets.token_hex(4)}"
+    admin, server = opened
+    prefix = run_prefix()
     urlhost = redact_url(args.url).strip("'\"")
     probe = redis.Redis.from_url(args.url)
     conn = probe.connection_pool.get_connection()

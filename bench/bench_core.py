@@ -78,7 +78,8 @@ from taskguard.heartbeat import get_heartbeat
 from taskguard.lease import Acquisition, Lease
 from taskguard.locks import check_seconds, new_owner_token
 from taskguard.urls import redact_url
-from benchlib import arg_parser, cleanup, fmt_table, git_state, pct, run_chunk, verdict  # noqa: E402
+from benchlib import (arg_parser, cleanup, fmt_table, git_state, interleaved_rounds, open_admin, pct,  # noqa: E402
+                      run_chunk, run_prefix, verdict)
 
 TTL = 10  # seconds, every contender
 
@@ -144,23 +145,7 @@ def make_contenders(client: redis.Redis, locks: RedisLocks, prefix: str) -> dict
 
 
 def throughput(contenders: dict[str, Callable[[], None]], ops: int, rounds: int) -> dict[str, Any]:
-    names = list(contenders)
-    for fn in contenders.values():  # warm-up: connections made, scripts cached server-side
-        for _ in range(max(200, ops // 10)):
-            fn()
-    per_round: dict[str, list[float]] = {n: [] for n in names}  # mean seconds/op per round
-    lat: dict[str, list[float]] = {n: [] for n in names}
-    orders = []
-    for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
-        orders.append(order)
-        for name in order:
-            gc.collect()
-            wall, l = run_chunk(contenders[name], ops)
-            per_round[name].append(wall / ops)
-            lat[name].extend(l)
-    for n in names:
-        lat[n].sort()
+    per_round, lat, orders = interleaved_rounds(contenders, ops, rounds)
     return {"per_round": per_round, "lat": lat, "orders": orders}
 
 
@@ -563,14 +548,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--ops, --rounds, --handoffs and --count-ops must be >= 1")
 
     t_start = time.monotonic()
-    client = redis.Redis.from_url(args.url)
-    admin = redis.Redis.from_url(args.url, client_name="tgbench-admin", decode_responses=True)
-    try:
-        server = admin.info("server")
-    except redis.RedisError as e:
-        print(f"cannot reach Redis at {redact_url(args.url)}: {type(e).__name__}: {e}", file=sys.stderr)
+    opened = open_admin(args.url)
+    if opened is None:
         return 2
-    prefix = f"tgbench-{os.getpid()}-{secrets.token_hex(4)}"
+    admin, server = opened
+    client = redis.Redis.from_url(args.url)
+    prefix = run_prefix()
     locks = RedisLocks(client, prefix=prefix)
     parser, proto = parser_name(client)
     urlhost = redact_url(args.url).strip("'\"")  # never print a password

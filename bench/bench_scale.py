@@ -40,8 +40,6 @@ import math
 import multiprocessing
 import os
 import platform
-import secrets
-import signal
 import statistics
 import sys
 import threading
@@ -61,7 +59,7 @@ from taskguard import RedisLocks
 from taskguard.heartbeat import COALESCE, get_heartbeat
 from taskguard.redis_locks import SIGNAL_TTL
 from taskguard.urls import redact_url
-from benchlib import arg_parser, cleanup, fmt_table, git_state, pct  # noqa: E402
+from benchlib import arg_parser, cleanup, exit_on_sigterm, fmt_table, git_state, open_admin, pct, run_prefix  # noqa: E402
 
 TOMBSTONE_TTL = 10.0  # the release tombstone ({P:K}:released) lives 10 s (scripts.RELEASE)
 
@@ -379,18 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.leases < 1 or args.keys < 1 or args.seconds <= 0 or args.ttl <= 0:
         ap.error("--leases, --keys must be >= 1; --seconds, --ttl > 0")
 
-    def on_term(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_term)
+    exit_on_sigterm()
     t_start = time.monotonic()
-    admin = redis.Redis.from_url(args.url, client_name="tgbench-admin", decode_responses=True)
-    try:
-        server = admin.info("server")
-    except redis.RedisError as e:
-        print(f"cannot reach Redis at {redact_url(args.url)}: {type(e).__name__}: {e}", file=sys.stderr)
+    opened = open_admin(args.url)
+    if opened is None:
         return 2
-    prefix = f"tgbench-{os.getpid()}-{secrets.token_hex(4)}"
+    admin, server = opened
+    prefix = run_prefix()
     mem = admin.info("memory")
     print("# taskguard at scale: many leases on one heartbeat, Redis memory per key")
     print(f"python        {platform.python_implementation()} {platform.python_version()} on {platform.system()} "

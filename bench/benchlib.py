@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
+import secrets
+import signal
 import subprocess
+import sys
 import time
 from typing import Any, Callable
 
+import redis
+
 import taskguard
+from taskguard.urls import redact_url
 
 
 def pct(sorted_vals: list[float], q: float) -> float:
@@ -95,3 +102,54 @@ def arg_parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--url", default=os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"),
                     help="Redis URL (default: $TASKGUARD_REDIS_URL or redis://127.0.0.1:6379/0)")
     return ap
+
+
+def run_prefix() -> str:
+    """A key prefix (and queue name) unique to this run: ``tgbench-<pid>-<random>``."""
+    return f"tgbench-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def open_admin(url: str, name: str = "tgbench-admin") -> tuple[Any, dict] | None:
+    """An admin client (decoded replies) and ``INFO server``; ``None`` after printing one line
+    (password masked) when Redis cannot be reached."""
+    admin = redis.Redis.from_url(url, client_name=name, decode_responses=True)
+    try:
+        return admin, admin.info("server")
+    except redis.RedisError as e:
+        print(f"cannot reach Redis at {redact_url(url)}: {type(e).__name__}: {e}", file=sys.stderr)
+        admin.close()
+        return None
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit`` so the scripts' ``finally`` cleanups run."""
+
+    def on_term(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def interleaved_rounds(contenders: dict[str, Callable[[], None]], ops: int, rounds: int, warm_up: bool = True
+                       ) -> tuple[dict[str, list[float]], dict[str, list[float]], list[list[str]]]:
+    """Run every contender ``ops`` times per round, ``rounds`` rounds, the order rotated each
+    round (after a warm-up of each unless the caller did it). -> (mean seconds/op per round,
+    sorted per-op latencies of all rounds, the order of each round), each by contender name."""
+    names = list(contenders)
+    for fn in contenders.values() if warm_up else ():  # connections made, scripts cached server-side
+        for _ in range(max(200, ops // 10)):
+            fn()
+    per_round: dict[str, list[float]] = {n: [] for n in names}
+    lat: dict[str, list[float]] = {n: [] for n in names}
+    orders = []
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        orders.append(order)
+        for name in order:
+            gc.collect()
+            wall, lt = run_chunk(contenders[name], ops)
+            per_round[name].append(wall / ops)
+            lat[name].extend(lt)
+    for n in names:
+        lat[n].sort()
+    return per_round, lat, orders
