@@ -51,9 +51,10 @@ class DirectConnections:
     commands without response callbacks (``EVALSHA`` / ``EVAL``), and raises the same redis-py
     exceptions. Thread-safe: each call has a connection to itself; the list keeps as many
     connections as calls ever ran at once (as redis-py's pool does), at most the pool's
-    ``max_connections`` (one call more raises ``MaxConnectionsError``, as the pool would). A call interrupted between
-    sending and reading (a signal handler raising, e.g. Celery's soft time limit, or
-    ``KeyboardInterrupt``) disconnects its connection, so no later call can read its reply.
+    ``max_connections`` (one call more raises ``MaxConnectionsError``, as the pool would). A
+    call interrupted between sending and reading (a signal handler raising, e.g. Celery's soft
+    time limit, or ``KeyboardInterrupt``) disconnects its connection, so no later call can read
+    its reply.
     After ``fork`` the child starts with an empty list and a fresh lock (the parent's sockets
     are left to the parent). After :meth:`close` no connection is kept: each call connects anew.
     """
