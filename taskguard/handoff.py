@@ -75,26 +75,31 @@ def resume(
     renew: bool = True,
     max_hold: float | None = None,
     run_id: str | None = None,
+    refuse_finished: bool = False,
 ) -> Acquisition:
     """Take over the persisted ``handle`` for ``key``, else acquire ``key`` afresh when free.
 
     Returns the :class:`~taskguard.Acquisition`: claimed (same fencing token), acquired anew
     (larger fencing token, the old lease having expired), or not acquired (``reason="held"``:
-    another owner holds ``key``; the caller must not run; ``reason="done"``: the run ``run_id``
-    already finished, this is a duplicate copy). A handle for a different key (the retry's
+    another owner holds ``key``, ``holder_run`` says which run; the caller must not run). A handle for a different key (the retry's
     arguments changed the key) is released and ``key`` acquired.
+
+    ``refuse_finished`` is passed to any acquisition (see :meth:`Locks.acquire`).
 
     Raises ConfigError for a malformed handle, LeaseBackendError when Redis fails."""
     h = parse_handle(handle)
     if h["key"] != key:
         release_handle(locks, h, ttl=ttl)
-        return locks.acquire(key, ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id)
+        return locks.acquire(key, ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id,
+                             refuse_finished=refuse_finished)
     acq = locks.claim(key, h["owner"], ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id)
     if acq.acquired:
         return acq
-    if acq.reason == "expired":
-        return locks.acquire(key, ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id)
-    return Acquisition(False, None, "held", acq.holder_ttl)
+    if acq.reason == "expired":  # (or already claimed and released by another copy of the handle)
+        return locks.acquire(key, ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id,
+                             refuse_finished=refuse_finished)
+    info = locks.holder(key)  # who took it: another execution of this run, or another run?
+    return Acquisition(False, None, "held", acq.holder_ttl, info.run_id if info is not None else None)
 
 
 def release_handle(locks: Locks, handle: Mapping[str, Any], *, ttl: float = 1.0) -> bool:

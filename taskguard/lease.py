@@ -121,18 +121,20 @@ class Lease:
         """
         return self._locks._renew_lease(self, ttl)
 
-    def release(self, *, mark_done: bool = False) -> bool:
+    def release(self, *, finished: bool = False, finished_ttl: float | None = None) -> bool:
         """Release the lease if this owner still holds it.
 
-        With ``mark_done=True`` and a ``run_id`` (given at acquire/claim), also record that this
-        run finished, atomically with the release: later acquires for the same ``run_id`` are
-        refused with reason ``"done"`` (for ``done_ttl`` seconds).
+        With ``finished=True`` and a ``run_id`` (given at acquire/claim), also record, atomically
+        with the release, that this run finished: an acquire with ``refuse_finished=True`` by the
+        same ``run_id`` is then refused with reason ``"duplicate"`` while this is the last run
+        recorded on the key (no extra key) and, with ``finished_ttl`` (seconds), for that long in
+        any case (one small key per finished run).
 
         Returns ``True`` when this call released it; ``False`` when it was already released,
         when another owner holds it or it expired (the handle is then marked lost), or in a
         forked child. Raises :class:`~taskguard.LeaseBackendError` when Redis fails.
         """
-        return self._locks._release_lease(self, mark_done)
+        return self._locks._release_lease(self, finished, finished_ttl)
 
     def ensure_held(self, verify: bool = False) -> None:
         """Raise :class:`~taskguard.LeaseLost` unless the lease is still held.
@@ -191,10 +193,12 @@ class Acquisition:
         acquired: ``True`` when ``lease`` is held.
         lease: the :class:`Lease`, or ``None``.
         reason: ``None`` when acquired; else ``"held"`` (another owner holds it),
-            ``"wait_timeout"`` (``wait`` seconds passed), ``"done"`` (the ``run_id`` already
-            finished under this key) or, for a claim, ``"not_owner"``
+            ``"wait_timeout"`` (``wait`` seconds passed), ``"duplicate"`` (the ``run_id`` already
+            finished under this key, with ``refuse_finished``) or, for a claim, ``"not_owner"``
             (another owner holds it) / ``"expired"`` (no lease exists any more).
         holder_ttl: seconds (float) left on the other holder's lease, where known.
+        holder_run: the other holder's run id (e.g. its task id), where known; ``None`` when it
+            gave none.
 
     Truthiness is :attr:`acquired`.
     """
@@ -203,6 +207,7 @@ class Acquisition:
     lease: Lease | None = None
     reason: str | None = None
     holder_ttl: float | None = None
+    holder_run: str | None = None
 
     def __bool__(self) -> bool:
         return self.acquired
@@ -219,6 +224,7 @@ class HolderInfo:
         fencing_token: the lease's fencing token (``int``) or ``None``.
         ttl: seconds (float) left before the lease expires; ``None`` when it has no expiry.
         since: Unix epoch seconds (float) when the lease was acquired, per the server clock.
+        run_id: the holder's run id (given at acquire/claim), or ``None``.
     """
 
     key: str
@@ -226,3 +232,4 @@ class HolderInfo:
     fencing_token: int | None
     ttl: float | None
     since: float | None
+    run_id: str | None = None

@@ -97,6 +97,18 @@ def _task_of(meta: Mapping[str, Any]) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"record name must be a non-empty str, got {name!r}")
+    return _encodable("record name", name)
+
+
+def _check_value(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"record value must be a str, got {type(value).__name__}")
+    return _encodable("record value", value)
+
+
 def _check_run_id(run_id: Any) -> str | None:
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise ConfigError(f"run_id must be a non-empty str or None, got {run_id!r}")
@@ -117,8 +129,6 @@ class Locks:
         max_hold: default bound in seconds on how long the heartbeat keeps renewing one lease
             (``None``: no bound).
         shutdown_timeout: seconds :meth:`close` spends releasing live leases (default 5).
-        done_ttl: seconds a run's done marker is kept (see ``run_id`` in :meth:`acquire`;
-            default 1 day). Each costs one small key per finished run.
         listeners: callables receiving each :class:`~taskguard.events.LeaseEvent`.
     """
 
@@ -129,7 +139,6 @@ class Locks:
         renew_fraction: float = 1 / 3,
         max_hold: float | None = None,
         shutdown_timeout: float = 5.0,
-        done_ttl: float = 86400.0,
         listeners: Iterable[Listener] = (),
     ) -> None:
         if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}\r\n "):
@@ -138,7 +147,6 @@ class Locks:
         self.renew_fraction = check_fraction(renew_fraction)
         self.max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
         self.shutdown_timeout = check_seconds("shutdown_timeout", shutdown_timeout)
-        self.done_ttl = check_seconds("done_ttl", done_ttl)
         self._emitter = Emitter(listeners)
         self._live: "weakref.WeakSet[Lease]" = weakref.WeakSet()
 
@@ -146,10 +154,12 @@ class Locks:
     def _now(self) -> float:
         return time.time()
 
-    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str,
-                     run_id: str | None, wait: float = 0.0) -> tuple[int, int | None, float | None]:
-        """-> (1 acquired | 0 held | 2 run already done, fencing token, holder's TTL seconds or None).
-        ``wait``: seconds the caller will wait if the lease is held (0: it will not)."""
+    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str, run_id: str | None,
+                     wait: float = 0.0, refuse_finished: bool = False
+                     ) -> tuple[int, int | None, float | None, str | None]:
+        """-> (1 acquired | 0 held | 2 run already finished, fencing token, holder's TTL seconds or
+        None, holder's run id or None). ``wait``: seconds the caller will wait if the lease is held
+        (0: it will not)."""
         raise NotImplementedError
 
     def _wait_signal(self, key: str, timeout: float) -> None:
@@ -169,7 +179,8 @@ class Locks:
                 out.append(e)
         return out
 
-    def _release_one(self, key: str, owner: str, done_run_id: str | None = None) -> bool:
+    def _release_one(self, key: str, owner: str, finished_run: str | None = None,
+                     finished_ttl: float | None = None) -> bool:
         raise NotImplementedError
 
     def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
@@ -205,6 +216,7 @@ class Locks:
         renew: bool = False,
         max_hold: float | None = None,
         run_id: str | None = None,
+        refuse_finished: bool = False,
     ) -> Acquisition:
         """Try to take the lease on ``key`` for ``ttl`` seconds, waiting up to ``wait`` seconds.
 
@@ -220,14 +232,18 @@ class Locks:
                 task id); ``host`` and ``pid`` are added unless given.
             renew: keep the lease alive with the process heartbeat until released.
             max_hold: stop renewing after this many seconds (default: the object's ``max_hold``).
-            run_id: the identity of the run asking (e.g. a task id shared by all deliveries and
-                retries of one task). When a run with this id already finished under ``key``
-                (``lease.release(mark_done=True)``), the lease is refused with reason ``"done"``.
+            run_id: the identity of the run asking (e.g. a task id), recorded with the lease (see
+                :meth:`release_run`) and reported to other callers as ``holder_run``.
+            refuse_finished: refuse the lease (reason ``"duplicate"``) when the run ``run_id``
+                already finished under ``key`` (``lease.release(finished=True)``: it is the last
+                run recorded as finished on ``key``, or its finished marker still exists). For a
+                redelivered copy of a run. Without it, an acquisition by ``run_id`` starts a new
+                run of that id and clears its finished marker.
 
         Returns:
             :class:`~taskguard.Acquisition`; when not acquired, ``reason`` is ``"held"``
-            (``wait == 0``), ``"wait_timeout"`` or ``"done"``, and ``holder_ttl`` the holder's
-            time left.
+            (``wait == 0``), ``"wait_timeout"`` or ``"duplicate"``, ``holder_ttl`` the holder's
+            time left and ``holder_run`` the holder's run id.
 
         Raises:
             ConfigError: invalid ``key``, ``ttl``, ``wait``, ``max_hold`` or ``holder``.
@@ -246,14 +262,16 @@ class Locks:
             sent_at = self._now()
             try:
                 remaining = max(0.0, deadline - time.monotonic())
-                code, fence, holder_ttl = self._try_acquire(key, owner, ttl, meta_json, run_id, remaining)
+                code, fence, holder_ttl, holder_run = self._try_acquire(key, owner, ttl, meta_json, run_id, remaining,
+                                                                        refuse_finished and run_id is not None)
             except LeaseBackendError as e:
                 self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e),
                            task=_task_of(meta))
                 raise
             if code == 2:
-                self._emit("acquire", key, "done", duration=time.monotonic() - started, ttl=ttl, task=_task_of(meta))
-                return Acquisition(False, None, "done")
+                self._emit("acquire", key, "duplicate", duration=time.monotonic() - started, ttl=ttl,
+                           task=_task_of(meta))
+                return Acquisition(False, None, "duplicate")
             if code == 1:
                 lease = Lease(self, key, owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta,
                               run_id=run_id)
@@ -266,7 +284,7 @@ class Locks:
             if remaining <= 0:
                 reason = "wait_timeout" if wait > 0 else "held"
                 self._emit("acquire", key, reason, duration=time.monotonic() - started, ttl=ttl, task=_task_of(meta))
-                return Acquisition(False, None, reason, holder_ttl)
+                return Acquisition(False, None, reason, holder_ttl, holder_run)
             pause = remaining if holder_ttl is None or holder_ttl < 0 else min(remaining, holder_ttl + 0.001)
             try:
                 self._wait_signal(key, pause)
@@ -401,86 +419,65 @@ class Locks:
 
         Raises ConfigError for bad arguments, LeaseBackendError when Redis fails at acquire.
         """
-        if on_lost not in ON_LOST:
-            raise ConfigError(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
-        acq = self.acquire(key, ttl=ttl, wait=wait, holder=holder, renew=renew, max_hold=max_hold)
-        if not acq.acquired:
-            skipped = Skipped(key=key, reason=acq.reason or "held", task=task, holder_ttl=acq.holder_ttl)
-            self.report_skip(skipped)
-            return skipped
-        lease = acq.lease
-        assert lease is not None
-        try:
-            value = fn(lease)
-        except BaseException:
+        from .run import GuardedRun
+
+        run = GuardedRun(self, key, ttl=ttl, wait=wait, renew=renew, holder=holder, max_hold=max_hold,
+                         on_lost=on_lost, task=task)
+        if not run.begin():
+            return run.skip()
+        with run:
             try:
-                lease.release()
-            except LeaseBackendError as e:
-                log.warning("could not release lease %r after the body failed: %s", key, e)
-            raise
-        was_lost = lease._lost_reason is not None
-        try:
-            released = lease.release()
-        except LeaseBackendError as e:
-            log.warning("could not release lease %r: %s", key, e)
-            released = not lease.lost
-        if was_lost or not released:
-            reason = lease.lost_reason or "lost while the body ran"
-            if on_lost == "raise":
-                raise LeaseLost(key, reason)
-            log.warning("lease %r was lost while the body ran (%s); returning its value", key, reason)
+                value = fn(run.lease)
+            except BaseException:
+                run.fail()
+                raise
+        run.finish()
         return value
 
-    # -- once-markers (e.g. a beat schedule slot published at most once) ---------------------------
-    def mark_once(self, key: str, value: str, *, ttl: float) -> bool:
-        """Record ``value`` under ``key`` unless something is recorded there already (for ``ttl``
-        seconds). ``True`` for the one caller that recorded it. No fencing counter, no renewal:
-        cheap enough for one marker per schedule slot. Raises LeaseBackendError."""
-        return self._set_marker(_check_key(key), str(value), check_seconds("ttl", ttl), only_new=True)
+    # -- records (small values kept for callers under a lease key's hash tag) ---------------------
+    def put_record(self, key: str, name: str, value: str, *, ttl: float, if_absent: bool = False,
+                   if_value: str | None = None) -> bool:
+        """Keep ``value`` (``str``) as the record ``name`` of lease key ``key`` for ``ttl`` seconds.
 
-    def update_mark(self, key: str, value: str, *, ttl: float) -> None:
-        """Overwrite the value recorded under ``key`` (e.g. "claimed" -> "published")."""
-        self._set_marker(_check_key(key), str(value), check_seconds("ttl", ttl), only_new=False)
+        Records live beside the lease (one Redis Cluster slot with it) and are what the adapters
+        keep per run: a beat slot's marker, an RQ job's persisted handle, a deferred copy's nonce.
+        Conditions, checked atomically with the write: ``if_absent`` (only when no record
+        exists), ``if_value`` (only when the record holds exactly this value), both (either).
+        Returns ``True`` when written. Raises ConfigError for bad arguments, LeaseBackendError
+        when Redis fails."""
+        if if_value is not None and not isinstance(if_value, str):
+            raise ConfigError("if_value must be a str or None")
+        cond = ("absent_or_eq" if if_absent else "eq") if if_value is not None else ("absent" if if_absent else "any")
+        return self._put_record(_check_key(key), _check_name(name), _check_value(value),
+                                check_seconds("ttl", ttl), cond, if_value or "")
 
-    def read_mark(self, key: str) -> str | None:
-        """The value recorded under ``key``, or ``None``."""
-        return self._get_marker(_check_key(key))
+    def get_record(self, key: str, name: str) -> str | None:
+        """The record ``name`` of ``key``, or ``None``. Raises LeaseBackendError."""
+        return self._get_record(_check_key(key), _check_name(name))
 
-    def _set_marker(self, key: str, value: str, ttl: float, only_new: bool) -> bool:
+    def delete_record(self, key: str, name: str, *, if_value: str | None = None) -> bool:
+        """Delete the record ``name`` of ``key`` (only if it holds ``if_value``, when given).
+        Returns ``True`` when deleted. Raises LeaseBackendError."""
+        return self._delete_record(_check_key(key), _check_name(name), if_value or "")
+
+    def count_record(self, key: str, name: str, *, by: int = 1, ttl: float | None = None) -> int:
+        """Add ``by`` to the integer record ``name`` of ``key`` (created at 0) and return the sum;
+        ``ttl`` (seconds) sets its expiry, ``None`` keeps it. Raises LeaseBackendError."""
+        if isinstance(by, bool) or not isinstance(by, int):
+            raise ConfigError("by must be an int")
+        return self._count_record(_check_key(key), _check_name(name), by,
+                                  None if ttl is None else check_seconds("ttl", ttl))
+
+    def _put_record(self, key: str, name: str, value: str, ttl: float, cond: str, expect: str) -> bool:
         raise NotImplementedError
 
-    def _get_marker(self, key: str) -> str | None:
+    def _get_record(self, key: str, name: str) -> str | None:
         raise NotImplementedError
 
-    # -- persisted handles (for adapters whose retries cannot carry headers, e.g. RQ) -------------
-    def save_handle(self, run_id: str, handle: Mapping[str, Any], *, ttl: float) -> None:
-        """Store a lease handle (:func:`taskguard.handoff.persist`) for ``run_id`` (e.g. an RQ job
-        id) for ``ttl`` seconds. It holds the owner token: whoever can read this store can renew
-        or release that lease. Raises LeaseBackendError when Redis fails."""
-        self._save_handle(_check_run_id(run_id) or "", json.dumps(dict(handle)), check_seconds("ttl", ttl))
-
-    def load_handle(self, run_id: str) -> dict | None:
-        """The handle stored for ``run_id``, or ``None``. Raises LeaseBackendError."""
-        raw = self._load_handle(_check_run_id(run_id) or "")
-        if raw is None:
-            return None
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            return {"malformed": True}
-        return value if isinstance(value, dict) else {"malformed": True}
-
-    def delete_handle(self, run_id: str) -> None:
-        """Forget the handle stored for ``run_id``. Raises LeaseBackendError."""
-        self._delete_handle(_check_run_id(run_id) or "")
-
-    def _save_handle(self, run_id: str, data: str, ttl: float) -> None:
+    def _delete_record(self, key: str, name: str, expect: str) -> bool:
         raise NotImplementedError
 
-    def _load_handle(self, run_id: str) -> str | None:
-        raise NotImplementedError
-
-    def _delete_handle(self, run_id: str) -> None:
+    def _count_record(self, key: str, name: str, by: int, ttl: float | None) -> int:
         raise NotImplementedError
 
     def report_skip(self, skipped: Skipped) -> None:
@@ -536,14 +533,17 @@ class Locks:
             lease._mark_lost("renew found another owner or no lease")
         return ok
 
-    def _release_lease(self, lease: Lease, mark_done: bool = False) -> bool:
+    def _release_lease(self, lease: Lease, finished: bool = False, finished_ttl: float | None = None) -> bool:
         if lease.inherited or lease.released:
             return False
         if lease._renewing:
             get_heartbeat().discard(lease)
         started = time.monotonic()
         try:
-            ok = self._release_one(lease.key, lease.owner_token, lease.run_id if mark_done else None)
+            if finished_ttl is not None:
+                finished_ttl = check_seconds("finished_ttl", finished_ttl)
+            ok = self._release_one(lease.key, lease.owner_token, lease.run_id if finished else None,
+                                   finished_ttl if finished else None)
         except LeaseBackendError as e:
             self._emit("release", lease.key, "error", duration=time.monotonic() - started, error=str(e),
                        task=lease.task)

@@ -44,16 +44,15 @@ class MemoryLocks(Locks):
         renew_fraction: float = 1 / 3,
         max_hold: float | None = None,
         shutdown_timeout: float = 5.0,
-        done_ttl: float = 86400.0,
         listeners: Iterable[Listener] = (),
     ) -> None:
         super().__init__(prefix=prefix, renew_fraction=renew_fraction, max_hold=max_hold,
-                         shutdown_timeout=shutdown_timeout, done_ttl=done_ttl, listeners=listeners)
-        self._done: dict[tuple[str, str], float] = {}
+                         shutdown_timeout=shutdown_timeout, listeners=listeners)
+        self._done: dict[tuple[str, str], float] = {}  # finished markers: (key, run id) -> until
+        self._last_finished: dict[str, str] = {}  # key -> the last run recorded as finished on it
         self._releases = 0  # bumped by every release; a waiter sleeps only while it is unchanged
         self._seen = threading.local()
-        self._handles: dict[str, tuple[str, float]] = {}
-        self._markers: dict[str, tuple[str, float]] = {}
+        self._records: dict[tuple[str, str], tuple[str, float | None]] = {}
         self._clock = clock
         self._cond = threading.Condition()
         self._leases: dict[str, _Entry] = {}
@@ -72,20 +71,25 @@ class MemoryLocks(Locks):
             return None
         return e
 
-    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str,
-                     run_id: str | None, wait: float = 0.0) -> tuple[int, int | None, float | None]:
+    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str, run_id: str | None,
+                     wait: float = 0.0, refuse_finished: bool = False
+                     ) -> tuple[int, int | None, float | None, str | None]:
         with self._cond:
             self._seen.releases = self._releases
-            if run_id is not None and self._done.get((key, run_id), 0) > self._clock():
-                return 2, None, None
+            if refuse_finished and run_id is not None:
+                if self._done.get((key, run_id), 0) > self._clock() or self._last_finished.get(key) == run_id:
+                    return 2, None, None, None
             e = self._live_entry(key)
             if e is not None:
-                return 0, None, max(0.0, e.expires - self._clock())
+                return 0, None, max(0.0, e.expires - self._clock()), e.run
             fence = self._fences.get(key, 0) + 1
             self._fences[key] = fence
+            self._last_finished.pop(key, None)
+            if run_id is not None and not refuse_finished:
+                self._done.pop((key, run_id), None)
             now = self._clock()
             self._leases[key] = _Entry(owner, fence, holder_json, now, now + ttl, run_id)
-            return 1, fence, None
+            return 1, fence, None, None
 
     def _wait_signal(self, key: str, timeout: float) -> None:
         with self._cond:
@@ -100,14 +104,17 @@ class MemoryLocks(Locks):
             e.expires = max(e.expires, self._clock() + ttl)  # renewals only extend, as in Redis
             return True
 
-    def _release_one(self, key: str, owner: str, done_run_id: str | None = None) -> bool:
+    def _release_one(self, key: str, owner: str, finished_run: str | None = None,
+                     finished_ttl: float | None = None) -> bool:
         with self._cond:
-            if done_run_id is not None:
-                self._done[(key, done_run_id)] = self._clock() + self.done_ttl
+            if finished_run is not None and finished_ttl is not None:
+                self._done[(key, finished_run)] = self._clock() + finished_ttl
             e = self._live_entry(key)
             if e is None or e.owner != owner:
                 return False
             del self._leases[key]
+            if finished_run is not None:
+                self._last_finished[key] = finished_run
             self._releases += 1
             self._cond.notify_all()
             return True
@@ -139,38 +146,49 @@ class MemoryLocks(Locks):
             if e is None:
                 return None
             return HolderInfo(key=key, holder=json.loads(e.holder), fencing_token=e.fence,
-                              ttl=max(0.0, e.expires - self._clock()), since=e.since)
+                              ttl=max(0.0, e.expires - self._clock()), since=e.since, run_id=e.run)
 
     def _owns_one(self, key: str, owner: str) -> bool:
         with self._cond:
             e = self._live_entry(key)
             return e is not None and e.owner == owner
 
-    def _set_marker(self, key: str, value: str, ttl: float, only_new: bool) -> bool:
+    def _live_record(self, key: str, name: str) -> str | None:
+        value, until = self._records.get((key, name), (None, None))
+        if value is not None and until is not None and until <= self._clock():
+            del self._records[(key, name)]
+            return None
+        return value
+
+    def _put_record(self, key: str, name: str, value: str, ttl: float, cond: str, expect: str) -> bool:
         with self._cond:
-            current = self._markers.get(key)
-            if only_new and current is not None and current[1] > self._clock():
-                return False
-            self._markers[key] = (value, self._clock() + ttl)
+            cur = self._live_record(key, name)
+            if cond != "any" and cur != value:
+                if (cond == "absent" and cur is not None) or (cond == "eq" and cur != expect) or \
+                        (cond == "absent_or_eq" and cur is not None and cur != expect):
+                    return False
+            self._records[(key, name)] = (value, self._clock() + ttl)
             return True
 
-    def _get_marker(self, key: str) -> str | None:
+    def _get_record(self, key: str, name: str) -> str | None:
         with self._cond:
-            value, until = self._markers.get(key, (None, 0.0))
-            return value if until > self._clock() else None
+            return self._live_record(key, name)
 
-    def _save_handle(self, run_id: str, data: str, ttl: float) -> None:
+    def _delete_record(self, key: str, name: str, expect: str) -> bool:
         with self._cond:
-            self._handles[run_id] = (data, self._clock() + ttl)
+            cur = self._live_record(key, name)
+            if cur is None or (expect and cur != expect):
+                return False
+            del self._records[(key, name)]
+            return True
 
-    def _load_handle(self, run_id: str) -> str | None:
+    def _count_record(self, key: str, name: str, by: int, ttl: float | None) -> int:
         with self._cond:
-            data, until = self._handles.get(run_id, (None, 0.0))
-            return data if until > self._clock() else None
-
-    def _delete_handle(self, run_id: str) -> None:
-        with self._cond:
-            self._handles.pop(run_id, None)
+            cur = self._live_record(key, name)
+            until = self._records.get((key, name), (None, None))[1]
+            total = int(cur or 0) + by
+            self._records[(key, name)] = (str(total), self._clock() + ttl if ttl is not None else until)
+            return total
 
     def check_health(self) -> Health:
         """Always healthy (nothing to reach)."""

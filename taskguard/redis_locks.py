@@ -90,12 +90,11 @@ class RedisLocks(Locks):
         fence_idle_ttl: float = DEFAULT_FENCE_IDLE_TTL,
         max_hold: float | None = None,
         shutdown_timeout: float = 5.0,
-        done_ttl: float = 86400.0,
         listeners: Iterable[Listener] = (),
         direct_connections: bool = True,
     ) -> None:
         super().__init__(prefix=prefix, renew_fraction=renew_fraction, max_hold=max_hold,
-                         shutdown_timeout=shutdown_timeout, done_ttl=done_ttl, listeners=listeners)
+                         shutdown_timeout=shutdown_timeout, listeners=listeners)
         if client is None or not hasattr(client, "evalsha"):
             raise ConfigError("client must be a redis-py client (redis.Redis or redis.cluster.RedisCluster)")
         self.client = client
@@ -226,22 +225,25 @@ class RedisLocks(Locks):
     def _done_key(self, key: str, run_id: str) -> str:
         return self._lease_key(key) + ":done:" + run_id
 
-    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str,
-                     run_id: str | None, wait: float = 0.0) -> tuple[int, int | None, float | None]:
+    def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str, run_id: str | None,
+                     wait: float = 0.0, refuse_finished: bool = False
+                     ) -> tuple[int, int | None, float | None, str | None]:
         lease_k, fence_k, _, waiting_k = self._keys(key)
         keys = (lease_k, fence_k, waiting_k)
         if run_id is not None:
             keys += (self._done_key(key, run_id),)
         wait_ms = _ms(wait + 1.0) if wait > 0 else 0  # the flag outlives the wait by a second
         res = self._run("acquire", key, scripts.ACQUIRE, keys,
-                        (owner, _ms(ttl), holder_json, _ms(self.fence_idle_ttl), wait_ms, run_id or ""))
+                        (owner, _ms(ttl), holder_json, _ms(self.fence_idle_ttl), wait_ms, run_id or "",
+                         "1" if refuse_finished else "0"))
         code = int(res[0])
         if code == 1:
-            return 1, int(res[1]), None  # (a retried acquire that ran: its expiry may be a bit older)
+            return 1, int(res[1]), None, None  # (a retried acquire that ran: its expiry may be a bit older)
         if code == 2:
-            return 2, None, None
+            return 2, None, None, None
         pttl = int(res[1])
-        return 0, None, (pttl / 1000.0 if pttl >= 0 else None)
+        run = res[2].decode() if isinstance(res[2], bytes) else res[2]
+        return 0, None, (pttl / 1000.0 if pttl >= 0 else None), (run or None)
 
     def _wait_signal(self, key: str, timeout: float) -> None:
         timeout = max(0.01, min(timeout, self._slice))  # never 0: BLPOP 0 blocks forever
@@ -290,12 +292,13 @@ class RedisLocks(Locks):
             queue(pipe, (self._lease_key(key),), (owner, _ms(ttl)))
         return list(pipe.execute(raise_on_error=False))
 
-    def _release_one(self, key: str, owner: str, done_run_id: str | None = None) -> bool:
-        lease_k, _, signal_k, waiting_k = self._keys(key)
-        keys = (lease_k, signal_k, waiting_k, self._released_key(key))
-        if done_run_id is not None:
-            keys += (self._done_key(key, done_run_id),)
-        args = (owner, _ms(SIGNAL_TTL), _ms(self.done_ttl), secrets.token_hex(8))
+    def _release_one(self, key: str, owner: str, finished_run: str | None = None,
+                     finished_ttl: float | None = None) -> bool:
+        lease_k, fence_k, signal_k, waiting_k = self._keys(key)
+        keys = (lease_k, signal_k, waiting_k, self._released_key(key), fence_k)
+        if finished_run is not None and finished_ttl is not None:
+            keys += (self._done_key(key, finished_run),)
+        args = (owner, _ms(SIGNAL_TTL), _ms(finished_ttl or 1.0), secrets.token_hex(8), finished_run or "")
         return int(self._run("release", key, scripts.RELEASE, keys, args)) == 1
 
     def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
@@ -342,7 +345,7 @@ class RedisLocks(Locks):
         return sorted(out, key=lambda i: i.key)
 
     def _holder_one(self, key: str) -> HolderInfo | None:
-        holder_raw, fence, pttl, since = self._run("holder", key, scripts.HOLDER, (self._lease_key(key),), ())
+        holder_raw, fence, pttl, since, run = self._run("holder", key, scripts.HOLDER, (self._lease_key(key),), ())
         pttl = int(pttl)
         if pttl == -2:
             return None
@@ -358,50 +361,41 @@ class RedisLocks(Locks):
             fencing_token=int(fence) if fence is not None else None,
             ttl=pttl / 1000.0 if pttl >= 0 else None,
             since=int(since) / 1000.0 if since is not None else None,
+            run_id=(run.decode() if isinstance(run, bytes) else run) or None,
         )
 
     def _owns_one(self, key: str, owner: str) -> bool:
         return int(self._run("renew", key, scripts.OWNS, (self._lease_key(key),), (owner,))) != -2
 
-    # -- once-markers -----------------------------------------------------------------------------
-    def _marker_key(self, key: str) -> str:
-        return "{" + self.prefix + ":once:" + key + "}"
+    # -- records ---------------------------------------------------------------------------------
+    def _record_key(self, key: str, name: str) -> str:
+        return self._lease_key(key) + ":r:" + name
 
-    def _set_marker(self, key: str, value: str, ttl: float, only_new: bool) -> bool:
-        try:
-            return bool(self.client.set(self._marker_key(key), value, px=_ms(ttl), nx=only_new))
-        except RedisError as e:
-            raise LeaseBackendError("mark", key, _detail(e)) from e
+    def _put_record(self, key: str, name: str, value: str, ttl: float, cond: str, expect: str) -> bool:
+        return int(self._run("record", key, scripts.PUT_RECORD, (self._record_key(key, name),),
+                             (value, _ms(ttl), cond, expect))) == 1
 
-    def _get_marker(self, key: str) -> str | None:
+    def _get_record(self, key: str, name: str) -> str | None:
         try:
-            raw = self.client.get(self._marker_key(key))
+            raw = self.client.get(self._record_key(key, name))
         except RedisError as e:
-            raise LeaseBackendError("mark", key, _detail(e)) from e
+            raise LeaseBackendError("record", key, _detail(e)) from e
         return raw.decode() if isinstance(raw, bytes) else raw
 
-    # -- persisted handles ---------------------------------------------------------------------
-    def _handle_key(self, run_id: str) -> str:
-        return "{" + self.prefix + ":handle:" + run_id + "}"
+    def _delete_record(self, key: str, name: str, expect: str) -> bool:
+        return int(self._run("record", key, scripts.DELETE_RECORD, (self._record_key(key, name),), (expect,))) == 1
 
-    def _save_handle(self, run_id: str, data: str, ttl: float) -> None:
+    def _count_record(self, key: str, name: str, by: int, ttl: float | None) -> int:
+        k = self._record_key(key, name)
         try:
-            self.client.set(self._handle_key(run_id), data, px=_ms(ttl))
+            if ttl is None:
+                return int(self.client.incrby(k, by))
+            pipe = self.client.pipeline(transaction=True)
+            pipe.incrby(k, by)
+            pipe.pexpire(k, _ms(ttl))
+            return int(pipe.execute()[0])
         except RedisError as e:
-            raise LeaseBackendError("save_handle", None, _detail(e)) from e
-
-    def _load_handle(self, run_id: str) -> str | None:
-        try:
-            raw = self.client.get(self._handle_key(run_id))
-        except RedisError as e:
-            raise LeaseBackendError("load_handle", None, _detail(e)) from e
-        return raw.decode() if isinstance(raw, bytes) else raw
-
-    def _delete_handle(self, run_id: str) -> None:
-        try:
-            self.client.delete(self._handle_key(run_id))
-        except RedisError as e:
-            raise LeaseBackendError("delete_handle", None, _detail(e)) from e
+            raise LeaseBackendError("record", key, _detail(e)) from e
 
     # -- health and shutdown -------------------------------------------------------------------
     def check_health(self) -> Health:

@@ -7,8 +7,10 @@ every script touches one Redis Cluster slot; everything that is not a key goes i
                    ``holder`` (JSON holder metadata), ``since`` (server time, ms), ``run`` (the
                    run id given at acquire/claim, e.g. a task id); it carries the lease TTL
                    (``PEXPIRE``).
-* ``{P:K}:fence``  the last fencing token handed out for ``K``; it carries an idle TTL
-                   (``fence_idle_ttl``, default 7 days) so Redis memory per distinct key is bounded.
+* ``{P:K}:fence``  the fence record: the last fencing token handed out for ``K``, followed, once
+                   a run that held ``K`` finished, by that run's id (``"<token> <run id>"``); the
+                   next acquisition overwrites it. It carries an idle TTL (``fence_idle_ttl``,
+                   default 7 days) so Redis memory per distinct key is bounded.
 * ``{P:K}:signal`` a one-element list pushed on release; waiters ``BLPOP`` it, so a waiter wakes
                    on release instead of by polling. It expires by itself.
 * ``{P:K}:released`` the owner token and call nonce of the last release without a done marker,
@@ -16,10 +18,12 @@ every script touches one Redis Cluster slot; everything that is not a key goes i
 * ``{P:K}:waiting`` set (with the longest pending wait as its TTL) by an acquire that found the
                    lease held and will wait; a release pushes the signal only while it exists, so
                    the common uncontended release does no signalling work.
-* ``{P:K}:done:R`` set when run ``R`` (e.g. a Celery task id) finished under this key; an acquire
-                   on behalf of ``R`` is then refused, so a redelivered or duplicated copy of a
-                   finished run does not run again. It expires after ``done_ttl``. Its value is
+* ``{P:K}:done:R`` the finished marker of run ``R`` (e.g. a Celery task id), written on release
+                   only when the caller asks for one (``finished_ttl``): an acquire that refuses
+                   finished runs (a redelivered copy) is then refused for that long. Its value is
                    the nonce of the release call that set it (it doubles as that call's tombstone).
+                   A new run of ``R`` clears it when it acquires.
+* ``{P:K}:r:NAME`` a record kept for the caller under ``K``'s hash tag (:meth:`Locks.put_record`).
 
 Fencing: ``next = max(stored + 1, server TIME in microseconds)``. The stored counter gives strict
 growth while it exists; the server-clock floor keeps tokens growing when the counter is lost
@@ -46,7 +50,8 @@ from typing import Any, Sequence
 
 from redis.exceptions import NoScriptError
 
-__all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_WITHOUT_TOKEN", "CLAIM", "HOLDER", "OWNS"]
+__all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_WITHOUT_TOKEN", "CLAIM", "HOLDER", "OWNS", "PUT_RECORD",
+           "DELETE_RECORD"]
 
 
 class Script:
@@ -84,40 +89,53 @@ _SIGNAL_ONE_WAITER = """
     redis.call('PEXPIRE', KEYS[2], {ttl})
   end"""
 
-# KEYS[1] lease, KEYS[2] fence counter, KEYS[3] waiting flag, optional KEYS[4] done marker of
+# KEYS[1] lease, KEYS[2] fence record, KEYS[3] waiting flag, optional KEYS[4] finished marker of
 # the run asking
-# ARGV[1] owner token, ARGV[2] TTL ms, ARGV[3] holder JSON, ARGV[4] fence counter idle TTL ms,
-# ARGV[5] ms the caller will wait if the lease is held (0: it will not wait), ARGV[6] run id ('' if none)
-# -> {1, fence, ttl_ms} when acquired; {0, holder's PTTL} when held (-1: held without expiry);
-#    {2, 0} when the run asking already finished (its done marker exists).
+# ARGV[1] owner token, ARGV[2] TTL ms, ARGV[3] holder JSON, ARGV[4] fence record idle TTL ms,
+# ARGV[5] ms the caller will wait if the lease is held (0: it will not wait), ARGV[6] run id ('' if
+# none), ARGV[7] '1' when a run that already finished must be refused (a redelivered copy), '0'
+# when this is a new run of that id (its finished marker, if any, is cleared once it acquires)
+# -> {1, fence, ttl_ms} when acquired; {0, holder's PTTL, holder's run id} when held (-1: held
+#    without expiry); {2, 0} when ARGV[7] is '1' and the run asking already finished (its finished
+#    marker exists, or it is the last run recorded as finished in the fence record).
 # Idempotent: re-sent by a client retry after it ran, it finds its own owner token and says so.
 ACQUIRE = Script(
     "acquire",
     """
-if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then
-  return {2, 0}
+local fence_rec = redis.call('GET', KEYS[2])
+if ARGV[7] == '1' and ARGV[6] ~= '' then
+  if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then
+    return {2, 0}
+  end
+  if fence_rec and string.match(fence_rec, '^%d+ (.*)$') == ARGV[6] then
+    return {2, 0}
+  end
 end
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl ~= -2 then
-  if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  local v = redis.call('HMGET', KEYS[1], 'owner', 'fence', 'run')
+  if v[1] == ARGV[1] then
     -- ours already: this is a client-side retry of an acquire that did run (idempotent)
-    return {1, tonumber(redis.call('HGET', KEYS[1], 'fence')), pttl}
+    return {1, tonumber(v[2]), pttl}
   end
   local wait_ms = tonumber(ARGV[5])
   if wait_ms > 0 and redis.call('PTTL', KEYS[3]) < wait_ms then
     redis.call('SET', KEYS[3], '1', 'PX', wait_ms)
   end
-  return {0, pttl}
+  return {0, pttl, v[3] or ''}
 end
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local stored = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+local stored = tonumber(fence_rec and string.match(fence_rec, '^%d+') or '0') or 0
 local fence = math.max(stored + 1, now_us)
 local fence_s = string.format('%.0f', fence)
 redis.call('SET', KEYS[2], fence_s, 'PX', ARGV[4])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence_s, 'holder', ARGV[3],
            'since', string.format('%.0f', math.floor(now_us / 1000)), 'run', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if KEYS[4] and ARGV[7] == '0' then
+  redis.call('DEL', KEYS[4])
+end
 return {1, fence, tonumber(ARGV[2])}
 """,
 )
@@ -139,13 +157,16 @@ return 0
 )
 
 # KEYS[1] lease, KEYS[2] release signal, KEYS[3] waiting flag, KEYS[4] release tombstone,
-# optional KEYS[5] done marker of the finishing run
-# ARGV[1] owner token, ARGV[2] signal TTL ms, ARGV[3] done marker TTL ms (with KEYS[5]),
-# ARGV[4] a random nonce unique to this release call
+# KEYS[5] fence record, optional KEYS[6] finished marker of the finishing run
+# ARGV[1] owner token, ARGV[2] signal TTL ms, ARGV[3] finished marker TTL ms (with KEYS[6]),
+# ARGV[4] a random nonce unique to this release call, ARGV[5] the id of the run that finished ('':
+# the run did not finish, e.g. it hands its message back)
 # -> 1 released (and, when someone waits, one waiter signalled), 0 not the owner (or gone).
-# The done marker is set either way: the run is over, and later copies of it must not run again.
+# A finishing run is recorded as the key's last finished run in the fence record (no extra key:
+# the next acquire of the key overwrites it) and, with KEYS[6], in its own finished marker. The
+# marker is set whether or not the lease was still held: the run is over either way.
 # Idempotent: a release that did run leaves a mark of this very call, so a client retry of it
-# still answers 1 (a new release call with the same token answers 0). The mark is the done
+# still answers 1 (a new release call with the same token answers 0). The mark is the finished
 # marker itself when there is one (holding the call's nonce: one key per finished run, not two),
 # else the tombstone KEYS[4] (owner token + nonce, for 10 s).
 RELEASE = Script(
@@ -153,19 +174,25 @@ RELEASE = Script(
     """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  if KEYS[5] then
-    redis.call('SET', KEYS[5], ARGV[4], 'PX', ARGV[3])
+  if ARGV[5] ~= '' then
+    local rec = redis.call('GET', KEYS[5])
+    if rec then
+      redis.call('SET', KEYS[5], string.match(rec, '^%d+') .. ' ' .. ARGV[5], 'KEEPTTL')
+    end
+  end
+  if KEYS[6] then
+    redis.call('SET', KEYS[6], ARGV[4], 'PX', ARGV[3])
   else
     redis.call('SET', KEYS[4], ARGV[1] .. ' ' .. ARGV[4], 'PX', 10000)
   end
 """ + _SIGNAL_ONE_WAITER.format(ttl="ARGV[2]") + """
   return 1
 end
-if KEYS[5] then
-  if redis.call('GET', KEYS[5]) == ARGV[4] then
+if KEYS[6] then
+  if redis.call('GET', KEYS[6]) == ARGV[4] then
     return 1
   end
-  redis.call('SET', KEYS[5], '1', 'PX', ARGV[3])
+  redis.call('SET', KEYS[6], '1', 'PX', ARGV[3])
   return 0
 end
 if redis.call('GET', KEYS[4]) == ARGV[1] .. ' ' .. ARGV[4] then
@@ -213,13 +240,13 @@ return 0
 """,
 )
 
-# KEYS[1] lease -> {holder JSON, fence, PTTL, since ms}; PTTL -2 when there is no lease.
+# KEYS[1] lease -> {holder JSON, fence, PTTL, since ms, run id}; PTTL -2 when there is no lease.
 # Never returns the owner token.
 HOLDER = Script(
     "holder",
     """
-local v = redis.call('HMGET', KEYS[1], 'holder', 'fence', 'since')
-return {v[1], v[2], redis.call('PTTL', KEYS[1]), v[3]}
+local v = redis.call('HMGET', KEYS[1], 'holder', 'fence', 'since', 'run')
+return {v[1], v[2], redis.call('PTTL', KEYS[1]), v[3], v[4]}
 """,
 )
 
@@ -231,5 +258,37 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   return redis.call('PTTL', KEYS[1])
 end
 return -2
+""",
+)
+
+
+# KEYS[1] record; ARGV[1] value, ARGV[2] TTL ms, ARGV[3] condition: 'any' (always), 'absent' (only
+# if no record exists), 'eq' (only if the record exists and equals ARGV[4]), 'absent_or_eq' (no
+# record, or one equal to ARGV[4]) -> 1 written, 0 the condition did not hold.
+# Idempotent: a client retry of a write that ran finds its own value and answers 1.
+PUT_RECORD = Script(
+    "put_record",
+    """
+local cur = redis.call('GET', KEYS[1])
+local cond = ARGV[3]
+if cond ~= 'any' and cur ~= ARGV[1] then
+  if cond == 'absent' and cur then return 0 end
+  if cond == 'eq' and cur ~= ARGV[4] then return 0 end
+  if cond == 'absent_or_eq' and cur and cur ~= ARGV[4] then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+""",
+)
+
+# KEYS[1] record; ARGV[1] '' (delete whatever is there) or the value it must hold -> 1 deleted,
+# 0 absent or holding another value.
+DELETE_RECORD = Script(
+    "delete_record",
+    """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+return redis.call('DEL', KEYS[1])
 """,
 )

@@ -210,7 +210,7 @@ def test_crontab_across_daylight_saving_changes_each_utc_instant_once():
                 if due:
                     slot, keep = slot_of(entry)
                     fired.append(slot)
-                    if locks.mark_once(f"slot:{slot}", "1", ttl=keep):
+                    if locks.put_record(f"slot:{slot}", "slot", "1", ttl=keep, if_absent=True):
                         published.append(int(slot.split(":")[1]))
                     beat[1] = next(entry)
         instants = [datetime.fromtimestamp(t, timezone.utc) for t in published]

@@ -238,7 +238,6 @@ def test_a_good_url_with_a_password_keeps_it_for_the_client(redis_url):
     ("fence_idle_ttl", -5, "fence_idle_ttl"),
     ("shutdown_timeout", math.nan, "shutdown_timeout"),
     ("max_hold", 0, "max_hold"),
-    ("done_ttl", math.inf, "done_ttl"),
 ])
 def test_from_url_rejects_bad_options_naming_them(redis_url, option, value, name):
     with pytest.raises(ConfigError, match=name):

@@ -27,18 +27,18 @@ def test_scripts_are_idempotent_under_client_retries(client, prefix):
     the same acquire / claim / release must give the same answer, never orphan a lease."""
     locks = RedisLocks(client, prefix=prefix)
     lk, fk, sk, wk = locks._keys("idem")
-    args = ("owner-1", 5000, "{}", 60000, 0, "")
+    args = ("owner-1", 5000, "{}", 60000, 0, "", "0")
     first = scripts.ACQUIRE(client, (lk, fk, wk), args)
     again = scripts.ACQUIRE(client, (lk, fk, wk), args)
     assert int(first[0]) == 1 and int(again[0]) == 1 and int(first[1]) == int(again[1])
     claim_args = ("owner-1", "owner-2", 5000, "{}", "run")
     assert int(scripts.CLAIM(client, (lk,), claim_args)[0]) == 1
     assert int(scripts.CLAIM(client, (lk,), claim_args)[0]) == 1  # re-sent: still claimed
-    rel_keys = (lk, sk, wk, locks._released_key("idem"))
-    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0, "call-1"))) == 1
-    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0, "call-1"))) == 1  # re-sent: released
-    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0, "call-2"))) == 0  # a new call: no
-    assert int(scripts.RELEASE(client, rel_keys, ("someone-else", 10000, 0, "call-1"))) == 0
+    rel_keys = (lk, sk, wk, locks._released_key("idem"), fk)
+    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0, "call-1", ""))) == 1
+    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0, "call-1", ""))) == 1  # re-sent: released
+    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0, "call-2", ""))) == 0  # a new call: no
+    assert int(scripts.RELEASE(client, rel_keys, ("someone-else", 10000, 0, "call-1", ""))) == 0
     assert locks.holder("idem") is None
 
 
@@ -47,16 +47,18 @@ def test_release_with_a_done_marker_is_idempotent_without_a_tombstone(client, pr
     answers 1, a new release call answers 0, and no separate tombstone key is written."""
     locks = RedisLocks(client, prefix=prefix)
     lease = locks.acquire("done", ttl=5, run_id="task-1").lease
-    lk, _, sk, wk = locks._keys("done")
+    lk, fk, sk, wk = locks._keys("done")
     done_k, tomb_k = locks._done_key("done", "task-1"), locks._released_key("done")
-    rel_keys = (lk, sk, wk, tomb_k, done_k)
-    args = (lease.owner_token, 10000, 60000, "nonce-1")
+    rel_keys = (lk, sk, wk, tomb_k, fk, done_k)
+    args = (lease.owner_token, 10000, 60000, "nonce-1", "task-1")
     assert int(scripts.RELEASE(client, rel_keys, args)) == 1
     assert int(scripts.RELEASE(client, rel_keys, args)) == 1  # re-sent after it ran: released
-    assert int(scripts.RELEASE(client, rel_keys, args[:3] + ("nonce-2",))) == 0  # a new call: no
+    assert int(scripts.RELEASE(client, rel_keys, args[:3] + ("nonce-2", "task-1"))) == 0  # a new call: no
     assert client.exists(done_k) == 1 and client.exists(tomb_k) == 0
     assert 0 < client.pttl(done_k) <= 60000
-    assert locks.acquire("done", ttl=5, run_id="task-1").reason == "done"  # the finished run is refused
+    # a redelivered copy of the finished run is refused; a new run of the id is not
+    assert locks.acquire("done", ttl=5, run_id="task-1", refuse_finished=True).reason == "duplicate"
+    assert client.get(fk).decode().endswith(" task-1")  # the fence record names the last finished run
     assert lease.owner_token.encode() not in client.get(done_k)  # the marker keeps no owner token
 
 
@@ -124,7 +126,7 @@ def test_close_stops_renewing_what_it_could_not_release(client, prefix):
 def test_memory_locks_waiter_never_misses_a_release_between_try_and_wait():
     locks = MemoryLocks()
     holder = locks.acquire("k", ttl=30).lease
-    code, _, _ = locks._try_acquire("k", "w", 5, "{}", None)  # the waiter's failed try
+    code, _, _, _ = locks._try_acquire("k", "w", 5, "{}", None)  # the waiter's failed try
     assert code == 0
     holder.release()  # lands before the waiter sleeps
     started = time.monotonic()

@@ -156,8 +156,8 @@ class LocksEquivalence(RuleBasedStateMachine):
             self._delete_keys()
         self.vt = VirtualTime()
         self.prefix = f"tgeq-{uuid.uuid4().hex[:12]}"
-        self.mem = MemoryLocks(clock=self.vt.clock, prefix=self.prefix, done_ttl=DONE_TTL)
-        self.red = RedisLocks(self.client, prefix=self.prefix, done_ttl=DONE_TTL)
+        self.mem = MemoryLocks(clock=self.vt.clock, prefix=self.prefix)
+        self.red = RedisLocks(self.client, prefix=self.prefix)
         self.pairs: list[Pair] = []
         self.max_fence: dict[str, dict[str, int]] = {"mem": {}, "red": {}}
         self.step_no = 0
@@ -263,22 +263,23 @@ class LocksEquivalence(RuleBasedStateMachine):
         self.vt.sync()  # setting up the machine took real time; start both sides in step
 
     @rule(target=handles, key=st.sampled_from(KEYS), ttl=st.sampled_from(TTLS), run_id=st.sampled_from(RUN_IDS),
-          elapse=ELAPSE)
-    def acquire(self, key, ttl, run_id, elapse):
-        return self._step("acquire", key=key, ttl=ttl, run_id=run_id, elapse=elapse)
+          elapse=ELAPSE, refuse=st.booleans())
+    def acquire(self, key, ttl, run_id, elapse, refuse=False):
+        return self._step("acquire", key=key, ttl=ttl, run_id=run_id, elapse=elapse, refuse=refuse)
 
-    def _acquire(self, key, ttl, run_id, elapse):
+    def _acquire(self, key, ttl, run_id, elapse, refuse=False):
         self.vt.advance(elapse)
         meta = self._meta()
-        m = self.mem.acquire(key, ttl=ttl, holder=meta, run_id=run_id)
-        r = self.red.acquire(key, ttl=ttl, holder=meta, run_id=run_id)
+        m = self.mem.acquire(key, ttl=ttl, holder=meta, run_id=run_id, refuse_finished=refuse)
+        r = self.red.acquire(key, ttl=ttl, holder=meta, run_id=run_id, refuse_finished=refuse)
         self._settle()
         self.last = m
         assert m.acquired == r.acquired, (m, r)
         assert m.reason == r.reason, (m, r)
         event(f"acquire: {m.reason or 'acquired'}")
         if not m.acquired:
-            assert m.reason in ("held", "done"), m
+            assert m.reason in ("held", "duplicate"), m
+            assert m.holder_run == r.holder_run, (m, r)
             self._compare_holder_ttl(m.holder_ttl, r.holder_ttl)
             # the holder's time left is known for a held key, meaningless for a finished run
             assert (m.holder_ttl is not None) == (m.reason == "held"), m
@@ -306,14 +307,15 @@ class LocksEquivalence(RuleBasedStateMachine):
         assert m == r, (pair, m, r)
         event(f"renew: {m}")
 
-    @rule(pair=handles, mark_done=st.booleans(), elapse=ELAPSE)
-    def release(self, pair, mark_done, elapse):
-        return self._step("release", pair=pair, mark_done=mark_done, elapse=elapse)
+    @rule(pair=handles, finished=st.sampled_from([None, "recorded", "marker"]), elapse=ELAPSE)
+    def release(self, pair, finished, elapse):
+        return self._step("release", pair=pair, finished=finished, elapse=elapse)
 
-    def _release(self, pair, mark_done, elapse):
+    def _release(self, pair, finished, elapse):
         self.vt.advance(elapse)
-        m = pair.mem.release(mark_done=mark_done)
-        r = pair.red.release(mark_done=mark_done)
+        kw = {"finished": finished is not None, "finished_ttl": DONE_TTL if finished == "marker" else None}
+        m = pair.mem.release(**kw)
+        r = pair.red.release(**kw)
         self._settle()
         self.last = m
         assert m == r, (pair, m, r)
@@ -461,7 +463,7 @@ def test_virtual_time_moves_only_on_advance_and_sleeps_to_an_absolute_target():
 
 
 # -- scripted scenarios ----------------------------------------------------------------------------
-# Hypothesis's choice of rules reaches some paths only rarely (a finished run refused with "done",
+# Hypothesis's choice of rules reaches some paths only rarely (a finished run refused as "duplicate",
 # a claim answered "not_owner", a renewal that saves a lease from expiring). These scenarios walk
 # the same machine through them, with the same comparisons and invariants after every step, and
 # also check the outcome itself (MemoryLocks's; the machine has compared it with Redis's).
@@ -496,15 +498,15 @@ def _run_scenario(redis_url, script) -> None:
 def test_scenario_finished_run_is_refused_until_its_done_marker_expires(redis_url):
     def script(step, m):
         h = step("acquire", key="a", ttl=LONG, run_id="run-1", elapse=0)
-        step("release", pair=h, mark_done=True, elapse=0)
+        step("release", pair=h, finished="marker", elapse=0)
         assert m.last is True
-        step("acquire", key="a", ttl=LONG, run_id="run-1", elapse=0)
-        assert m.last.reason == "done" and m.last.holder_ttl is None
-        step("acquire", key="a", ttl=SHORT, run_id="run-2", elapse=0)
+        step("acquire", key="a", ttl=LONG, run_id="run-1", elapse=0, refuse=True)
+        assert m.last.reason == "duplicate" and m.last.holder_ttl is None
+        step("acquire", key="a", ttl=SHORT, run_id="run-2", elapse=0, refuse=True)
         assert m.last.acquired  # another run is not affected by run-1's marker
-        step("acquire", key="a", ttl=LONG, run_id="run-1", elapse=T)
-        assert m.last.reason == "done"  # the marker is checked before the holder
-        step("acquire", key="a", ttl=LONG, run_id="run-1", elapse=2 * T)
+        step("acquire", key="a", ttl=LONG, run_id="run-1", elapse=T, refuse=True)
+        assert m.last.reason == "duplicate"  # the marker is checked before the holder
+        step("acquire", key="a", ttl=LONG, run_id="run-1", elapse=2 * T, refuse=True)
         assert m.last.acquired  # at 0.3 s the marker (0.25 s) and run-2's lease (0.15 s) expired
 
     _run_scenario(redis_url, script)
@@ -513,12 +515,39 @@ def test_scenario_finished_run_is_refused_until_its_done_marker_expires(redis_ur
 def test_scenario_done_marker_is_set_even_when_the_release_finds_the_lease_gone(redis_url):
     def script(step, m):
         h = step("acquire", key="b", ttl=SHORT, run_id="run-1", elapse=0)
-        step("release", pair=h, mark_done=True, elapse=2 * T)
+        step("release", pair=h, finished="marker", elapse=2 * T)
         assert m.last is False and h.mem.lost and h.red.lost
-        step("acquire", key="b", ttl=SHORT, run_id="run-1", elapse=0)
-        assert m.last.reason == "done"
+        step("acquire", key="b", ttl=SHORT, run_id="run-1", elapse=0, refuse=True)
+        assert m.last.reason == "duplicate"
         step("acquire", key="b", ttl=SHORT, run_id=None, elapse=0)
         assert m.last.acquired
+
+    _run_scenario(redis_url, script)
+
+
+def test_scenario_last_finished_run_of_a_key_is_refused_without_a_marker(redis_url):
+    """Without a marker the fence record remembers the key's last finished run: its redelivered
+    copy is refused until another acquisition of the key; a new run of the id (no refuse) runs."""
+
+    def script(step, m):
+        h = step("acquire", key="a", ttl=LONG, run_id="run-1", elapse=0)
+        step("release", pair=h, finished="recorded", elapse=0)
+        step("acquire", key="a", ttl=LONG, run_id="run-1", elapse=0, refuse=True)
+        assert m.last.reason == "duplicate"
+        h2 = step("acquire", key="a", ttl=LONG, run_id="run-1", elapse=0)
+        assert m.last.acquired  # a new publish of the same id is a new run
+        step("release", pair=h2, finished=None, elapse=0)  # handed back: not finished
+        step("acquire", key="a", ttl=LONG, run_id="run-1", elapse=0, refuse=True)
+        assert m.last.acquired  # its redelivery runs
+
+    _run_scenario(redis_url, script)
+
+
+def test_scenario_held_reports_the_holders_run(redis_url):
+    def script(step, m):
+        step("acquire", key="a", ttl=LONG, run_id="run-1", elapse=0)
+        step("acquire", key="a", ttl=LONG, run_id="run-2", elapse=0)
+        assert m.last.reason == "held" and m.last.holder_run == "run-1"
 
     _run_scenario(redis_url, script)
 
@@ -590,10 +619,10 @@ def test_scenario_releasing_a_restored_copy_of_a_released_handle(redis_url):
 
     def script(step, m):
         h = step("acquire", key="b", ttl=LONG, run_id=None, elapse=0)
-        step("release", pair=h, mark_done=False, elapse=0)
+        step("release", pair=h, finished=None, elapse=0)
         assert m.last is True
         copy = step("restore", pair=h, ttl=LONG)
-        step("release", pair=copy, mark_done=False, elapse=0)
+        step("release", pair=copy, finished=None, elapse=0)
         assert m.last is False
 
     _run_scenario(redis_url, script)

@@ -16,7 +16,7 @@ from rq.job import Job, JobStatus
 
 import taskguard_rq
 from taskguard import ConfigError, Skipped, TaskSkipped, is_skipped
-from taskguard_rq import guarded_job, skip_counts
+from taskguard_rq import guarded_job, load_handle, skip_count
 
 from . import rq_jobs
 
@@ -103,7 +103,7 @@ def test_two_concurrent_jobs_of_one_key_one_runs_one_skipped(rq_env):
     first.refresh()
     assert first.meta["taskguard"]["outcome"] == "ran" and first.return_value()["n"] == 1
     assert "owner" not in str(first.meta) and "owner" not in str(second.meta)
-    assert skip_counts()[rq_jobs.slow.taskguard_name] == 1
+    assert skip_count(rq_jobs.slow.taskguard_name) == 1
     assert log(rq_env).count("slow:1:end") == 1
     assert locks().holder("slow:1") is None
 
@@ -131,7 +131,7 @@ def test_retry_claims_its_lease_same_fence_and_others_are_skipped_meanwhile(rq_e
     assert len(fences) == 2 and fences[0] == fences[1] == job.return_value() == info.fencing_token
     job.refresh()
     assert job.meta["k"] == "v" and job.meta["taskguard"]["outcome"] == "ran"
-    assert locks().holder("flaky:a") is None and locks().load_handle(job.id) is None
+    assert locks().holder("flaky:a") is None and load_handle(locks(), job.id) is None
 
 
 def test_sigkilled_work_horse_with_retry_claims_the_kept_lease(rq_env):

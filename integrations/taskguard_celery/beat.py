@@ -42,18 +42,23 @@ from typing import Any
 from celery.beat import PersistentScheduler
 from celery.schedules import schedule
 
-from taskguard import ConfigError, LeaseBackendError, Lease
+from taskguard import ConfigError, LeaseBackendError, Lease, Locks
+from taskguard.keys import KeyTemplate
+from taskguard.locks import check_seconds
 
 from .config import locks_for
-from .task import BEAT_HEADER
+from .headers import BEAT_HEADER
 
-__all__ = ["SingletonBeatMixin", "TaskguardScheduler", "slot_of", "BEAT_HEADER", "ENTRY_OPTION"]
+__all__ = ["SingletonBeatMixin", "TaskguardScheduler", "slot_of", "BEAT_HEADER", "ENTRY_OPTION", "entry_guard",
+           "published_by_stale_leader"]
 
 log = logging.getLogger("taskguard.beat")
 
 #: Key of the per-entry guard options inside ``beat_schedule[name]["options"]``.
 ENTRY_OPTION = "taskguard"
 ENTRY_OPTION_KEYS = ("key", "ttl")
+#: Name of the record that marks a schedule slot claimed, then published (under the slot's key).
+SLOT_RECORD = "slot"
 #: Seconds after which a slot claimed but not marked published is reported.
 UNPUBLISHED_GRACE = 5.0
 
@@ -194,8 +199,9 @@ class SingletonBeatMixin:
             self.reserve(entry)  # type: ignore[attr-defined]
         slot_key = f"beat-slot:{entry.name}:{slot}"
         try:
-            claimed = self.taskguard_locks.mark_once(slot_key, f"claimed {self.taskguard_id} {time.time():.3f}",
-                                                     ttl=keep)
+            claimed = self.taskguard_locks.put_record(slot_key, SLOT_RECORD,
+                                                      f"claimed {self.taskguard_id} {time.time():.3f}", ttl=keep,
+                                                      if_absent=True)
             if not claimed:
                 self._report_if_unpublished(entry, slot, slot_key)
                 return None
@@ -227,20 +233,20 @@ class SingletonBeatMixin:
             self._tg_inside = False
         self.taskguard_stats["published"] += 1
         try:
-            self.taskguard_locks.update_mark(slot_key, f"published {getattr(result, 'id', '')}", ttl=keep)
+            self.taskguard_locks.put_record(slot_key, SLOT_RECORD, f"published {getattr(result, 'id', '')}", ttl=keep)
         except LeaseBackendError as e:
             self._note_outage(e)
         return result
 
     def _report_if_unpublished(self, entry: Any, slot: str, slot_key: str) -> None:
-        mark = self.taskguard_locks.read_mark(slot_key) or ""
+        mark = self.taskguard_locks.get_record(slot_key, SLOT_RECORD) or ""
         parts = mark.split()
         if len(parts) == 3 and parts[0] == "claimed" and time.time() - float(parts[2]) > UNPUBLISHED_GRACE:
             if parts[1] != self.taskguard_id:
                 log.error("beat %s: slot %s of %s was claimed by beat %s but never published", self.taskguard_id,
                           slot, entry.name, parts[1])
                 self.taskguard_stats["unpublished_slots"] += 1
-                self.taskguard_locks.update_mark(slot_key, f"reported {mark}", ttl=300)
+                self.taskguard_locks.put_record(slot_key, SLOT_RECORD, f"reported {mark}", ttl=300)
 
     def close(self) -> None:
         lease, self._tg_leader = self._tg_leader, None
@@ -254,3 +260,38 @@ class SingletonBeatMixin:
 
 class TaskguardScheduler(SingletonBeatMixin, PersistentScheduler):
     """``PersistentScheduler`` (the default, with its ``-s`` schedule file) made singleton."""
+
+
+# -- the worker's side of a beat message ------------------------------------------------------------
+_entry_keys: dict[tuple[Any, str], KeyTemplate] = {}
+
+
+def entry_guard(task: Any, opts: Any, header: dict) -> Any:
+    """The guard options of a run published for a beat entry: the task's own, with the entry's
+    ``key`` / ``ttl`` (``options["taskguard"]`` in the schedule) when it gives them. A bad entry
+    option is logged and the task's own options are used."""
+    changes: dict[str, Any] = {}
+    spec, ttl = header.get("key"), header.get("ttl")
+    try:
+        if isinstance(spec, str) and spec:
+            template = _entry_keys.get((type(task), spec))
+            if template is None:
+                template = _entry_keys[(type(task), spec)] = KeyTemplate(spec, task.run)
+            changes["key"] = template
+        if ttl is not None:
+            changes["ttl"] = check_seconds("ttl", ttl)
+    except ConfigError as e:
+        log.error("task %s: ignoring the beat entry's guard options: %s", task.name, e)
+        return opts
+    import dataclasses
+
+    return dataclasses.replace(opts, **changes) if changes else opts
+
+
+def published_by_stale_leader(locks: Locks, header: dict) -> bool:
+    """Was this message published by a beat that is no longer the leader?"""
+    fence, leader_key = header.get("leader_fence"), header.get("leader_key")
+    if not isinstance(fence, int) or isinstance(fence, bool) or not isinstance(leader_key, str) or not leader_key:
+        return False
+    current = locks.holder(leader_key)
+    return current is not None and current.fencing_token is not None and fence < current.fencing_token

@@ -10,8 +10,8 @@ the main process releases it with :meth:`taskguard.Locks.release_run`.
 Where this cannot happen — the whole worker killed, or a lost child whose message is requeued
 (``task_reject_on_worker_lost``; Celery sends no signal then) — the lease lives until its TTL,
 and a redelivered copy of the task finds its own task id holding it: if that holder process is
-known dead (same host) the copy releases and runs, else it waits out the TTL (see
-``GuardedTask._same_task_holds``).
+known dead (same host) the copy releases and runs, else it is deferred until the lease ends (see
+:mod:`taskguard_celery.identity`).
 
 A retry message that is revoked or expires before it runs releases the lease it kept (its
 ``taskguard`` header holds the handle).
@@ -28,7 +28,8 @@ from celery.signals import task_failure, task_revoked
 
 from taskguard import ConfigError, LeaseBackendError
 
-from .task import HEADER, GuardedTask, release_retry_handle
+from .headers import HEADER
+from .task import GuardedTask, release_retry_handle
 
 __all__ = ["release_for_run"]
 

@@ -15,49 +15,21 @@ from celery import Task, shared_task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.time import maybe_iso8601
 
-from taskguard import Acquisition, ConfigError, Lease, LeaseBackendError, LeaseLost, Locks, Skipped, TaskSkipped
-from taskguard.context import current_lease, current_runs, running
-from taskguard.handoff import parse_handle, persist, release_handle, resume
-from taskguard.liveness import holder_is_dead
-from taskguard.keys import KeyTemplate
-from taskguard.locks import check_seconds
+from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
+from taskguard.context import current_lease, current_runs
+from taskguard.handoff import parse_handle, release_handle
 from taskguard.policy import OPTION_NAMES, GuardOptions
+from taskguard.run import GuardedRun
 
+from . import identity
+from .beat import entry_guard, published_by_stale_leader
 from .config import locks_for
+from .headers import BEAT_HEADER, DEFER_HEADER, HEADER, read_header
 from .serialization import result_value
 
 __all__ = ["GuardedTask", "guarded_task", "current_lease", "HEADER"]  # current_lease: taskguard.context
 
 log = logging.getLogger("taskguard.celery")
-
-#: The one namespaced message header taskguard writes: ``{"key", "owner", "fence", "expires"}``
-#: for a retry that keeps its lease, plus ``"skips"`` (``on_skip="retry"`` attempts so far).
-HEADER = "taskguard"
-#: Header of messages published by the taskguard beat scheduler (see taskguard_celery.beat).
-BEAT_HEADER = "taskguard_beat"
-#: Longest a deferred duplicate delivery waits before looking again, seconds.
-DEFER_MAX = 10.0
-
-
-@dataclasses.dataclass
-class _Run:
-    task: "GuardedTask"
-    key: str
-    lease: Lease
-    kept: bool = False  # the lease was handed to a published retry
-    retry_published: bool = False  # a retry of this task id is out: this run must not mark it done
-
-
-def _read_header(request: Any, name: str = HEADER) -> dict | None:
-    """The ``taskguard`` header of a request: custom headers are flat message headers under
-    protocol 2 (``Context`` exposes them as attributes and, via ``_get_custom_headers``, in
-    ``request.headers``); eager mode and protocol 1 only have ``request.headers``
-    (celery/app/task.py, ``Context``)."""
-    headers = getattr(request, "headers", None) or {}
-    value = headers.get(name) if isinstance(headers, dict) else None
-    if value is None:
-        value = getattr(request, name, None)
-    return value
 
 
 class GuardedTask(Task):
@@ -108,13 +80,13 @@ class GuardedTask(Task):
 
     # -- the body's view ----------------------------------------------------------------------
     @property
-    def lease(self) -> Lease | None:
+    def lease(self) -> Any:
         """The running request's lease (``None`` outside a guarded run)."""
         run = self._current_run()
         return run.lease if run else None
 
-    def _current_run(self) -> _Run | None:
-        return next((r for r in reversed(current_runs()) if getattr(r, "task", None) is self), None)
+    def _current_run(self) -> GuardedRun | None:
+        return next((r for r in reversed(current_runs()) if isinstance(r, GuardedRun) and r.tag is self), None)
 
     @property
     def taskguard_locks(self) -> Locks:
@@ -123,7 +95,7 @@ class GuardedTask(Task):
             locks = self._locks_cache = locks_for(self._get_app(), self.locks)
         return locks
 
-    # -- the guard ------------------------------------------------------------------------------
+    # -- the guard: Celery's events translated into the run's lifecycle ----------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         opts = self._taskguard
         if opts is None:
@@ -133,154 +105,97 @@ class GuardedTask(Task):
             raise ConfigError(f"task {self.name!r}: on_skip='ignore' is refused inside a chord "
                               "(the chord would never complete); use on_skip='result'")
         locks = self.taskguard_locks
-        beat = _read_header(req, BEAT_HEADER)
+        beat = read_header(req, BEAT_HEADER)
         if isinstance(beat, dict):
-            opts = self._beat_options(opts, beat)
+            opts = entry_guard(self, opts, beat)
         key = opts.key.render(args, kwargs)
-        if isinstance(beat, dict) and self._stale_leader(locks, beat):
-            return self._skip(locks, key, "stale_leader", None, 0)
-        holder = {"task": self.name, "task_id": req.id}
-        header = _read_header(req) or {}
-        skips = header.get("skips", 0) if isinstance(header, dict) else 0
-        if isinstance(skips, bool) or not isinstance(skips, int) or skips < 0:
-            log.error("task %s[%s]: ignoring a malformed skip count in its %r header", self.name, req.id, HEADER)
-            skips = 0
-        run_id = req.id or None
-        acq = None
-        if isinstance(header, dict) and "owner" in header:
+        header = read_header(req)
+        skips = _skip_count(self, header)
+        if isinstance(beat, dict) and published_by_stale_leader(locks, beat):
+            return self._skip(Skipped(key=key, reason="stale_leader", task=self.name), skips, locks)
+        local = req.called_directly or req.is_eager
+        if local and self._runs_inside(key, locks):
+            # a nested call of the same key in this thread (eager mode's replace() runs the
+            # replacement inside the caller): it runs under the caller's lease
+            return self._body(req, args, kwargs)
+        handle = header if isinstance(header, dict) and "owner" in header else None
+        # a retry's message carries its one-shot handle: a second copy of it is a copy, not a publish
+        redelivered = not local and (identity.is_redelivery(req) or handle is not None)
+        if redelivered and identity.finished_in_backend(self, req):
+            return self._duplicate(key, locks)
+        run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
+                         holder={"task": self.name, "task_id": req.id}, max_hold=opts.max_hold,
+                         run_id=req.id or None, task=self.name, on_lost=opts.on_lost,
+                         finished_ttl=None if local else identity.finished_ttl(self, req),
+                         on_lost_report=self._report_lost, tag=self)
+        if not run.begin(handle=handle, refuse_finished=redelivered):
+            if run.reason == "duplicate":
+                return self._duplicate(key, locks)
+            if run.reason == "running":
+                identity.defer(self, run, redelivered)
+            return self._skip(run.skip(report=False), skips, locks)
+        with run:
             try:
-                acq = resume(locks, header, key=key, ttl=opts.ttl, holder=holder, renew=opts.renew,
-                             max_hold=opts.max_hold, run_id=run_id)
-            except ConfigError as e:  # a malformed header: say so, and acquire normally
-                log.error("task %s[%s]: ignoring its %r header: %s", self.name, req.id, HEADER, e)
-        if acq is None:
-            acq = locks.acquire(key, ttl=opts.ttl, wait=opts.wait, holder=holder, renew=opts.renew,
-                                max_hold=opts.max_hold, run_id=run_id)
-        if not acq.acquired and run_id and acq.reason != "done":
-            acq = self._same_task_holds(locks, key, run_id, acq, holder)
-        if not acq.acquired:
-            if acq.reason == "done":
-                # another copy of this very task id already finished: ack quietly, store nothing
-                log.info("task %s[%s]: duplicate delivery of a finished task ignored", self.name, req.id)
-                raise Ignore(f"duplicate of finished {self.name}[{req.id}]")
-            if acq.reason == "running":
-                self._defer_duplicate(acq.holder_ttl)
-            return self._skip(locks, key, acq.reason or "held", acq.holder_ttl, skips)
-        run = _Run(self, key, acq.lease)
-        try:
-            with running(run):
-                if self._plain_call and not req.called_directly:
-                    # the tracer already pushed this request (celery/app/trace.py): run the body
-                    # as it would for a task without its own __call__
-                    result = self.run(*args, **kwargs)
+                result = self._body(req, args, kwargs)
+            except Retry:
+                if run.state == "running":  # a retry of another kind (on_skip of a nested call...)
+                    run.hand_back()
+                raise
+            except Reject as exc:
+                if exc.requeue:
+                    run.hand_back()
                 else:
-                    result = super().__call__(*args, **kwargs)
-        except BaseException as exc:
-            if not run.kept:
-                final = not (isinstance(exc, (Retry, Reject)) and (not isinstance(exc, Reject) or exc.requeue))
-                self._release_quietly(run.lease, done=final and not run.retry_published)
-            raise
-        if run.kept:
-            return result
-        self._finish(run)
+                    run.fail()
+                raise
+            except Exception:
+                run.fail()  # acked (acks_on_failure or not, the message is not requeued)
+                raise
+            except BaseException:
+                run.hand_back()  # the worker is going down: an acks_late message comes back
+                raise
+        if run.state == "running":
+            run.finish()
         return result
 
-    def _beat_options(self, opts: GuardOptions, beat: dict) -> GuardOptions:
-        """A beat entry's own key / TTL (``options["taskguard"]`` in the schedule)."""
-        changes: dict[str, Any] = {}
-        spec, ttl = beat.get("key"), beat.get("ttl")
-        try:
-            if isinstance(spec, str) and spec:
-                cache = self.__class__.__dict__.get("_tg_entry_keys")
-                if cache is None:
-                    cache = {}
-                    type(self)._tg_entry_keys = cache
-                if spec not in cache:
-                    cache[spec] = KeyTemplate(spec, self.run)
-                changes["key"] = cache[spec]
-            if ttl is not None:
-                changes["ttl"] = check_seconds("ttl", ttl)
-        except ConfigError as e:
-            log.error("task %s: ignoring the beat entry's guard options: %s", self.name, e)
-            return opts
-        return dataclasses.replace(opts, **changes) if changes else opts
+    def _body(self, req: Any, args: tuple, kwargs: dict) -> Any:
+        if self._plain_call and not req.called_directly:
+            # the tracer already pushed this request (celery/app/trace.py): run the body as it
+            # would for a task without its own __call__
+            return self.run(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
-    @staticmethod
-    def _stale_leader(locks: Locks, beat: dict) -> bool:
-        """Was this message published by a beat that is no longer the leader?"""
-        fence, leader_key = beat.get("leader_fence"), beat.get("leader_key")
-        if not isinstance(fence, int) or isinstance(fence, bool) or not isinstance(leader_key, str) or not leader_key:
-            return False
-        current = locks.holder(leader_key)
-        return current is not None and current.fencing_token is not None and fence < current.fencing_token
+    def _runs_inside(self, key: str, locks: Locks) -> bool:
+        return any(isinstance(r, GuardedRun) and r.key == key and r.locks is locks and r.state == "running"
+                   for r in current_runs())
 
-    def _same_task_holds(self, locks: Locks, key: str, run_id: str, acq: Acquisition, holder: dict) -> Acquisition:
-        """The lease is held: by another delivery of this same task id? A redelivered message
-        (acks_late after a crash, a visibility timeout, a duplicated ETA message) carries the
-        same id as the run holding the lease. If that holder's process is known dead (this host),
-        release it and acquire; if it is alive or unknown, report ``"running"``."""
-        info = locks.holder(key)
-        if info is None or info.holder.get("task_id") != run_id:
-            return acq
-        opts = self._taskguard
-        if holder_is_dead(info.holder) and locks.release_run(key, run_id):
-            log.warning("task %s[%s]: the previous holder of %r (pid %s) is dead; lease released",
-                        self.name, run_id, key, info.holder.get("pid"))
-            return locks.acquire(key, ttl=opts.ttl, holder=holder, renew=opts.renew, max_hold=opts.max_hold,
-                                 run_id=run_id)
-        return Acquisition(False, None, "running", info.ttl)
+    def _report_lost(self, run: GuardedRun, reason: str) -> None:
+        self._send_event("task-lease-lost", key=run.key, reason=reason, fencing_token=run.lease.fencing_token)
 
-    def _defer_duplicate(self, holder_ttl: float | None) -> None:
-        """Another delivery of this task id runs now: this copy neither runs nor stores a result
-        (that would overwrite the real run's). It is re-published to look again when the holder's
-        lease could have ended; then it is dropped quietly (done) or runs (the holder died)."""
+    def _duplicate(self, key: str, locks: Locks) -> Any:
+        """A redelivered copy of a run that already finished: store nothing, ack it."""
         req = self.request
-        countdown = min(max(holder_ttl or 1.0, 0.5), DEFER_MAX)
-        log.info("task %s[%s]: another delivery is running it; this copy looks again in %.1fs",
-                 self.name, req.id, countdown)
-        if not (req.called_directly or req.is_eager):
-            sig = self.signature_from_request(req, countdown=countdown, retries=req.retries, headers=req.headers)
-            sig.apply_async()
-        raise Ignore(f"duplicate of running {self.name}[{req.id}], deferred {countdown:.1f}s")
-
-    def _finish(self, run: _Run) -> None:
-        lease = run.lease
-        was_lost = lease.lost
-        try:
-            released = lease.release(mark_done=not run.retry_published)
-        except LeaseBackendError as e:
-            log.warning("task %s: could not release lease %r: %s", self.name, run.key, e)
-            released = not lease.lost
-        if was_lost or not released:
-            reason = lease.lost_reason or "lost while the body ran"
-            self._send_event("task-lease-lost", key=run.key, reason=reason, fencing_token=lease.fencing_token)
-            if self._taskguard.on_lost == "raise":
-                raise LeaseLost(run.key, reason)
-            log.warning("task %s[%s]: lease %r was lost while the body ran (%s)", self.name, self.request.id,
-                        run.key, reason)
-
-    @staticmethod
-    def _release_quietly(lease: Lease, done: bool = True) -> None:
-        try:
-            lease.release(mark_done=done)
-        except LeaseBackendError as e:  # the body's own exception must win
-            log.warning("could not release lease %r after the body ended: %s", lease.key, e)
+        skipped = Skipped(key=key, reason="duplicate", task=self.name)
+        locks.report_skip(skipped)
+        self._send_skip_event(skipped)
+        log.info("task %s[%s]: redelivered copy of a finished run ignored", self.name, req.id)
+        raise Ignore(f"duplicate of finished {self.name}[{req.id}]")
 
     # -- skipping ---------------------------------------------------------------------------------
-    def _skip(self, locks: Locks, key: str, reason: str, holder_ttl: float | None, skips: int) -> Any:
+    def _skip(self, skipped: Skipped, skips: int, locks: Locks) -> Any:
+        """A run that did not get its lease, per ``on_skip``: reported, then a value, a retry,
+        an ``Ignore`` or a ``TaskSkipped``."""
         opts = self._taskguard
         req = self.request
-        skipped = Skipped(key=key, reason=reason, task=self.name, holder_ttl=holder_ttl)
         if opts.on_skip == "retry" and not req.called_directly:
             if skips < opts.skip_max_retries:
                 locks.report_skip(skipped)
                 self._send_skip_event(skipped, retrying=True)
-                self._retry_after_skip(opts.retry_delay(holder_ttl), skips + 1)
+                self._retry_after_skip(opts.retry_delay(skipped.holder_ttl), skips + 1)
             skipped = dataclasses.replace(skipped, reason="retry_exhausted")
         locks.report_skip(skipped)
         self._send_skip_event(skipped)
         if opts.on_skip == "raise":
-            raise TaskSkipped(key, skipped.reason, self.name, holder_ttl)
+            raise TaskSkipped(skipped.key, skipped.reason, self.name, skipped.holder_ttl)
         if opts.on_skip == "ignore":
             raise Ignore(skipped.describe())
         if not opts.continue_on_skip:
@@ -295,6 +210,7 @@ class GuardedTask(Task):
         (``max_retries`` is for the body's failures, not for contention)."""
         req = self.request
         headers = {**(req.headers or {}), HEADER: {"skips": skips}}
+        headers.pop(DEFER_HEADER, None)
         sig = self.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers)
         if req.is_eager:
             raise Retry(f"lease held; retry {skips} of {self._taskguard.skip_max_retries}",
@@ -326,33 +242,48 @@ class GuardedTask(Task):
         The lease TTL is stretched to cover the countdown plus ``ttl``, renewal stops here, and
         the handle travels in the ``taskguard`` header, merged with the request's other custom
         headers and any ``headers=`` given here (Celery's own retry would replace them). If the
-        retry is not published (max retries exceeded, a publish error) the lease is released."""
+        retry is not published (max retries exceeded, a publish error) the lease is released.
+        With ``throw=False`` the body goes on running: the retry goes out without the handle and
+        runs once this run has released the lease (see :mod:`taskguard_celery.identity`)."""
         run = self._current_run()
         req = self.request
-        if run is None or req.called_directly or run.kept:
+        if run is None or req.called_directly or run.state != "running":
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         headers = {**(req.headers or {}), **(options.pop("headers", None) or {})}
         headers.pop(HEADER, None)
+        headers.pop(DEFER_HEADER, None)
         if not throw:
-            # the body goes on running after this call: the retry must not claim the lease
-            # beside it. It goes out without the handle, finds this task id still holding the
-            # lease, waits (deferred) until this run releases, then acquires afresh.
-            out = super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
-            run.retry_published = True
-            return out
-        handle = persist(run.lease, _retry_delay(eta, countdown, self.default_retry_delay) + self._taskguard.ttl)
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
+        handle = run.keep(_retry_delay(eta, countdown, self.default_retry_delay) + self._taskguard.ttl)
         if handle is not None:
             headers[HEADER] = handle
-            run.kept = True
         # else: lost meanwhile; the retry acquires afresh
         try:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
         except Retry:
-            run.retry_published = True
             raise
-        except BaseException:
-            run.kept = False  # not published: the lease is released on the way out
+        except BaseException:  # not published: this run ends here, release what it kept
+            if handle is not None:
+                _release_kept(self, run, handle)
             raise
+
+
+def _release_kept(task: GuardedTask, run: GuardedRun, handle: dict) -> None:
+    try:
+        lease = task.taskguard_locks.restore(handle["key"], handle["owner"], ttl=run.ttl,
+                                             fencing_token=handle["fence"])
+        lease.run_id = run.run_id
+        lease.release(finished=True, finished_ttl=run.finished_ttl)
+    except LeaseBackendError as e:
+        log.warning("task %s: could not release the lease kept for an unpublished retry: %s", task.name, e)
+
+
+def _skip_count(task: GuardedTask, header: Any) -> int:
+    skips = header.get("skips", 0) if isinstance(header, dict) else 0
+    if isinstance(skips, bool) or not isinstance(skips, int) or skips < 0:
+        log.error("task %s[%s]: ignoring a malformed skip count in its %r header", task.name, task.request.id, HEADER)
+        return 0
+    return skips
 
 
 def _retry_delay(eta: Any, countdown: Any, default: Any) -> float:

@@ -12,7 +12,7 @@ settled at once (see :mod:`taskguard_rq.worker`).
 from taskguard import Skipped, TaskSkipped, is_skipped, metrics as _metrics
 from taskguard.context import current_lease
 
-from .job import META_KEY, ON_SKIP, guarded_job, locks_for, skip_counts
+from .job import META_KEY, ON_SKIP, guarded_job, load_handle, locks_for, skip_count
 from .worker import GuardedWorker, settle_killed_job
 
 if _metrics.enabled_by_env():  # work-horses are forked from here: they inherit the listener
@@ -27,7 +27,8 @@ __all__ = [
     "current_lease",
     "guarded_job",
     "is_skipped",
+    "load_handle",
     "locks_for",
     "settle_killed_job",
-    "skip_counts",
+    "skip_count",
 ]

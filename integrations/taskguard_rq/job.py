@@ -1,29 +1,38 @@
 """``@guarded_job``: RQ job functions whose body runs under a fenced lease.
 
+RQ has no per-enqueue identity (one hash per job id, overwritten by each enqueue), so every
+execution of a job is a run: a returned or raised ``Retry``, ``job.requeue()``, an ``enqueue``
+with a reused ``job_id``, a scheduled job and abandoned-job recovery all run the body again. The
+only duplicate is an execution of a job id while an earlier execution of the same id still holds
+the lease: it waits for that one (each step bounded by the holder's TTL, so a dead holder is
+outlived) and then runs; it never finishes as ``Skipped``, which would fire the job's success
+callbacks and dependents.
+
 RQ keeps one job id across retries, so the lease handle of a job that will be retried is kept in
-a Redis record keyed by job id (``locks.save_handle``), not in ``job.meta``: a worker whose
-work-horse was killed saves its stale in-memory job, meta included, over what the horse saved
-(rq/worker: ``handle_job_failure`` runs in the parent with the parent's copy of the job).
-``job.meta["taskguard"]`` mirrors key, fencing token and outcome for people, never the owner token.
+a record under ``rq-job:<job id>`` (:meth:`taskguard.Locks.put_record`), not in ``job.meta``: a
+worker whose work-horse was killed saves its stale in-memory job, meta included, over what the
+horse saved (rq/worker: ``handle_job_failure`` runs in the parent with the parent's copy of the
+job). ``job.meta["taskguard"]`` mirrors key, fencing token and outcome for people, never the owner
+token.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import json
 import logging
 import threading
 from typing import Any, Callable
 
-from rq import get_current_job
+from rq import Retry, get_current_job
 
 import taskguard
-from taskguard import ConfigError, LeaseBackendError, LeaseLost, Locks, RedisLocks, Skipped, TaskSkipped
-from taskguard.context import running
-from taskguard.handoff import persist, resume
+from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
+from taskguard.handoff import parse_handle
 from taskguard.policy import GuardOptions
+from taskguard.run import GuardedRun
 
-__all__ = ["guarded_job", "locks_for", "skip_counts", "META_KEY", "ON_SKIP"]
+__all__ = ["guarded_job", "locks_for", "skip_count", "load_handle", "drop_handle", "META_KEY", "ON_SKIP"]
 
 log = logging.getLogger("taskguard.rq")
 
@@ -31,6 +40,11 @@ META_KEY = "taskguard"
 #: RQ's JobStatus is a closed enum and RQ has no "ignore this run" outcome, so an RQ skip either
 #: finishes the job with a ``Skipped`` value or fails it with ``TaskSkipped``.
 ON_SKIP = ("result", "raise")
+#: RQ's default ``job_timeout``, seconds (rq/defaults.py); bounds the wait for an earlier
+#: execution of the same job id when the job sets none.
+DEFAULT_JOB_TIMEOUT = 180.0
+_HANDLE = "handle"
+_SKIPS = "skips"
 
 _default: Locks | None = None
 _default_lock = threading.Lock()
@@ -47,24 +61,37 @@ def locks_for(explicit: Locks | None = None) -> Locks:
         return _default
 
 
-def _skips_key(locks: RedisLocks) -> str:
-    return "{" + locks.prefix + ":rq:skips}"
+def _job_key(job_id: str) -> str:
+    return "rq-job:" + job_id
 
 
-def skip_counts(locks: Locks | None = None) -> dict[str, int]:
-    """Skips counted so far per job function name (a Redis hash under the locks' prefix)."""
-    lk = locks_for(locks)
-    if not isinstance(lk, RedisLocks):
-        return {}
-    raw = lk.client.hgetall(_skips_key(lk))
-    return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+def skip_count(name: str, locks: Locks | None = None) -> int:
+    """Skips counted so far for the job function labelled ``name`` (``guarded.taskguard_name``)."""
+    raw = locks_for(locks).get_record("rq-skips", name)
+    return int(raw) if raw else 0
 
 
-@dataclasses.dataclass
-class _Run:
-    name: str
-    key: str
-    lease: taskguard.Lease
+def load_handle(locks: Locks, job_id: str) -> dict | None:
+    """The lease handle kept for ``job_id`` (a running job's or a retry's), or ``None``.
+    A malformed record is logged and ignored. Raises LeaseBackendError."""
+    raw = locks.get_record(_job_key(job_id), _HANDLE)
+    if raw is None:
+        return None
+    try:
+        return parse_handle(json.loads(raw))
+    except (ValueError, ConfigError) as e:
+        log.error("job %s: ignoring its stored lease handle: %s", job_id, e)
+        return None
+
+
+def save_handle(locks: Locks, job_id: str, handle: dict, ttl: float) -> None:
+    """Keep ``handle`` for ``job_id`` for ``ttl`` seconds. Raises LeaseBackendError."""
+    locks.put_record(_job_key(job_id), _HANDLE, json.dumps(handle), ttl=ttl)
+
+
+def drop_handle(locks: Locks, job_id: str) -> None:
+    """Forget the handle kept for ``job_id``. Raises LeaseBackendError."""
+    locks.delete_record(_job_key(job_id), _HANDLE)
 
 
 def _mirror(job: Any, **fields: Any) -> None:
@@ -89,9 +116,12 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
     Options are validated here; a bad one raises :class:`taskguard.ConfigError`.
 
     The decorated function runs guarded when a worker performs the job and when called directly.
-    A skipped run returns a :class:`taskguard.Skipped` (job status FINISHED, ``job.return_value()``
-    is the ``Skipped``, ``job.meta["taskguard"]["outcome"] == "skipped"``) or, with
-    ``on_skip="raise"``, fails with :class:`taskguard.TaskSkipped`.
+    A run that finds another job holding the lease returns a :class:`taskguard.Skipped` (job
+    status FINISHED, ``job.return_value()`` is the ``Skipped``,
+    ``job.meta["taskguard"]["outcome"] == "skipped"``) or, with ``on_skip="raise"``, fails with
+    :class:`taskguard.TaskSkipped`. An execution that finds an earlier execution of its own job id
+    holding the lease waits for it (up to the job's ``job_timeout``) and then runs; if that one
+    is still running then, it fails with ``TaskSkipped(reason="running")``.
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -110,95 +140,83 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
     return decorate(func) if func is not None else decorate
 
 
+def _job_timeout(job: Any) -> float:
+    timeout = getattr(job, "timeout", None)
+    return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else DEFAULT_JOB_TIMEOUT
+
+
 def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks, args: tuple, kwargs: dict) -> Any:
     job = get_current_job()
     key = opts.key.render(args, kwargs)
     run_id = job.id if job is not None else None
-    holder = {"job": name, "job_id": run_id}
-    acq = None
-    if run_id is not None:
-        handle = locks.load_handle(run_id)
-        if handle is not None:
-            try:
-                acq = resume(locks, handle, key=key, ttl=opts.ttl, holder=holder, renew=opts.renew,
-                             max_hold=opts.max_hold, run_id=run_id)
-            except ConfigError as e:
-                log.error("job %s: ignoring its stored lease handle: %s", run_id, e)
-    if acq is None:
-        acq = locks.acquire(key, ttl=opts.ttl, wait=opts.wait, holder=holder, renew=opts.renew,
-                            max_hold=opts.max_hold, run_id=run_id)
-    if not acq.acquired:
-        duplicate = acq.reason == "done" or (run_id is not None and _held_by(locks, key, run_id))
-        return _skip(job, locks, name, opts, key, "duplicate" if duplicate else (acq.reason or "held"),
-                     acq.holder_ttl)
-    lease = acq.lease
-    if run_id is not None:
-        locks.save_handle(run_id, {"key": key, "owner": lease.owner_token, "fence": lease.fencing_token,
-                                   "expires": lease.expires_at}, ttl=locks.done_ttl)
+    run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew, holder={"job": name, "job_id": run_id},
+                     max_hold=opts.max_hold, run_id=run_id, task=name, on_lost=opts.on_lost)
+    handle = load_handle(locks, run_id) if run_id is not None else None
+    if not run.begin(handle=handle, same_run="wait", same_run_wait=_job_timeout(job)):
+        return _skip(job, locks, name, opts, run)
+    lease = run.lease
+    if run_id is not None:  # for GuardedWorker, should the work-horse be killed
+        save_handle(locks, run_id, {"key": key, "owner": lease.owner_token, "fence": lease.fencing_token,
+                                    "expires": lease.expires_at}, ttl=_job_timeout(job) + opts.ttl)
     _mirror(job, key=key, fence=lease.fencing_token, outcome="running")
-    try:
-        with running(_Run(name, key, lease)):
+    with run:
+        try:
             result = fn(*args, **kwargs)
-    except BaseException:
-        _after_failure(job, locks, opts, lease)
-        raise
-    _after_success(job, locks, opts, name, key, lease)
+        except BaseException:
+            retry_in = job.get_retry_interval() if job is not None and job.retries_left else None
+            _end(job, locks, run, retry_in, "failed")
+            raise
+    if isinstance(result, Retry):  # RQ >= 2.1 runs the job again for a returned Retry
+        retries = (job.number_of_retries or 0) if job is not None else 0
+        retry_in = Retry.get_interval(retries, result.intervals) if retries < result.max else None
+        _end(job, locks, run, retry_in, "ran")
+        return result
+    try:
+        run.finish()
+    finally:
+        if job is not None:
+            _quietly(drop_handle, locks, job.id)
+    _mirror(job, outcome="ran")
     return result
 
 
-def _held_by(locks: Locks, key: str, run_id: str) -> bool:
-    info = locks.holder(key)
-    return info is not None and info.holder.get("job_id") == run_id
-
-
-def _skip(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, reason: str,
-          holder_ttl: float | None) -> Any:
-    skipped = Skipped(key=key, reason=reason, task=name, holder_ttl=holder_ttl)
-    locks.report_skip(skipped)
-    if isinstance(locks, RedisLocks):
-        try:
-            locks.client.hincrby(_skips_key(locks), name, 1)
-        except Exception as e:
-            log.warning("could not count a skip of %s: %s", name, e)
-    log.info("%s", skipped.describe())
-    _mirror(job, key=key, outcome="skipped", reason=reason, holder_ttl=holder_ttl)
-    if opts.on_skip == "raise" and reason != "duplicate":
-        raise TaskSkipped(key, reason, name, holder_ttl)
-    return skipped
-
-
-def _after_failure(job: Any, locks: Locks, opts: GuardOptions, lease: taskguard.Lease) -> None:
-    """The body raised. If RQ will retry the job (``Retry``), keep the lease for the retry:
-    stretch it over the retry interval and store the handle; else release it."""
+def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcome: str) -> None:
+    """The execution ends without finishing the job's work for good. If RQ runs it again
+    (``retry_in`` seconds from now), keep the lease for that execution; else release it. Never
+    raises (the body's own exception must win)."""
     try:
-        if job is not None and job.retries_left:
-            handle = persist(lease, job.get_retry_interval() + opts.ttl)
+        if retry_in is not None:
+            handle = run.keep(retry_in + run.ttl)
             if handle is not None:
-                locks.save_handle(job.id, handle, ttl=locks.done_ttl)
+                save_handle(locks, job.id, handle, ttl=retry_in + run.ttl)
                 _mirror(job, outcome="retrying")
                 return
-        lease.release(mark_done=True)
+        else:
+            run.fail()
         if job is not None:
-            locks.delete_handle(job.id)
-        _mirror(job, outcome="failed")
-    except LeaseBackendError as e:  # the body's own exception must win
-        log.warning("lease %r: could not hand over or release after the body failed: %s", lease.key, e)
-
-
-def _after_success(job: Any, locks: Locks, opts: GuardOptions, name: str, key: str, lease: taskguard.Lease) -> None:
-    was_lost = lease.lost
-    try:
-        released = lease.release(mark_done=True)
+            drop_handle(locks, job.id)
+        _mirror(job, outcome=outcome)
     except LeaseBackendError as e:
-        log.warning("lease %r: could not release: %s", key, e)
-        released = not lease.lost
-    if job is not None:
-        locks.delete_handle(job.id)
-    if was_lost or not released:
-        reason = lease.lost_reason or "lost while the body ran"
-        _mirror(job, outcome="lost", reason=reason)
-        if opts.on_lost == "raise":
-            raise LeaseLost(key, reason)
-        log.warning("%s: lease %r was lost while the body ran (%s)", name, key, reason)
-        return
-    _mirror(job, outcome="ran")
+        log.warning("lease %r: could not hand over or release after the body ended: %s", run.key, e)
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except LeaseBackendError as e:
+        log.warning("could not drop a stored lease handle: %s", e)
+
+
+def _skip(job: Any, locks: Locks, name: str, opts: GuardOptions, run: GuardedRun) -> Any:
+    if run.reason == "running":  # an earlier execution of this job id outlasted the wait
+        raise TaskSkipped(run.key, "running", name, run.holder_ttl)
+    skipped: Skipped = run.skip()
+    try:
+        locks.count_record("rq-skips", name)
+    except LeaseBackendError as e:
+        log.warning("could not count a skip of %s: %s", name, e)
+    log.info("%s", skipped.describe())
+    _mirror(job, key=run.key, outcome="skipped", reason=skipped.reason, holder_ttl=skipped.holder_ttl)
+    if opts.on_skip == "raise":
+        raise TaskSkipped(run.key, skipped.reason, name, skipped.holder_ttl)
+    return skipped

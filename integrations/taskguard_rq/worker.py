@@ -23,9 +23,7 @@ from typing import Any
 from rq import Worker
 
 from taskguard import ConfigError, LeaseBackendError
-from taskguard.handoff import parse_handle
-
-from .job import locks_for
+from .job import drop_handle, load_handle, locks_for, save_handle
 
 __all__ = ["GuardedWorker", "settle_killed_job"]
 
@@ -40,24 +38,19 @@ def settle_killed_job(job: Any) -> str | None:
     if opts is None:
         return None
     locks = locks_for(getattr(func, "taskguard_locks", None))
-    raw = locks.load_handle(job.id)
-    if raw is None:
-        return None
-    try:
-        handle = parse_handle(raw)
-    except ConfigError as e:
-        log.error("job %s: stored lease handle unusable: %s", job.id, e)
+    handle = load_handle(locks, job.id)
+    if handle is None:
         return None
     lease = locks.restore(handle["key"], handle["owner"], ttl=opts.ttl, fencing_token=handle["fence"])
     lease.run_id = job.id
     if job.retries_left:
         stretch = job.get_retry_interval() + opts.ttl
         if lease.renew(stretch):
-            locks.save_handle(job.id, {**handle, "expires": lease.expires_at}, ttl=locks.done_ttl)
+            save_handle(locks, job.id, {**handle, "expires": lease.expires_at}, ttl=stretch)
             log.warning("job %s: work-horse killed; lease %r kept %.0fs for its retry", job.id, handle["key"], stretch)
             return "kept"
-    lease.release(mark_done=True)
-    locks.delete_handle(job.id)
+    lease.release()
+    drop_handle(locks, job.id)
     log.warning("job %s: work-horse killed; lease %r released", job.id, handle["key"])
     return "released"
 

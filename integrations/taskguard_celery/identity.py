@@ -1,0 +1,200 @@
+"""Run identity of Celery deliveries: which copies of a task id run, wait, or are dropped.
+
+The rules (design §3b):
+
+* A message the broker delivers again carries ``delivery_info["redelivered"]`` (kombu sets it on
+  every transport's restore or redelivery; Celery's ``worker_deduplicate_successful_tasks`` relies
+  on it, celery/app/trace.py). Such a copy is a **duplicate** when its run already *finished*
+  (ended in a way that acked it): it never runs again and never stores a result.
+* A message that was not redelivered is a **publish** (a retry, ``replace()``, ``apply_async``
+  with an existing id, a chain step): it runs, after the current holder of its task id is done.
+* A run that handed its message back (``Reject(requeue=True)``, a time limit with ``acks_late``
+  and without ``acks_on_timeout``, ``reject_on_worker_lost``) is not finished: its redelivery runs.
+* A copy that finds another execution of its task id holding the lease is re-published to look
+  again later (a *deferred copy*, which carries the redelivered status forward in its
+  ``taskguard_defer`` header). At most one deferred copy per delivery is pending at any time: a
+  record under the lease key holds the nonce of the pending one, swapped atomically by the copy
+  that defers next; a copy whose nonce is no longer current (the broker's own redelivery of a
+  deferred copy) is dropped. The chain continues until the holder ends, so if it dies the work
+  still runs once.
+
+Where a run's outcome is recorded:
+
+* When Celery's result backend stores the outcome (a persistent backend, results not ignored,
+  kept at least as long as the broker may redeliver), a redelivered copy reads the task's state
+  there (``SUCCESS``, ``FAILURE`` or ``REVOKED`` = finished); the lease's fence record remembers the
+  key's last finished run for the moment between the release and the result being stored. No
+  other record is written.
+* Otherwise the release writes a finished marker kept for :func:`redelivery_window` seconds: as
+  long as the broker can still deliver a copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import weakref
+from datetime import timedelta
+from typing import Any
+
+from celery.exceptions import Ignore
+
+from taskguard import ConfigError, LeaseBackendError
+from taskguard.locks import check_seconds
+from taskguard.run import GuardedRun
+
+from .headers import DEFER_HEADER, read_header
+
+__all__ = ["redelivery_timeout", "redelivery_window", "finished_ttl", "is_redelivery", "finished_in_backend",
+           "defer", "DEFER_MAX", "READY_STATES"]
+
+log = logging.getLogger("taskguard.celery")
+
+#: Task states that mean the run finished (its message was acked).
+READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
+#: Longest a deferred copy waits before looking again, seconds.
+DEFER_MAX = 10.0
+#: Added to the broker's redelivery timeout for its restore sweep and clock skew, seconds.
+SWEEP_MARGIN = 60.0
+#: RabbitMQ's default ``consumer_timeout`` (30 minutes): an unacked delivery older than that
+#: closes its channel, and the message is delivered again.
+RABBITMQ_CONSUMER_TIMEOUT = 1800.0
+#: Redis transport default ``visibility_timeout`` (kombu/transport/redis.py).
+REDIS_VISIBILITY_TIMEOUT = 3600.0
+#: SQS default ``visibility_timeout`` (kombu/transport/SQS.py).
+SQS_VISIBILITY_TIMEOUT = 1800.0
+#: Other transports.
+DEFAULT_REDELIVERY_TIMEOUT = 3600.0
+
+_timeouts: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()
+
+
+def redelivery_timeout(app: Any) -> float:
+    """Seconds a delivered but unacknowledged message can stay with a consumer before the broker
+    delivers it again, from the app's settings:
+
+    * ``app.conf.taskguard_redelivery_timeout`` when set (seconds > 0; say so for a RabbitMQ whose
+      ``consumer_timeout`` is not the default);
+    * Redis / Sentinel transport: ``broker_transport_options["visibility_timeout"]`` (kombu's
+      default 3600);
+    * SQS: ``visibility_timeout`` (default 1800);
+    * AMQP (RabbitMQ): its default ``consumer_timeout``, 1800;
+    * anything else: 3600.
+
+    Raises ConfigError naming the setting when it is invalid."""
+    cached = _timeouts.get(app)
+    if cached is not None:
+        return cached
+    conf = app.conf
+    explicit = conf.get("taskguard_redelivery_timeout")
+    if explicit is not None:
+        value = check_seconds("app.conf.taskguard_redelivery_timeout", explicit)
+    else:
+        try:
+            driver = app.connection_for_write().transport.driver_type  # builds no connection
+        except Exception:  # an unknown transport: the generic bound
+            driver = ""
+        options = conf.broker_transport_options or {}
+        if driver == "redis":
+            default = REDIS_VISIBILITY_TIMEOUT
+        elif driver == "sqs":
+            default = SQS_VISIBILITY_TIMEOUT
+        elif driver == "amqp":
+            default = RABBITMQ_CONSUMER_TIMEOUT
+        else:
+            default = DEFAULT_REDELIVERY_TIMEOUT
+        raw = options.get("visibility_timeout", default) if driver in ("redis", "sqs") else default
+        try:
+            value = check_seconds("broker_transport_options['visibility_timeout']", raw)
+        except ConfigError:
+            raise
+    _timeouts[app] = value
+    return value
+
+
+def redelivery_window(app: Any) -> float:
+    """Seconds after a run ends during which the broker may still deliver a copy of its message:
+    :func:`redelivery_timeout` plus :data:`SWEEP_MARGIN`."""
+    return redelivery_timeout(app) + SWEEP_MARGIN
+
+
+def _stores_outcome(task: Any, request: Any) -> bool:
+    """Does Celery's result backend keep this run's outcome long enough to tell a finished run?"""
+    from celery.backends.base import DisabledBackend
+    from celery.backends.rpc import RPCBackend
+
+    backend = task.backend
+    if isinstance(backend, (DisabledBackend, RPCBackend)):  # rpc: results live on the caller's queue
+        return False
+    ignore = getattr(request, "ignore_result", None)
+    if ignore is None:
+        ignore = task.ignore_result
+    if ignore:
+        return False
+    expires = task.app.conf.result_expires
+    if isinstance(expires, timedelta):
+        expires = expires.total_seconds()
+    return not expires or float(expires) >= redelivery_window(task.app)
+
+
+def finished_ttl(task: Any, request: Any) -> float | None:
+    """The ``finished_ttl`` of a run of ``task`` (see :class:`taskguard.run.GuardedRun`): ``None``
+    when the result backend records finished runs, else :func:`redelivery_window`."""
+    return None if _stores_outcome(task, request) else redelivery_window(task.app)
+
+
+def is_redelivery(request: Any) -> bool:
+    """Is this delivery a copy of a message delivered before (by the broker, or a deferred copy
+    of such a copy)?"""
+    info = getattr(request, "delivery_info", None) or {}
+    if info.get("redelivered"):
+        return True
+    defer_header = read_header(request, DEFER_HEADER)
+    return isinstance(defer_header, dict) and defer_header.get("redelivered") is True
+
+
+def finished_in_backend(task: Any, request: Any) -> bool:
+    """Has the run of ``request.id`` finished, per the result backend? ``False`` when the backend
+    does not record it or cannot be read (the lease then decides)."""
+    if not request.id or not _stores_outcome(task, request):
+        return False
+    try:
+        state = task.backend.get_task_meta(request.id).get("status")
+    except Exception as e:
+        log.warning("task %s[%s]: could not read its state from the result backend: %s", task.name, request.id, e)
+        return False
+    return state in READY_STATES
+
+
+def defer(task: Any, run: GuardedRun, redelivered: bool) -> None:
+    """Another execution of this task id holds the lease: re-publish this copy to look again when
+    that lease could have ended, unless another deferred copy of the same delivery is pending.
+    Always raises :class:`celery.exceptions.Ignore` (this copy stores no result and is acked)."""
+    req = task.request
+    header = read_header(req, DEFER_HEADER)
+    if not isinstance(header, dict) or not isinstance(header.get("chain"), str) or \
+            not isinstance(header.get("nonce"), str):
+        header = None
+    # a broker redelivery of the original message joins the task id's one redelivery chain;
+    # each publish starts a chain of its own
+    chain = header["chain"] if header else ("redelivered" if redelivered else secrets.token_hex(8))
+    timeout = redelivery_timeout(task.app)
+    countdown = min(max(run.holder_ttl or 1.0, 0.5), DEFER_MAX, max(0.5, timeout / 2))
+    nonce = secrets.token_hex(8)
+    record = f"defer:{req.id}:{chain}"
+    if req.called_directly or req.is_eager:
+        raise Ignore(f"{task.name}[{req.id}] runs in another execution")
+    try:
+        pending = not run.locks.put_record(run.key, record, nonce, ttl=countdown + timeout + SWEEP_MARGIN,
+                                           if_absent=True, if_value=header["nonce"] if header else None)
+    except LeaseBackendError as e:
+        log.warning("task %s[%s]: could not record its deferred copy (%s); deferring anyway", task.name, req.id, e)
+        pending = False
+    if pending:
+        log.info("task %s[%s]: another execution runs it and a deferred copy is pending; this copy is dropped",
+                 task.name, req.id)
+        raise Ignore(f"duplicate of running {task.name}[{req.id}]")
+    headers = {**(req.headers or {}), DEFER_HEADER: {"chain": chain, "nonce": nonce, "redelivered": redelivered}}
+    task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers).apply_async()
+    log.info("task %s[%s]: another execution runs it; this copy looks again in %.1fs", task.name, req.id, countdown)
+    raise Ignore(f"{task.name}[{req.id}] runs in another execution; deferred {countdown:.1f}s")

@@ -1,0 +1,245 @@
+"""One guarded run of a body, from begin to end.
+
+:class:`GuardedRun` is the single place that decides how a guarded run starts and ends:
+:meth:`Locks.with_lease`, the Celery task class and the RQ job wrapper all drive one, and only
+translate their framework's events into its calls:
+
+* :meth:`GuardedRun.begin` — take over a persisted handle (a retry) or acquire; refuse a copy of
+  a run that already finished (when the caller says this copy may be one); notice when the holder
+  is another execution of this same run id, and either report it (``"running"``) or wait for it;
+* :meth:`GuardedRun.finish` / :meth:`GuardedRun.fail` — the run is over: release, recording it as
+  finished so that redelivered copies of it are refused;
+* :meth:`GuardedRun.hand_back` — this execution ends but the run is not over (its message goes
+  back to the queue): release without recording anything;
+* :meth:`GuardedRun.keep` — a retry of this run will claim the lease: stretch it and return the
+  handle to persist;
+* :meth:`GuardedRun.skip` — the lease could not be had: the :class:`~taskguard.Skipped` value, reported.
+
+While the body runs, ``with run:`` makes :func:`taskguard.context.current_lease` return its lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+from .context import running
+from .errors import ConfigError, LeaseBackendError, LeaseLost
+from .handoff import persist, resume
+from .lease import Acquisition, Lease
+from .liveness import holder_is_dead
+from .locks import ON_LOST, Locks
+from .skipped import Skipped
+
+__all__ = ["GuardedRun", "SAME_RUN"]
+
+log = logging.getLogger("taskguard")
+
+#: What :meth:`GuardedRun.begin` does when the lease is held by another execution of the same run
+#: id: ``"report"`` — return with reason ``"running"`` (the caller defers this copy);
+#: ``"wait"`` — wait for that execution to end (bounded), then run.
+SAME_RUN = ("report", "wait")
+
+
+class GuardedRun:
+    """The lifecycle of one guarded run of ``key``.
+
+    Args:
+        locks: the :class:`~taskguard.Locks` to use.
+        key: the lease key (``str``).
+        ttl: lease TTL, seconds (float > 0).
+        wait: seconds to wait for a lease held by another run before skipping (>= 0).
+        renew: keep the lease alive with the heartbeat while the body runs.
+        holder: non-secret holder metadata stored with the lease.
+        max_hold: stop renewing after this many seconds (``None``: the locks' default).
+        run_id: the identity of the run (a Celery task id, an RQ job id), or ``None``.
+        task: the task name for skips, events and logs, or ``None``.
+        on_lost: ``"raise"`` (:meth:`finish` raises :class:`~taskguard.LeaseLost` when the
+            lease was lost while the body ran) or ``"warn"`` (log and carry on).
+        finished_ttl: seconds a finished run's own marker is kept (see
+            :meth:`~taskguard.Lease.release`); ``None``: no marker, only the key's fence record
+            remembers its last finished run (the caller has another record of finished runs,
+            such as Celery's result backend, or none is needed).
+        on_lost_report: called with the run and the reason when :meth:`finish` finds the lease was lost
+            (an adapter's event), before ``on_lost`` applies.
+
+    Attributes:
+        lease: the held :class:`~taskguard.Lease` after a successful :meth:`begin`, else ``None``.
+        reason: why :meth:`begin` did not get the lease: ``"held"``, ``"wait_timeout"``,
+            ``"duplicate"`` (this copy's run already finished) or ``"running"`` (another
+            execution of this run id holds it).
+        holder_ttl: seconds left on the holder's lease when not acquired, where known.
+        state: ``"new"``, ``"running"``, ``"skipped"``, ``"finished"``, ``"handed_back"`` or ``"kept"``.
+        tag: free for the adapter (e.g. the Celery task object the run belongs to).
+
+    Raises ConfigError for an invalid ``on_lost``; the lease operations raise as documented on
+    :class:`~taskguard.Locks`.
+    """
+
+    __slots__ = ("locks", "key", "ttl", "wait", "renew", "holder", "max_hold", "run_id", "task", "on_lost",
+                 "finished_ttl", "on_lost_report", "lease", "reason", "holder_ttl", "state", "tag", "_ctx")
+
+    def __init__(self, locks: Locks, key: str, *, ttl: float, wait: float = 0.0, renew: bool = True,
+                 holder: Mapping[str, Any] | None = None, max_hold: float | None = None, run_id: str | None = None,
+                 task: str | None = None, on_lost: str = "raise", finished_ttl: float | None = None,
+                 on_lost_report: Callable[["GuardedRun", str], None] | None = None, tag: Any = None) -> None:
+        if on_lost not in ON_LOST:
+            raise ConfigError(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
+        self.locks, self.key, self.ttl, self.wait, self.renew = locks, key, ttl, wait, renew
+        self.holder, self.max_hold, self.run_id, self.task = holder, max_hold, run_id, task
+        self.on_lost, self.finished_ttl, self.on_lost_report, self.tag = on_lost, finished_ttl, on_lost_report, tag
+        self.lease: Lease | None = None
+        self.reason: str | None = None
+        self.holder_ttl: float | None = None
+        self.state = "new"
+        self._ctx: running | None = None
+
+    def __repr__(self) -> str:
+        return f"<GuardedRun key={self.key!r} run_id={self.run_id!r} state={self.state}>"
+
+    # -- begin -----------------------------------------------------------------------------------
+    def begin(self, *, handle: Mapping[str, Any] | None = None, refuse_finished: bool = False,
+              same_run: str = "report", same_run_wait: float = 0.0) -> bool:
+        """Take the lease for this run. Returns ``True`` when the body may run (:attr:`lease` is
+        held), else ``False`` with :attr:`reason` and :attr:`holder_ttl` set.
+
+        Args:
+            handle: a persisted handle of this run (a retry's): claimed one-shot, with the same
+                fencing token; if it expired meanwhile the lease is acquired afresh. A malformed
+                handle is logged and ignored (the run acquires normally).
+            refuse_finished: this copy may be a redelivery of a run that already finished
+                (reason ``"duplicate"`` then).
+            same_run: when another execution of this run id holds the lease (see
+                :data:`SAME_RUN`). A holder whose process is known dead (same host) is released
+                first in either mode.
+            same_run_wait: with ``same_run="wait"``, the longest wait in seconds; each step is
+                bounded by the holder's TTL, so a dead holder is outlived.
+
+        Raises LeaseBackendError when Redis fails.
+        """
+        acq = None
+        if handle is not None:
+            try:
+                acq = resume(self.locks, handle, key=self.key, ttl=self.ttl, holder=self.holder, renew=self.renew,
+                             max_hold=self.max_hold, run_id=self.run_id, refuse_finished=refuse_finished)
+            except ConfigError as e:
+                log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
+        if acq is None:
+            acq = self._acquire(self.wait, refuse_finished)
+        if not acq.acquired and self.run_id is not None and acq.holder_run == self.run_id:
+            acq = self._same_run(acq, same_run, same_run_wait, refuse_finished)
+        if not acq.acquired:
+            self.reason, self.holder_ttl = acq.reason or "held", acq.holder_ttl
+            return False
+        self.lease = acq.lease
+        self.state = "running"
+        return True
+
+    def _acquire(self, wait: float, refuse_finished: bool = False) -> Acquisition:
+        return self.locks.acquire(self.key, ttl=self.ttl, wait=wait, holder=self.holder, renew=self.renew,
+                                  max_hold=self.max_hold, run_id=self.run_id, refuse_finished=refuse_finished)
+
+    def _same_run(self, acq: Acquisition, mode: str, bound: float, refuse_finished: bool) -> Acquisition:
+        """The lease is held by another execution of this run id (a redelivered copy, a retry
+        published while the body still runs, an abandoned RQ job re-queued)."""
+        info = self.locks.holder(self.key)
+        if info is not None and holder_is_dead(info.holder) and self.locks.release_run(self.key, self.run_id):
+            log.warning("%s: the previous holder of %r (pid %s) is dead; lease released", self._who(), self.key,
+                        info.holder.get("pid"))
+            acq = self._acquire(0.0, refuse_finished)
+            if acq.acquired or acq.holder_run != self.run_id:
+                return acq
+        if mode == "wait":
+            deadline = time.monotonic() + bound
+            while not acq.acquired and acq.holder_run == self.run_id:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                step = left if acq.holder_ttl is None else min(left, acq.holder_ttl + 0.05)
+                acq = self._acquire(step, refuse_finished)
+            if acq.acquired or acq.holder_run != self.run_id:
+                return acq
+        return Acquisition(False, None, "running", acq.holder_ttl, acq.holder_run)
+
+    # -- the body -------------------------------------------------------------------------------
+    def __enter__(self) -> "GuardedRun":
+        self._ctx = running(self)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.__exit__(*exc)
+
+    # -- end ---------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """The body returned: release, recording the run as finished. If the lease was lost
+        while the body ran (the heartbeat found it gone, or the release found another owner),
+        report it and, with ``on_lost="raise"``, raise :class:`~taskguard.LeaseLost`. A Redis
+        error while releasing is logged (the TTL bounds the lease), never raised."""
+        lease = self._end("finished")
+        if lease is None:
+            return
+        was_lost = lease.lost
+        try:
+            released = lease.release(finished=True, finished_ttl=self.finished_ttl)
+        except LeaseBackendError as e:
+            log.warning("%s: could not release lease %r: %s", self._who(), self.key, e)
+            released = not lease.lost
+        if was_lost or not released:
+            reason = lease.lost_reason or "lost while the body ran"
+            if self.on_lost_report is not None:
+                self.on_lost_report(self, reason)
+            if self.on_lost == "raise":
+                raise LeaseLost(self.key, reason)
+            log.warning("%s: lease %r was lost while the body ran (%s)", self._who(), self.key, reason)
+
+    def fail(self) -> None:
+        """The body raised and the run is over (its message is not requeued): release,
+        recording it as finished. Never raises (the body's exception must win)."""
+        lease = self._end("finished")
+        if lease is not None:
+            self._release_quietly(lease, finished=True)
+
+    def hand_back(self) -> None:
+        """This execution ends but the run is not over (its message goes back to the queue, or
+        the same id will run again): release without recording it as finished. Never raises."""
+        lease = self._end("handed_back")
+        if lease is not None:
+            self._release_quietly(lease, finished=False)
+
+    def keep(self, seconds: float) -> dict[str, Any] | None:
+        """A retry of this run will claim the lease: stretch it to ``seconds`` from now, stop
+        renewing it here and return the handle to persist with the retry (``None`` when the
+        lease is no longer held; the retry then acquires afresh). Raises LeaseBackendError."""
+        lease = self._end("kept")
+        return None if lease is None else persist(lease, seconds)
+
+    def skip(self, report: bool = True) -> Skipped:
+        """The :class:`~taskguard.Skipped` value of a run that did not get its lease, after
+        emitting the ``skip`` event (``report=False``: the caller reports it, e.g. after
+        deciding on a retry)."""
+        self.state = "skipped"
+        skipped = Skipped(key=self.key, reason=self.reason or "held", task=self.task, holder_ttl=self.holder_ttl)
+        if report:
+            self.locks.report_skip(skipped)
+        return skipped
+
+    def _end(self, state: str) -> Lease | None:
+        if self.state != "running":
+            return None
+        self.state = state
+        return self.lease
+
+    def _release_quietly(self, lease: Lease, finished: bool) -> None:
+        try:
+            lease.release(finished=finished, finished_ttl=self.finished_ttl if finished else None)
+        except LeaseBackendError as e:
+            log.warning("%s: could not release lease %r after the body ended (its TTL bounds it): %s", self._who(),
+                        self.key, e)
+
+    def _who(self) -> str:
+        name = self.task or "run"
+        return f"{name}[{self.run_id}]" if self.run_id else name
