@@ -163,10 +163,9 @@ class MemoryLocks(Locks):
     def _put_record(self, key: str, name: str, value: str, ttl: float, cond: str, expect: str) -> bool:
         with self._cond:
             cur = self._live_record(key, name)
-            if cond != "any" and cur != value:
-                if (cond == "absent" and cur is not None) or (cond == "eq" and cur != expect) or \
-                        (cond == "absent_or_eq" and cur is not None and cur != expect):
-                    return False
+            if (cond == "absent" and cur is not None) or (cond == "eq" and cur != expect) or \
+                    (cond == "absent_or_eq" and cur is not None and cur != expect):
+                return False
             self._records[(key, name)] = (value, self._clock() + ttl)
             return True
 

@@ -265,17 +265,16 @@ return -2
 # KEYS[1] record; ARGV[1] value, ARGV[2] TTL ms, ARGV[3] condition: 'any' (always), 'absent' (only
 # if no record exists), 'eq' (only if the record exists and equals ARGV[4]), 'absent_or_eq' (no
 # record, or one equal to ARGV[4]) -> 1 written, 0 the condition did not hold.
-# Idempotent: a client retry of a write that ran finds its own value and answers 1.
+# A conditional write re-sent by a client retry after it ran answers 0: callers that must tell
+# that apart write a value unique to the call and read it back.
 PUT_RECORD = Script(
     "put_record",
     """
 local cur = redis.call('GET', KEYS[1])
 local cond = ARGV[3]
-if cond ~= 'any' and cur ~= ARGV[1] then
-  if cond == 'absent' and cur then return 0 end
-  if cond == 'eq' and cur ~= ARGV[4] then return 0 end
-  if cond == 'absent_or_eq' and cur and cur ~= ARGV[4] then return 0 end
-end
+if cond == 'absent' and cur then return 0 end
+if cond == 'eq' and cur ~= ARGV[4] then return 0 end
+if cond == 'absent_or_eq' and cur and cur ~= ARGV[4] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """,

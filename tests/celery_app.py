@@ -5,11 +5,13 @@ by ``TG_TEST_*`` environment variables."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import redis
-from celery import Celery
-from celery.exceptions import SoftTimeLimitExceeded
+from celery import Celery, chain, group
+from celery.exceptions import Reject, SoftTimeLimitExceeded
+from celery.signals import task_prerun
 
 from taskguard import RedisLocks
 from taskguard_celery import GuardedTask, current_lease
@@ -199,6 +201,78 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
             r.rpush(f"{prefix}:violations", f"{key}:{fence}:{r.get(occ)}")
         r.sadd(f"{prefix}:done", unit_id)
         return fence
+
+    # -- run identity: every way a task id runs again -----------------------------------------------
+    def attempt(name: str) -> int:
+        return int(r.incr(f"{prefix}:attempt:{name}"))
+
+    @task_prerun.connect(weak=False)
+    def count_executions(sender=None, task_id=None, **_):
+        if getattr(sender, "app", None) is app:  # every execution, also the ignored copies
+            r.rpush(f"{prefix}:executions", f"{sender.name}:{task_id}")
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.late_long", ttl=6, key="late:{name}", acks_late=True)
+    def late_long(self, name, seconds=24.0):
+        note(f"late:{name}:start:{self.lease.fencing_token}")
+        time.sleep(seconds)
+        note(f"late:{name}:end")
+        return f"body of {name}"
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.rejecting", ttl=5, key="reject:{name}",
+              acks_late=True)
+    def rejecting(self, name):
+        n = attempt(name)
+        note(f"reject:{name}:{n}:{self.lease.fencing_token}")
+        if n == 1:
+            raise Reject("handed back", requeue=True)
+        return n
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.timed_out", ttl=20, key="timed:{name}",
+              acks_late=True, acks_on_timeout=False, time_limit=1)
+    def timed_out(self, name):
+        n = attempt(name)
+        note(f"timed:{name}:{n}:{self.lease.fencing_token}")
+        if n == 1:
+            time.sleep(10)  # killed by the hard time limit; the message is handed back
+        return n
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.lost_retried", ttl=20, key="lostr:{name}",
+              acks_late=True, retry_on_worker_lost=True, max_retries=3, default_retry_delay=0)
+    def lost_retried(self, name):
+        n = attempt(name)
+        note(f"lostr:{name}:{n}:{self.lease.fencing_token}")
+        if n == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # the main process publishes a retry, no failure
+        return n
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.replacement", ttl=5, key="repl:{name}")
+    def replacement(self, name, part):
+        note(f"repl:{name}:{part}:{self.lease.fencing_token}")
+        return f"{name}:{part}"
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.replacing", ttl=5, key="repl:{name}")
+    def replacing(self, name, how="task"):
+        note(f"repl:{name}:replacing:{self.lease.fencing_token}")
+        if how == "task":
+            return self.replace(replacement.s(name, "single"))
+        if how == "chain":
+            # (the chain's last step takes over this task id: celery/app/task.py, replace)
+            return self.replace(chain(replacement.si(name + "-1", "a"), replacement.si(name, "b")))
+        return self.replace(group(replacement.si(name + "-1", "g1"), replacement.si(name + "-2", "g2")))
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.counted", ttl=5, key="counted:{name}")
+    def counted(self, name):
+        n = attempt(name)
+        note(f"counted:{name}:{n}:{self.lease.fencing_token}")
+        return n
+
+    @app.task(base=GuardedTask, shared=False, name="tg.default_noop")
+    def default_noop():
+        return 1
+
+    @app.task(base=GuardedTask, shared=False, name="tg.default_noop_noresult", ignore_result=True)
+    def default_noop_noresult():
+        return 1
 
     if os.environ.get("TG_TEST_BEAT"):
         app.conf.beat_schedule = {

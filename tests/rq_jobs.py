@@ -9,6 +9,8 @@ import time
 
 import redis
 
+from rq import Retry
+
 from taskguard_rq import current_lease, guarded_job
 
 
@@ -62,3 +64,23 @@ def killed(name):
 def overrun(seconds=5.0):
     time.sleep(seconds)
     return "never"
+
+
+@guarded_job(ttl=10, key="rr:{name}")
+def returns_retry(name):
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    attempt = r.incr("{" + os.environ["TASKGUARD_PREFIX"] + ":attempts:" + name + "}")
+    _log(f"rr:{name}:{attempt}:{current_lease().fencing_token}")
+    if attempt == 1:
+        return Retry(max=2)  # RQ >= 2.1 runs the job again
+    return "second run"
+
+
+@guarded_job(ttl=3, key="stall:{name}")
+def stalls_once(name):
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    attempt = r.incr("{" + os.environ["TASKGUARD_PREFIX"] + ":attempts:" + name + "}")
+    _log(f"stall:{name}:{attempt}:{current_lease().fencing_token}:{os.getpid()}")
+    if attempt == 1:
+        time.sleep(60)  # the whole worker dies meanwhile
+    return {"attempt": attempt, "fence": current_lease().fencing_token}

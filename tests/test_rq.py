@@ -38,11 +38,11 @@ def rq_env(redis_url, prefix, monkeypatch):
 
 
 class RQWorker:
-    def __init__(self, queue: Queue, *extra: str):
+    def __init__(self, queue: Queue, *extra: str, worker_class: str = "taskguard_rq.GuardedWorker"):
         self.queue = queue
         self.log_path = Path(f"/tmp/tg-rq-{queue.name}-{time.time_ns()}.log")
         self.args = [sys.executable, "-m", "rq.cli", "worker", "-u", os.environ["TASKGUARD_REDIS_URL"],
-                     "-w", "taskguard_rq.GuardedWorker", "--with-scheduler", *extra, queue.name]
+                     "-w", worker_class, "--with-scheduler", *extra, queue.name]
 
     def __enter__(self):
         self.log = open(self.log_path, "wb")

@@ -16,7 +16,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.time import maybe_iso8601
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
-from taskguard.context import current_lease, current_runs
+from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.policy import OPTION_NAMES, GuardOptions
 from taskguard.run import GuardedRun
@@ -30,6 +30,17 @@ from .serialization import result_value
 __all__ = ["GuardedTask", "guarded_task", "current_lease", "HEADER"]  # current_lease: taskguard.context
 
 log = logging.getLogger("taskguard.celery")
+
+
+class _Nested:
+    """A guarded call running inside an enclosing run of the same key (``self.lease`` is that
+    run's lease; the call neither acquires nor releases)."""
+
+    __slots__ = ("tag", "lease")
+    state = "nested"
+
+    def __init__(self, tag: Any, lease: Any) -> None:
+        self.tag, self.lease = tag, lease
 
 
 class GuardedTask(Task):
@@ -85,8 +96,8 @@ class GuardedTask(Task):
         run = self._current_run()
         return run.lease if run else None
 
-    def _current_run(self) -> GuardedRun | None:
-        return next((r for r in reversed(current_runs()) if isinstance(r, GuardedRun) and r.tag is self), None)
+    def _current_run(self) -> Any:
+        return next((r for r in reversed(current_runs()) if getattr(r, "tag", None) is self), None)
 
     @property
     def taskguard_locks(self) -> Locks:
@@ -114,10 +125,12 @@ class GuardedTask(Task):
         if isinstance(beat, dict) and published_by_stale_leader(locks, beat):
             return self._skip(Skipped(key=key, reason="stale_leader", task=self.name), skips, locks)
         local = req.called_directly or req.is_eager
-        if local and self._runs_inside(key, locks):
+        outer = self._enclosing_run(key, locks) if local else None
+        if outer is not None:
             # a nested call of the same key in this thread (eager mode's replace() runs the
             # replacement inside the caller): it runs under the caller's lease
-            return self._body(req, args, kwargs)
+            with running(_Nested(self, outer.lease)):
+                return self._body(req, args, kwargs)
         handle = header if isinstance(header, dict) and "owner" in header else None
         # a retry's message carries its one-shot handle: a second copy of it is a copy, not a publish
         redelivered = not local and (identity.is_redelivery(req) or handle is not None)
@@ -164,9 +177,10 @@ class GuardedTask(Task):
             return self.run(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
-    def _runs_inside(self, key: str, locks: Locks) -> bool:
-        return any(isinstance(r, GuardedRun) and r.key == key and r.locks is locks and r.state == "running"
-                   for r in current_runs())
+    @staticmethod
+    def _enclosing_run(key: str, locks: Locks) -> GuardedRun | None:
+        return next((r for r in reversed(current_runs()) if isinstance(r, GuardedRun) and r.key == key
+                     and r.locks is locks and r.state == "running"), None)
 
     def _report_lost(self, run: GuardedRun, reason: str) -> None:
         self._send_event("task-lease-lost", key=run.key, reason=reason, fencing_token=run.lease.fencing_token)

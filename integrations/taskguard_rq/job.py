@@ -78,8 +78,9 @@ def load_handle(locks: Locks, job_id: str) -> dict | None:
     if raw is None:
         return None
     try:
-        return parse_handle(json.loads(raw))
-    except (ValueError, ConfigError) as e:
+        data = json.loads(raw)
+        return {**parse_handle(data), "running": data.get("running") is True}
+    except (ValueError, ConfigError, AttributeError) as e:
         log.error("job %s: ignoring its stored lease handle: %s", job_id, e)
         return None
 
@@ -152,12 +153,16 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
     run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew, holder={"job": name, "job_id": run_id},
                      max_hold=opts.max_hold, run_id=run_id, task=name, on_lost=opts.on_lost)
     handle = load_handle(locks, run_id) if run_id is not None else None
+    if handle is not None and handle.get("running"):
+        # the handle of an execution that may still be running (an orphaned work-horse): never
+        # take its lease over; wait for it like any earlier execution of this job id
+        handle = None
     if not run.begin(handle=handle, same_run="wait", same_run_wait=_job_timeout(job)):
         return _skip(job, locks, name, opts, run)
     lease = run.lease
     if run_id is not None:  # for GuardedWorker, should the work-horse be killed
         save_handle(locks, run_id, {"key": key, "owner": lease.owner_token, "fence": lease.fencing_token,
-                                    "expires": lease.expires_at}, ttl=_job_timeout(job) + opts.ttl)
+                                    "expires": lease.expires_at, "running": True}, ttl=_job_timeout(job) + opts.ttl)
     _mirror(job, key=key, fence=lease.fencing_token, outcome="running")
     with run:
         try:

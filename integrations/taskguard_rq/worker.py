@@ -46,7 +46,7 @@ def settle_killed_job(job: Any) -> str | None:
     if job.retries_left:
         stretch = job.get_retry_interval() + opts.ttl
         if lease.renew(stretch):
-            save_handle(locks, job.id, {**handle, "expires": lease.expires_at}, ttl=stretch)
+            save_handle(locks, job.id, {**handle, "expires": lease.expires_at, "running": False}, ttl=stretch)
             log.warning("job %s: work-horse killed; lease %r kept %.0fs for its retry", job.id, handle["key"], stretch)
             return "kept"
     lease.release()

@@ -1,0 +1,322 @@
+"""Run identity: every way a Celery task id or an RQ job id runs again, against real workers.
+
+A redelivered copy of a finished run is a duplicate (never runs, never stores a result); a new
+publish of an id runs; a run that handed its message back is not finished; an RQ job runs on
+every execution. Each scenario prints what it injected and what it observed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+import redis
+from celery.result import AsyncResult
+from rq import Retry
+from rq.job import JobStatus
+from rq.registry import StartedJobRegistry
+
+from taskguard import is_skipped
+
+from . import rq_jobs
+from .celery_app import make_app
+from .celery_support import WorkerProcess, body_log, embedded_worker
+from .test_rq import RQWorker, locks as rq_locks, log as rq_log, rq_env, wait_done  # noqa: F401  (fixture)
+
+FAST_RESTORE = {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+
+
+def say(*parts):
+    print("   ", *parts, flush=True)
+
+
+def entries(app, start):
+    return [e for e in body_log(app) if e.startswith(start)]
+
+
+def executions(app, prefix, name):
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    return [x.decode() for x in r.lrange(f"{prefix}:executions", 0, -1) if x.decode().startswith(name + ":")]
+
+
+@pytest.fixture
+def celery_env(redis_url, prefix):
+    made = []
+
+    def make(**conf):
+        queue = f"q-{prefix}-{len(made)}"
+        app = make_app(queue, prefix, **conf)
+        made.append((app, queue))
+        return app, queue
+
+    yield make
+    r = redis.Redis.from_url(redis_url)
+    for app, queue in made:
+        r.delete(app.tg_log, queue, f"{prefix}:executions")
+
+
+def wait_for(pred, timeout=20.0, step=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(step)
+    return pred()
+
+
+# -- Celery: redelivery of a long acks_late body ----------------------------------------------------
+
+def test_long_acks_late_body_with_short_visibility_timeout_runs_once_with_bounded_copies(celery_env, prefix):
+    """visibility_timeout=2, acks_late, ttl=6, a 24 s body, prefork -c 2, one delay(): the broker
+    hands the unacked message out again every ~2 s. The body runs once, the stored result is its
+    value, and executions stay about one per broker redelivery (the guard used to re-publish a
+    fresh deferred copy for every copy, each redelivered in turn: ~120 executions, tripling)."""
+    conf = {"broker_transport_options": {"visibility_timeout": 2, **FAST_RESTORE}}
+    app, queue = celery_env(**conf)
+    with WorkerProcess(queue, prefix, concurrency=2, conf=conf):
+        res = app.tasks["tg.late_long"].delay("x", seconds=24.0)
+        value = res.get(timeout=60)
+        mid = len(executions(app, prefix, "tg.late_long"))
+        time.sleep(8.0)  # copies still pending look again, find the run finished, and stop
+        after = len(executions(app, prefix, "tg.late_long"))
+        time.sleep(4.0)
+        final = len(executions(app, prefix, "tg.late_long"))
+    starts = entries(app, "late:x:start")
+    say(f"injected: visibility_timeout=2 s, body 24 s; observed {len(starts)} body run(s), {mid} executions "
+        f"at the end of the body, {final} in all, result {value!r}")
+    assert len(starts) == 1
+    assert value == "body of x" and AsyncResult(res.id, app=app).get(timeout=1) == "body of x"
+    assert mid <= 40, mid  # ~12 broker redeliveries of the original plus one chain of deferred copies
+    assert final == after, (after, final)  # no copy is still circulating
+    assert final <= 50
+
+
+def test_redelivered_copy_of_a_finished_run_never_overwrites_its_result(celery_env, redis_url, prefix):
+    """The broker delivers a finished run's message again (as kombu's Redis transport restores
+    it: the same payload with ``delivery_info["redelivered"]`` set) while another run of the key
+    holds the lease: it is a duplicate, acked quietly, and never a skip whose ``Skipped`` would
+    overwrite the stored result."""
+    import json
+
+    app, queue = celery_env()
+    r = redis.Redis.from_url(redis_url)
+    task = app.tasks["tg.counted"]
+    first = task.delay("dup")
+    raw = json.loads(r.lindex(queue, 0))  # the message as published, before any worker took it
+    with embedded_worker(app, pool="threads", concurrency=2):
+        assert first.get(timeout=10) == 1
+        holder = app.conf.taskguard_locks.acquire("counted:dup", ttl=10).lease  # the key is busy now
+        raw["properties"]["delivery_info"]["redelivered"] = True
+        raw["headers"]["redelivered"] = True
+        r.lpush(queue, json.dumps(raw))
+        assert wait_for(lambda: len(executions(app, prefix, "tg.counted")) == 2, timeout=10)
+        time.sleep(0.5)
+        holder.release()
+    value = AsyncResult(first.id, app=app).get(timeout=1)
+    say(f"injected: a redelivered copy of a finished run; observed result {value!r}, "
+        f"bodies {entries(app, 'counted:dup:')}")
+    assert value == 1 and len(entries(app, "counted:dup:")) == 1
+
+
+# -- Celery: publishes of an existing id run -----------------------------------------------------------
+
+def test_apply_async_with_the_id_of_a_finished_task_runs_again(celery_env):
+    app, queue = celery_env()
+    task_id = str(uuid.uuid4())
+    with embedded_worker(app, pool="threads", concurrency=2):
+        assert app.tasks["tg.counted"].apply_async(("again",), task_id=task_id).get(timeout=10) == 1
+        app.tasks["tg.counted"].apply_async(("again",), task_id=task_id)  # the same id, published again
+        # (Celery's backend keeps the first SUCCESS: the body's second run is the evidence)
+        assert wait_for(lambda: len(entries(app, "counted:again:")) == 2, timeout=10)
+
+
+def test_apply_async_with_the_id_of_a_running_task_runs_after_it(celery_env, prefix):
+    app, queue = celery_env()
+    task_id = str(uuid.uuid4())
+    with embedded_worker(app, pool="threads", concurrency=2):
+        app.tasks["tg.slow"].apply_async((7,), {"seconds": 1.5}, task_id=task_id)
+        time.sleep(0.5)
+        app.tasks["tg.slow"].apply_async((7,), {"seconds": 0.1}, task_id=task_id)  # a new publish of the id
+        assert wait_for(lambda: len(entries(app, "slow:7:end")) == 2, timeout=20)
+    log = entries(app, "slow:7:")
+    say(f"observed: {log}")
+    assert log[0].startswith("slow:7:start") and log[1] == "slow:7:end"  # never beside the first
+    assert log[2].startswith("slow:7:start") and log[3] == "slow:7:end"
+
+
+@pytest.mark.parametrize("how", ["task", "chain", "group"])
+def test_replace_runs_the_replacement_on_a_worker(celery_env, how):
+    """replace() publishes the replacement under the same task id: it is a publish and runs
+    (it used to be taken for a duplicate of the finished original and dropped)."""
+    app, queue = celery_env()
+    with embedded_worker(app, pool="threads", concurrency=4):
+        res = app.tasks["tg.replacing"].delay(f"w{how}", how=how)
+        value = res.get(timeout=15)
+    say(f"replace({how}): {value!r}, bodies {entries(app, 'repl:')}")
+    expected = {"task": f"w{how}:single", "chain": f"w{how}:b", "group": [f"w{how}-1:g1", f"w{how}-2:g2"]}[how]
+    assert value == expected
+
+
+def test_eager_replace_runs_inside_the_callers_lease(celery_env):
+    app, queue = celery_env()
+    value = app.tasks["tg.replacing"].apply(("eager",), {"how": "task"}).get()
+    log = entries(app, "repl:eager:")
+    say(f"eager replace: {value!r}, bodies {log}")
+    assert value == "eager:single"
+    fences = {e.rsplit(":", 1)[1] for e in log}
+    assert len(log) == 2 and len(fences) == 1  # the replacement ran under the caller's lease
+    assert app.conf.taskguard_locks.holder("repl:eager") is None
+
+
+def test_chain_steps_of_one_key_each_run(celery_env):
+    from celery import chain
+
+    app, queue = celery_env()
+    t = app.tasks["tg.counted"]
+    with embedded_worker(app, pool="threads", concurrency=2):
+        assert chain(t.si("ch"), t.si("ch"), t.si("ch")).delay().get(timeout=15) == 3
+    assert len(entries(app, "counted:ch:")) == 3
+
+
+# -- Celery: a run that hands its message back is not finished ----------------------------------------
+
+def test_reject_with_requeue_runs_again(celery_env):
+    app, queue = celery_env(broker_transport_options=FAST_RESTORE)
+    with embedded_worker(app, pool="threads", concurrency=2):
+        res = app.tasks["tg.rejecting"].delay("rq")
+        assert wait_for(lambda: len(entries(app, "reject:rq:")) == 2, timeout=20)
+        assert res.get(timeout=10) == 2
+    assert app.conf.taskguard_locks.holder("reject:rq") is None
+
+
+def test_hard_time_limit_without_acks_on_timeout_runs_again(celery_env, prefix):
+    """acks_late + time_limit + acks_on_timeout=False: Celery stores FAILURE and requeues the
+    message (celery/worker/request.py, on_timeout then on_failure). The redelivery runs."""
+    conf = {"broker_transport_options": FAST_RESTORE}
+    app, queue = celery_env(**conf)
+    with WorkerProcess(queue, prefix, concurrency=1, conf=conf):
+        res = app.tasks["tg.timed_out"].delay("tl")
+        assert wait_for(lambda: len(entries(app, "timed:tl:")) == 2, timeout=30), entries(app, "timed:tl:")
+        assert wait_for(lambda: AsyncResult(res.id, app=app).state == "SUCCESS", timeout=15)
+    fences = [int(e.rsplit(":", 1)[1]) for e in entries(app, "timed:tl:")]
+    say(f"injected: hard time limit on the first run; observed runs with fences {fences}")
+    assert fences[1] > fences[0] and AsyncResult(res.id, app=app).get(timeout=1) == 2
+
+
+def test_retry_on_worker_lost_runs_the_retry(celery_env, prefix):
+    """task_retry_on_worker_lost: the main process publishes a retry (no task_failure, no
+    release); the retry finds the dead child's lease, releases it and runs."""
+    app, queue = celery_env()
+    with WorkerProcess(queue, prefix, concurrency=1):
+        res = app.tasks["tg.lost_retried"].delay("wl")
+        assert res.get(timeout=30) == 2
+    fences = [int(e.rsplit(":", 1)[1]) for e in entries(app, "lostr:wl:")]
+    say(f"injected: SIGKILL of the child; observed runs with fences {fences}")
+    assert len(fences) == 2 and fences[1] > fences[0]
+
+
+# -- Celery: what a finished run costs in Redis --------------------------------------------------------
+
+def _keys_of(prefix):
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    return {k.decode(): r.pttl(k) for k in r.scan_iter(match="{" + prefix + ":*", count=1000)}
+
+
+def test_finished_runs_leave_no_record_when_the_result_backend_holds_them(celery_env, prefix):
+    """400 runs of a default guarded task (early ack, no ETA, one key): with the result backend
+    keeping outcomes, nothing but the key's fence record stays (it used to be 400 keys kept a day)."""
+    app, queue = celery_env(broker_transport_options={"visibility_timeout": 60})
+    with embedded_worker(app, pool="threads", concurrency=1):  # one key: one run at a time
+        results = [app.tasks["tg.default_noop"].delay() for _ in range(400)]
+        assert [r.get(timeout=60) for r in results] == [1] * 400
+    keys = _keys_of(prefix)
+    say(f"400 finished runs (result backend): keys left {sorted(keys)}")
+    base = "{" + prefix + ":tg.default_noop}"
+    # per guard key, not per run: the fence record and the last release's 10 s tombstone
+    assert set(keys) <= {base + ":fence", base + ":released"}, sorted(keys)
+    assert keys.get(base + ":released", 0) <= 10_000
+
+
+def test_finished_runs_without_a_result_backend_are_kept_only_while_redeliverable(celery_env, prefix):
+    """ignore_result: a finished marker per run, kept for the broker's redelivery window
+    (visibility_timeout 60 s + 60 s sweep margin), not a day."""
+    app, queue = celery_env(broker_transport_options={"visibility_timeout": 60})
+    with embedded_worker(app, pool="threads", concurrency=1):  # one key: one run at a time
+        for _ in range(400):
+            app.tasks["tg.default_noop_noresult"].delay()
+        assert wait_for(lambda: len([k for k in _keys_of(prefix) if ":done:" in k]) == 400, timeout=60)
+    keys = _keys_of(prefix)
+    markers = [ttl for k, ttl in keys.items() if ":done:" in k]
+    say(f"400 finished runs (no result backend): {len(markers)} markers, longest TTL {max(markers)} ms")
+    assert len(markers) == 400 and 0 < max(markers) <= 120_000
+
+
+# -- RQ: every execution is a run ---------------------------------------------------------------------
+
+def test_rq_returned_retry_runs_the_body_again(rq_env):
+    with RQWorker(rq_env):
+        job = rq_env.enqueue(rq_jobs.returns_retry, "a")
+        assert wait_done(job) == JobStatus.FINISHED
+    runs = [e for e in rq_log(rq_env) if e.startswith("rr:a:")]
+    say(f"returned Retry: runs {runs}, value {job.return_value()!r}")
+    assert len(runs) == 2 and job.return_value() == "second run"
+    assert runs[0].rsplit(":", 1)[1] == runs[1].rsplit(":", 1)[1]  # the retry kept the lease (same fence)
+    assert rq_locks().holder("rr:a") is None
+
+
+def test_rq_requeue_of_a_failed_job_runs_again(rq_env):
+    with RQWorker(rq_env):
+        job = rq_env.enqueue(rq_jobs.flaky, "rq", fail_times=1)
+        assert wait_done(job) == JobStatus.FAILED
+        job.requeue()
+        assert wait_done(job) == JobStatus.FINISHED
+    assert not is_skipped(job.return_value()) and isinstance(job.return_value(), int)
+    assert len([e for e in rq_log(rq_env) if e.startswith("flaky:rq:")]) == 2
+
+
+def test_rq_reused_job_id_and_scheduled_job_run_again(rq_env):
+    with RQWorker(rq_env):
+        job = rq_env.enqueue(rq_jobs.slow, 3, seconds=0.1, job_id="reused-id")
+        assert wait_done(job) == JobStatus.FINISHED
+        job = rq_env.enqueue(rq_jobs.slow, 3, seconds=0.1, job_id="reused-id")
+        assert wait_done(job) == JobStatus.FINISHED and not is_skipped(job.return_value())
+        job = rq_env.enqueue_in(timedelta(seconds=1), rq_jobs.slow, 3, seconds=0.1, job_id="reused-id")
+        assert wait_done(job, timeout=30) == JobStatus.FINISHED and not is_skipped(job.return_value())
+    assert len([e for e in rq_log(rq_env) if e == "slow:3:end"]) == 3
+
+
+def test_rq_abandoned_job_recovery_runs_it(rq_env):
+    """The whole worker is SIGKILLed mid-job (a plain rq worker: nothing settles the lease);
+    abandoned-job cleanup retries the job; the new execution finds its own job id holding the
+    lease of a dead work-horse, releases it and runs (it used to finish as Skipped)."""
+    with RQWorker(rq_env, worker_class="rq.Worker") as w:
+        job = rq_env.enqueue(rq_jobs.stalls_once, "ab", retry=Retry(max=1))
+        holder = wait_for(lambda: rq_locks().holder("stall:ab"), timeout=20)
+        os.killpg(w.proc.pid, signal.SIGKILL)  # the worker...
+        os.kill(holder.holder["pid"], signal.SIGKILL)  # ...and its work-horse (a session of its own)
+        w.proc.wait()
+    StartedJobRegistry(queue=rq_env).cleanup(timestamp=time.time() + 10_000)
+    with RQWorker(rq_env):
+        assert wait_done(job, timeout=30) == JobStatus.FINISHED
+    say(f"abandoned job: value {job.return_value()!r}, runs {[e for e in rq_log(rq_env) if e.startswith('stall:')]}")
+    assert not is_skipped(job.return_value()) and job.return_value()["attempt"] == 2
+    assert job.return_value()["fence"] > holder.fencing_token
+
+
+def test_rq_second_execution_waits_for_a_live_earlier_one_then_runs(rq_env):
+    """An earlier execution of the same job id holds the lease on another host (not known dead):
+    the new execution waits for it (bounded by its TTL), then runs; it never ends as Skipped."""
+    job_id = f"held-{uuid.uuid4().hex[:8]}"
+    rq_locks().acquire("slow:5", ttl=2.0, run_id=job_id, holder={"host": "another-host", "pid": 1})
+    with RQWorker(rq_env):
+        started = time.monotonic()
+        job = rq_env.enqueue(rq_jobs.slow, 5, seconds=0.1, job_id=job_id)
+        assert wait_done(job, timeout=30) == JobStatus.FINISHED
+        took = time.monotonic() - started
+    say(f"waited for the earlier execution: {took:.1f}s, value {job.return_value()!r}")
+    assert not is_skipped(job.return_value()) and took >= 1.5
