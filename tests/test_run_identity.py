@@ -194,10 +194,13 @@ def test_reject_with_requeue_runs_again(celery_env):
     assert app.conf.taskguard_locks.holder("reject:rq") is None
 
 
-def test_hard_time_limit_without_acks_on_timeout_runs_again(celery_env, prefix):
+@pytest.mark.parametrize("result_expires", [600, 86400], ids=["finished-marker", "result-backend"])
+def test_hard_time_limit_without_acks_on_timeout_runs_again(celery_env, prefix, result_expires):
     """acks_late + time_limit + acks_on_timeout=False: Celery stores FAILURE and requeues the
-    message (celery/worker/request.py, on_timeout then on_failure). The redelivery runs."""
-    conf = {"broker_transport_options": FAST_RESTORE}
+    message (celery/worker/request.py, on_timeout then on_failure). The redelivery runs, whether
+    finished runs are told by taskguard's marker (results kept less than the redelivery window)
+    or by the result backend."""
+    conf = {"broker_transport_options": FAST_RESTORE, "result_expires": result_expires}
     app, queue = celery_env(**conf)
     with WorkerProcess(queue, prefix, concurrency=1, conf=conf):
         res = app.tasks["tg.timed_out"].delay("tl")

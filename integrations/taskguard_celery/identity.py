@@ -37,7 +37,7 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, TimeLimitExceeded
 
 from taskguard import ConfigError, LeaseBackendError
 from taskguard.locks import check_seconds
@@ -159,9 +159,15 @@ def finished_in_backend(task: Any, request: Any) -> bool:
     if not request.id or not _stores_outcome(task, request):
         return False
     try:
-        state = task.backend.get_task_meta(request.id).get("status")
+        meta = task.backend.get_task_meta(request.id)
     except Exception as e:
         log.warning("task %s[%s]: could not read its state from the result backend: %s", task.name, request.id, e)
+        return False
+    state = meta.get("status")
+    if state == "FAILURE" and task.acks_late and not task.acks_on_timeout and \
+            isinstance(meta.get("result"), TimeLimitExceeded):
+        # a hard time limit stores FAILURE, then hands an acks_late message back when
+        # acks_on_timeout is off (celery/worker/request.py: on_timeout, then on_failure): not finished
         return False
     return state in READY_STATES
 
