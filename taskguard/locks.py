@@ -15,7 +15,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
-from .errors import ConfigError, LeaseBackendError, LeaseLost
+from .errors import ConfigError, LeaseBackendError
 from .events import Emitter, LeaseEvent, Listener
 from .heartbeat import get_heartbeat
 from .lease import Acquisition, HolderInfo, Lease

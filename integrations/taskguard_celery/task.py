@@ -6,26 +6,24 @@ The guard runs where the body runs (``Task.__call__``): worker executions, direc
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 from celery import Task, shared_task
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Reject, Retry
 from celery.utils.time import maybe_iso8601
 
-from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
+from taskguard import ConfigError, LeaseBackendError, Locks, Skipped
 from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.policy import OPTION_NAMES, GuardOptions
 from taskguard.run import GuardedRun
 
-from . import identity
+from . import identity, skipping
 from .beat import entry_guard, published_by_stale_leader
 from .config import locks_for
 from .headers import BEAT_HEADER, DEFER_HEADER, HEADER, read_header
-from .serialization import result_value
 
 __all__ = ["GuardedTask", "guarded_task", "current_lease", "HEADER"]  # current_lease: taskguard.context
 
@@ -121,9 +119,9 @@ class GuardedTask(Task):
             opts = entry_guard(self, opts, beat)
         key = opts.key.render(args, kwargs)
         header = read_header(req)
-        skips = _skip_count(self, header)
+        skips = skipping.skip_count(self, header)
         if isinstance(beat, dict) and published_by_stale_leader(locks, beat):
-            return self._skip(Skipped(key=key, reason="stale_leader", task=self.name), skips, locks)
+            return skipping.skip(self, Skipped(key=key, reason="stale_leader", task=self.name), skips, locks)
         local = req.called_directly or req.is_eager
         outer = self._enclosing_run(key, locks) if local else None
         if outer is not None:
@@ -135,7 +133,7 @@ class GuardedTask(Task):
         # a retry's message carries its one-shot handle: a second copy of it is a copy, not a publish
         redelivered = not local and (identity.is_redelivery(req) or handle is not None)
         if redelivered and identity.finished_in_backend(self, req):
-            return self._duplicate(key, locks)
+            return skipping.duplicate(self, key, locks)
         run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
                          holder={"task": self.name, "task_id": req.id}, max_hold=opts.max_hold,
                          run_id=req.id or None, task=self.name, on_lost=opts.on_lost,
@@ -143,10 +141,10 @@ class GuardedTask(Task):
                          on_lost_report=self._report_lost, tag=self)
         if not run.begin(handle=handle, refuse_finished=redelivered):
             if run.reason == "duplicate":
-                return self._duplicate(key, locks)
+                return skipping.duplicate(self, key, locks)
             if run.reason == "running":
                 identity.defer(self, run, redelivered)
-            return self._skip(run.skip(report=False), skips, locks)
+            return skipping.skip(self, run.skip(report=False), skips, locks)
         with run:
             try:
                 result = self._body(req, args, kwargs)
@@ -183,70 +181,7 @@ class GuardedTask(Task):
                      and r.locks is locks and r.state == "running"), None)
 
     def _report_lost(self, run: GuardedRun, reason: str) -> None:
-        self._send_event("task-lease-lost", key=run.key, reason=reason, fencing_token=run.lease.fencing_token)
-
-    def _duplicate(self, key: str, locks: Locks) -> Any:
-        """A redelivered copy of a run that already finished: store nothing, ack it."""
-        req = self.request
-        skipped = Skipped(key=key, reason="duplicate", task=self.name)
-        locks.report_skip(skipped)
-        self._send_skip_event(skipped)
-        log.info("task %s[%s]: redelivered copy of a finished run ignored", self.name, req.id)
-        raise Ignore(f"duplicate of finished {self.name}[{req.id}]")
-
-    # -- skipping ---------------------------------------------------------------------------------
-    def _skip(self, skipped: Skipped, skips: int, locks: Locks) -> Any:
-        """A run that did not get its lease, per ``on_skip``: reported, then a value, a retry,
-        an ``Ignore`` or a ``TaskSkipped``."""
-        opts = self._taskguard
-        req = self.request
-        if opts.on_skip == "retry" and not req.called_directly:
-            if skips < opts.skip_max_retries:
-                locks.report_skip(skipped)
-                self._send_skip_event(skipped, retrying=True)
-                self._retry_after_skip(opts.retry_delay(skipped.holder_ttl), skips + 1)
-            skipped = dataclasses.replace(skipped, reason="retry_exhausted")
-        locks.report_skip(skipped)
-        self._send_skip_event(skipped)
-        if opts.on_skip == "raise":
-            raise TaskSkipped(skipped.key, skipped.reason, self.name, skipped.holder_ttl)
-        if opts.on_skip == "ignore":
-            raise Ignore(skipped.describe())
-        if not opts.continue_on_skip:
-            # the tracer reads these from this very request after we return
-            # (celery/app/trace.py, _dispatch_callbacks_and_chain)
-            req.callbacks = None
-            req.chain = None
-        return result_value(skipped, self)
-
-    def _retry_after_skip(self, countdown: float, skips: int) -> None:
-        """Re-publish this request ``countdown`` seconds later without counting a retry
-        (``max_retries`` is for the body's failures, not for contention)."""
-        req = self.request
-        headers = {**(req.headers or {}), HEADER: {"skips": skips}}
-        headers.pop(DEFER_HEADER, None)
-        sig = self.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers)
-        if req.is_eager:
-            raise Retry(f"lease held; retry {skips} of {self._taskguard.skip_max_retries}",
-                        when=countdown, is_eager=True, sig=sig)
-        sig.apply_async()
-        raise Retry(f"lease held; retry {skips} of {self._taskguard.skip_max_retries}", when=countdown, sig=sig)
-
-    def _send_skip_event(self, skipped: Skipped, retrying: bool = False) -> None:
-        self._send_event("task-skipped", key=skipped.key, reason=skipped.reason, holder_ttl=skipped.holder_ttl,
-                         result=skipped.describe(), retrying=retrying)
-
-    def _send_event(self, type_: str, **fields: Any) -> None:
-        """Send a Celery event from a worker execution (never from direct/eager calls). Sent even
-        when the worker runs without ``-E``: ``Task.send_event`` uses its own dispatcher
-        (celery/app/task.py). A broker error is logged, never raised over the task's outcome."""
-        req = self.request
-        if req.called_directly or req.is_eager:
-            return
-        try:
-            self.send_event(type_, name=self.name, **fields)
-        except Exception as e:
-            log.warning("task %s: could not send %s event: %s", self.name, type_, e)
+        skipping.send_event(self, "task-lease-lost", key=run.key, reason=reason, fencing_token=run.lease.fencing_token)
 
     # -- retries keep the lease -------------------------------------------------------------------
     def retry(self, args=None, kwargs=None, exc=None, throw=True, eta=None, countdown=None, max_retries=None,
@@ -290,14 +225,6 @@ def _release_kept(task: GuardedTask, run: GuardedRun, handle: dict) -> None:
         lease.release(finished=True, finished_ttl=run.finished_ttl)
     except LeaseBackendError as e:
         log.warning("task %s: could not release the lease kept for an unpublished retry: %s", task.name, e)
-
-
-def _skip_count(task: GuardedTask, header: Any) -> int:
-    skips = header.get("skips", 0) if isinstance(header, dict) else 0
-    if isinstance(skips, bool) or not isinstance(skips, int) or skips < 0:
-        log.error("task %s[%s]: ignoring a malformed skip count in its %r header", task.name, task.request.id, HEADER)
-        return 0
-    return skips
 
 
 def _retry_delay(eta: Any, countdown: Any, default: Any) -> float:

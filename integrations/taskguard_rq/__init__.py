@@ -12,7 +12,8 @@ settled at once (see :mod:`taskguard_rq.worker`).
 from taskguard import Skipped, TaskSkipped, is_skipped, metrics as _metrics
 from taskguard.context import current_lease
 
-from .job import META_KEY, ON_SKIP, guarded_job, load_handle, locks_for, skip_count
+from .handles import load_handle
+from .job import META_KEY, ON_SKIP, guarded_job, locks_for, skip_count
 from .worker import GuardedWorker, settle_killed_job
 
 if _metrics.enabled_by_env():  # work-horses are forked from here: they inherit the listener

@@ -19,7 +19,6 @@ token.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import threading
 from typing import Any, Callable
@@ -27,12 +26,13 @@ from typing import Any, Callable
 from rq import Retry, get_current_job
 
 import taskguard
-from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
-from taskguard.handoff import parse_handle
+from taskguard import LeaseBackendError, Locks, Skipped, TaskSkipped
 from taskguard.policy import GuardOptions
 from taskguard.run import GuardedRun
 
-__all__ = ["guarded_job", "locks_for", "skip_count", "load_handle", "drop_handle", "META_KEY", "ON_SKIP"]
+from .handles import drop_handle, load_handle, save_handle
+
+__all__ = ["guarded_job", "locks_for", "skip_count", "META_KEY", "ON_SKIP"]
 
 log = logging.getLogger("taskguard.rq")
 
@@ -43,7 +43,6 @@ ON_SKIP = ("result", "raise")
 #: RQ's default ``job_timeout``, seconds (rq/defaults.py); bounds the wait for an earlier
 #: execution of the same job id when the job sets none.
 DEFAULT_JOB_TIMEOUT = 180.0
-_HANDLE = "handle"
 _SKIPS = "skips"
 
 _default: Locks | None = None
@@ -61,38 +60,10 @@ def locks_for(explicit: Locks | None = None) -> Locks:
         return _default
 
 
-def _job_key(job_id: str) -> str:
-    return "rq-job:" + job_id
-
-
 def skip_count(name: str, locks: Locks | None = None) -> int:
     """Skips counted so far for the job function labelled ``name`` (``guarded.taskguard_name``)."""
     raw = locks_for(locks).get_record("rq-skips", name)
     return int(raw) if raw else 0
-
-
-def load_handle(locks: Locks, job_id: str) -> dict | None:
-    """The lease handle kept for ``job_id`` (a running job's or a retry's), or ``None``.
-    A malformed record is logged and ignored. Raises LeaseBackendError."""
-    raw = locks.get_record(_job_key(job_id), _HANDLE)
-    if raw is None:
-        return None
-    try:
-        data = json.loads(raw)
-        return {**parse_handle(data), "running": data.get("running") is True}
-    except (ValueError, ConfigError, AttributeError) as e:
-        log.error("job %s: ignoring its stored lease handle: %s", job_id, e)
-        return None
-
-
-def save_handle(locks: Locks, job_id: str, handle: dict, ttl: float) -> None:
-    """Keep ``handle`` for ``job_id`` for ``ttl`` seconds. Raises LeaseBackendError."""
-    locks.put_record(_job_key(job_id), _HANDLE, json.dumps(handle), ttl=ttl)
-
-
-def drop_handle(locks: Locks, job_id: str) -> None:
-    """Forget the handle kept for ``job_id``. Raises LeaseBackendError."""
-    locks.delete_record(_job_key(job_id), _HANDLE)
 
 
 def _mirror(job: Any, **fields: Any) -> None:

@@ -23,7 +23,8 @@ from typing import Any
 from rq import Worker
 
 from taskguard import ConfigError, LeaseBackendError
-from .job import drop_handle, load_handle, locks_for, save_handle
+from .handles import drop_handle, load_handle, save_handle
+from .job import locks_for
 
 __all__ = ["GuardedWorker", "settle_killed_job"]
 

@@ -1,0 +1,94 @@
+"""What a guarded Celery task does when it does not run its body: skips (per ``on_skip``),
+duplicates, and the events that report them."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from celery.exceptions import Ignore, Retry
+
+from taskguard import Locks, Skipped, TaskSkipped
+
+from .headers import DEFER_HEADER, HEADER
+from .serialization import result_value
+
+__all__ = ["skip", "duplicate", "send_event", "skip_count"]
+
+log = logging.getLogger("taskguard.celery")
+
+
+def duplicate(task: Any, key: str, locks: Locks) -> Any:
+    """A redelivered copy of a run that already finished: store nothing, ack it."""
+    req = task.request
+    skipped = Skipped(key=key, reason="duplicate", task=task.name)
+    locks.report_skip(skipped)
+    send_skip_event(task, skipped)
+    log.info("task %s[%s]: redelivered copy of a finished run ignored", task.name, req.id)
+    raise Ignore(f"duplicate of finished {task.name}[{req.id}]")
+
+
+def skip(task: Any, skipped: Skipped, skips: int, locks: Locks) -> Any:
+    """A run that did not get its lease, per ``on_skip``: reported, then a value, a retry,
+    an ``Ignore`` or a ``TaskSkipped``."""
+    opts = task._taskguard
+    req = task.request
+    if opts.on_skip == "retry" and not req.called_directly:
+        if skips < opts.skip_max_retries:
+            locks.report_skip(skipped)
+            send_skip_event(task, skipped, retrying=True)
+            retry_after_skip(task, opts.retry_delay(skipped.holder_ttl), skips + 1)
+        skipped = dataclasses.replace(skipped, reason="retry_exhausted")
+    locks.report_skip(skipped)
+    send_skip_event(task, skipped)
+    if opts.on_skip == "raise":
+        raise TaskSkipped(skipped.key, skipped.reason, task.name, skipped.holder_ttl)
+    if opts.on_skip == "ignore":
+        raise Ignore(skipped.describe())
+    if not opts.continue_on_skip:
+        # the tracer reads these from this very request after we return
+        # (celery/app/trace.py, _dispatch_callbacks_and_chain)
+        req.callbacks = None
+        req.chain = None
+    return result_value(skipped, task)
+
+
+def retry_after_skip(task: Any, countdown: float, skips: int) -> None:
+    """Re-publish this request ``countdown`` seconds later without counting a retry
+    (``max_retries`` is for the body's failures, not for contention)."""
+    req = task.request
+    headers = {**(req.headers or {}), HEADER: {"skips": skips}}
+    headers.pop(DEFER_HEADER, None)
+    sig = task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers)
+    if req.is_eager:
+        raise Retry(f"lease held; retry {skips} of {task._taskguard.skip_max_retries}",
+                    when=countdown, is_eager=True, sig=sig)
+    sig.apply_async()
+    raise Retry(f"lease held; retry {skips} of {task._taskguard.skip_max_retries}", when=countdown, sig=sig)
+
+
+def send_skip_event(task: Any, skipped: Skipped, retrying: bool = False) -> None:
+    send_event(task, "task-skipped", key=skipped.key, reason=skipped.reason, holder_ttl=skipped.holder_ttl,
+               result=skipped.describe(), retrying=retrying)
+
+
+def send_event(task: Any, type_: str, **fields: Any) -> None:
+    """Send a Celery event from a worker execution (never from direct/eager calls). Sent even
+    when the worker runs without ``-E``: ``Task.send_event`` uses its own dispatcher
+    (celery/app/task.py). A broker error is logged, never raised over the task's outcome."""
+    req = task.request
+    if req.called_directly or req.is_eager:
+        return
+    try:
+        task.send_event(type_, name=task.name, **fields)
+    except Exception as e:
+        log.warning("task %s: could not send %s event: %s", task.name, type_, e)
+
+
+def skip_count(task: Any, header: Any) -> int:
+    skips = header.get("skips", 0) if isinstance(header, dict) else 0
+    if isinstance(skips, bool) or not isinstance(skips, int) or skips < 0:
+        log.error("task %s[%s]: ignoring a malformed skip count in its %r header", task.name, task.request.id, HEADER)
+        return 0
+    return skips

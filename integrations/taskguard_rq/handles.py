@@ -1,0 +1,48 @@
+"""The lease handle of an RQ job, kept in a record under ``rq-job:<job id>``.
+
+A running job's handle lets :class:`~taskguard_rq.GuardedWorker` settle the lease of a killed
+work-horse; a retrying job's handle lets the retry claim the same lease. It holds the owner token:
+whoever can read this Redis can renew or release that lease.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from taskguard import ConfigError, Locks
+from taskguard.handoff import parse_handle
+
+__all__ = ["load_handle", "save_handle", "drop_handle"]
+
+log = logging.getLogger("taskguard.rq")
+
+_HANDLE = "handle"
+
+
+def _job_key(job_id: str) -> str:
+    return "rq-job:" + job_id
+
+
+def load_handle(locks: Locks, job_id: str) -> dict | None:
+    """The lease handle kept for ``job_id`` (a running job's or a retry's), or ``None``.
+    A malformed record is logged and ignored. Raises LeaseBackendError."""
+    raw = locks.get_record(_job_key(job_id), _HANDLE)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+        return {**parse_handle(data), "running": data.get("running") is True}
+    except (ValueError, ConfigError, AttributeError) as e:
+        log.error("job %s: ignoring its stored lease handle: %s", job_id, e)
+        return None
+
+
+def save_handle(locks: Locks, job_id: str, handle: dict, ttl: float) -> None:
+    """Keep ``handle`` for ``job_id`` for ``ttl`` seconds. Raises LeaseBackendError."""
+    locks.put_record(_job_key(job_id), _HANDLE, json.dumps(handle), ttl=ttl)
+
+
+def drop_handle(locks: Locks, job_id: str) -> None:
+    """Forget the handle kept for ``job_id``. Raises LeaseBackendError."""
+    locks.delete_record(_job_key(job_id), _HANDLE)
