@@ -701,11 +701,11 @@ def diagnostics(bench: Bench, ops: int, rounds: int) -> tuple[list[list[str]], l
         def fn() -> None:
             (i,) = bench.ids(1)
             acq = locks.acquire(f"noop:{i}", ttl=60.0, holder=holder, renew=renew, run_id=secrets.token_hex(16))
-            acq.lease.release(mark_done=True)
+            acq.lease.release(finished=True, finished_ttl=3660.0)
         return fn
 
     U, P, G = "unguarded task.apply()", "pass-through __call__ task.apply()", "guarded task.apply()"
-    B1, B0 = "bare acquire(renew=True) + release(mark_done=True)", "  the same with renew=False"
+    B1, B0 = "bare acquire(renew=True) + release(finished=True)", "  the same with renew=False"
     PING = "2x PING on the guard's redis client"
     contenders = {U: plain, P: passthrough, G: guarded, B1: bare(True), B0: bare(False), PING: two_pings}
     path.execute_command = timed_execute

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 __all__ = ["Skipped", "is_skipped", "SKIP_REASONS", "TAG"]
 
 #: Reasons the core and the adapters use. Others may be added; consumers must accept any string.
-SKIP_REASONS = ("held", "wait_timeout", "retry_exhausted", "duplicate", "stale_leader")
+SKIP_REASONS = ("held", "wait_timeout", "retry_exhausted", "duplicate", "running", "stale_leader")
 
 #: Key and value marking the dict form of a ``Skipped`` (used where a serializer knows no
 #: custom types, e.g. msgpack or YAML result backends).
@@ -24,7 +24,10 @@ class Skipped:
         key: the user's lease key (``str``).
         reason: why (``"held"``: another holder has the lease; ``"wait_timeout"``: ``wait``
             seconds passed without getting it; ``"retry_exhausted"``: ``on_skip="retry"`` ran
-            out of attempts; adapters may add others).
+            out of attempts; ``"duplicate"``: a redelivered copy of a run that already finished;
+            ``"running"``: another execution of the same run id still holds the lease;
+            ``"stale_leader"``: published by a beat that is no longer the leader; adapters may add
+            others).
         task: the task's name where known, else ``None``.
         holder_ttl: seconds (float) left on the holder's lease when the skip was decided, where
             known, else ``None``.
