@@ -75,7 +75,8 @@ def test_long_acks_late_body_with_short_visibility_timeout_runs_once_with_bounde
     """visibility_timeout=2, acks_late, ttl=6, a 24 s body, prefork -c 2, one delay(): the broker
     hands the unacked message out again every ~2 s. The body runs once, the stored result is its
     value, and executions stay about one per broker redelivery (the guard used to re-publish a
-    fresh deferred copy for every copy, each redelivered in turn: ~120 executions, tripling)."""
+    fresh deferred copy for every copy, each redelivered in turn: ~120 executions, tripling).
+    Reported as celery/celery#5935, #5306 and pretix/pretix#2058 (a 4 h task started 4 times)."""
     conf = {"broker_transport_options": {"visibility_timeout": 2, **FAST_RESTORE}}
     app, queue = celery_env(**conf)
     with WorkerProcess(queue, prefix, concurrency=2, conf=conf):
@@ -94,6 +95,24 @@ def test_long_acks_late_body_with_short_visibility_timeout_runs_once_with_bounde
     assert mid <= 40, mid  # ~12 broker redeliveries of the original plus one chain of deferred copies
     assert final == after, (after, final)  # no copy is still circulating
     assert final <= 50
+
+
+def test_eta_task_longer_than_the_visibility_timeout_runs_once(celery_env, prefix):
+    """celery/celery#2599, #3270: an ETA (countdown) message held unacked past the Redis
+    visibility timeout is handed to another worker too, and both execute it at its ETA. With the
+    guard the body runs once; the other copies are dropped as duplicates of the finished run or
+    deferred while it runs."""
+    conf = {"broker_transport_options": {"visibility_timeout": 1, **FAST_RESTORE}}
+    app, queue = celery_env(**conf)
+    with WorkerProcess(queue, prefix, concurrency=1, conf=conf), WorkerProcess(queue, prefix, concurrency=1, conf=conf):
+        res = app.tasks["tg.counted"].apply_async(("eta",), countdown=4)
+        assert res.get(timeout=30) == 1
+        time.sleep(5.0)
+    copies = executions(app, prefix, "tg.counted")
+    say(f"injected: countdown 4 s, visibility_timeout 1 s, two workers; observed {len(copies)} executions, "
+        f"bodies {entries(app, 'counted:eta:')}")
+    assert len(entries(app, "counted:eta:")) == 1 and len(copies) >= 2  # copies did arrive
+    assert AsyncResult(res.id, app=app).get(timeout=1) == 1
 
 
 def test_redelivered_copy_of_a_finished_run_never_overwrites_its_result(celery_env, redis_url, prefix):
@@ -323,3 +342,36 @@ def test_rq_second_execution_waits_for_a_live_earlier_one_then_runs(rq_env):
         took = time.monotonic() - started
     say(f"waited for the earlier execution: {took:.1f}s, value {job.return_value()!r}")
     assert not is_skipped(job.return_value()) and took >= 1.5
+
+
+# -- settings ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("conf, expected", [
+    ({}, 3600.0 + 60),
+    ({"broker_transport_options": {"visibility_timeout": 60}}, 120.0),
+    ({"taskguard_redelivery_timeout": 900}, 960.0),
+])
+def test_redelivery_window_comes_from_the_apps_settings(celery_env, conf, expected):
+    from taskguard_celery.identity import redelivery_window
+
+    app, _queue = celery_env(**conf)
+    assert redelivery_window(app) == expected
+
+
+def test_redelivery_window_of_rabbitmq_is_its_consumer_timeout(prefix):
+    from taskguard_celery.identity import redelivery_window
+
+    app = make_app(f"q-{prefix}", prefix, broker="amqp://guest:guest@127.0.0.1:5672//")
+    assert redelivery_window(app) == 1800.0 + 60
+
+
+@pytest.mark.parametrize("conf, name", [
+    ({"broker_transport_options": {"visibility_timeout": -1}}, "visibility_timeout"),
+    ({"taskguard_redelivery_timeout": float("nan")}, "taskguard_redelivery_timeout"),
+])
+def test_a_bad_redelivery_setting_stops_the_worker_at_start_naming_it(celery_env, conf, name):
+    from taskguard_celery.pools import check_settings
+
+    app, _queue = celery_env(**conf)
+    with pytest.raises(SystemExit, match=name):
+        check_settings(app)

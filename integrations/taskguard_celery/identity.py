@@ -37,9 +37,11 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
+from celery.backends.base import DisabledBackend
+from celery.backends.rpc import RPCBackend
 from celery.exceptions import Ignore, TimeLimitExceeded
 
-from taskguard import ConfigError, LeaseBackendError
+from taskguard import LeaseBackendError
 from taskguard.locks import check_seconds
 from taskguard.run import GuardedRun
 
@@ -104,10 +106,7 @@ def redelivery_timeout(app: Any) -> float:
         else:
             default = DEFAULT_REDELIVERY_TIMEOUT
         raw = options.get("visibility_timeout", default) if driver in ("redis", "sqs") else default
-        try:
-            value = check_seconds("broker_transport_options['visibility_timeout']", raw)
-        except ConfigError:
-            raise
+        value = check_seconds("broker_transport_options['visibility_timeout']", raw)
     _timeouts[app] = value
     return value
 
@@ -120,9 +119,6 @@ def redelivery_window(app: Any) -> float:
 
 def _stores_outcome(task: Any, request: Any) -> bool:
     """Does Celery's result backend keep this run's outcome long enough to tell a finished run?"""
-    from celery.backends.base import DisabledBackend
-    from celery.backends.rpc import RPCBackend
-
     backend = task.backend
     if isinstance(backend, (DisabledBackend, RPCBackend)):  # rpc: results live on the caller's queue
         return False

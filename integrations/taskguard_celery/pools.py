@@ -1,4 +1,4 @@
-"""Refuse worker pools the guard does not support, at worker start.
+"""Refuse worker pools the guard does not support, and settings it cannot use, at worker start.
 
 The heartbeat that renews leases is an OS thread. Under the ``gevent`` and ``eventlet`` pools a
 task body that blocks the event loop would also stall lease renewal, and greenlet-local request
@@ -12,7 +12,7 @@ from typing import Any
 
 from celery.signals import worker_init
 
-__all__ = ["UNSUPPORTED_POOLS", "check_pool"]
+__all__ = ["UNSUPPORTED_POOLS", "check_pool", "check_settings"]
 
 UNSUPPORTED_POOLS = ("gevent", "eventlet")
 
@@ -34,3 +34,22 @@ def check_pool(sender: Any = None, **_: Any) -> None:
         msg = (f"taskguard: the {name!r} worker pool is not supported (lease renewal runs in an OS "
                "thread); start the worker with -P prefork, -P threads or -P solo")
         raise SystemExit(msg)
+    app = getattr(sender, "app", None)
+    if app is not None:
+        check_settings(app)
+
+
+def check_settings(app: Any) -> None:
+    """Validate the settings the guard derives from (the broker's redelivery timeout), at worker
+    start, for an app with guarded tasks. Raises SystemExit naming the bad setting."""
+    from taskguard import ConfigError
+
+    from .identity import redelivery_timeout
+    from .task import GuardedTask
+
+    if not any(isinstance(t, GuardedTask) for t in list(app.tasks.values())):
+        return
+    try:
+        redelivery_timeout(app)
+    except ConfigError as e:
+        raise SystemExit(f"taskguard: {e}") from None

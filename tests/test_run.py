@@ -1,0 +1,132 @@
+"""GuardedRun, the one lifecycle of a guarded run, against real Redis (standalone and Cluster)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from taskguard import LeaseLost, is_skipped
+from taskguard.context import current_lease
+from taskguard.run import GuardedRun
+
+
+def run_of(locks, key="k", run_id="run-1", **kw):
+    kw.setdefault("ttl", 5.0)
+    return GuardedRun(locks, key, run_id=run_id, task="t", **kw)
+
+
+def test_begin_finish_records_the_run_as_finished(locks):
+    run = run_of(locks)
+    assert run.begin() and run.state == "running"
+    with run:
+        assert current_lease() is run.lease
+    run.finish()
+    assert run.state == "finished" and locks.holder("k") is None
+    copy = run_of(locks)
+    assert not copy.begin(refuse_finished=True) and copy.reason == "duplicate"  # a redelivered copy
+    assert run_of(locks).begin()  # a new publish of the same id runs
+
+
+def test_hand_back_records_nothing(locks):
+    run = run_of(locks)
+    assert run.begin()
+    run.hand_back()
+    assert run.state == "handed_back" and locks.holder("k") is None
+    assert run_of(locks).begin(refuse_finished=True)  # its redelivery runs
+
+
+def test_fail_is_finished_and_finished_ttl_outlives_other_runs(locks):
+    run = run_of(locks, finished_ttl=30.0)
+    assert run.begin()
+    run.fail()
+    other = run_of(locks, run_id="run-2")
+    assert other.begin()  # another run of the key takes it: the fence record forgets run-1
+    other.finish()
+    copy = run_of(locks)
+    assert not copy.begin(refuse_finished=True) and copy.reason == "duplicate"  # the marker remembers
+
+
+def test_held_by_another_run_skips_with_the_holders_ttl(locks):
+    holder = run_of(locks, run_id="run-1")
+    assert holder.begin()
+    other = run_of(locks, run_id="run-2")
+    assert not other.begin() and other.reason == "held" and 0 < other.holder_ttl <= 5
+    skipped = other.skip()
+    assert is_skipped(skipped) and skipped.reason == "held" and skipped.task == "t"
+    holder.finish()
+
+
+def test_same_run_is_reported_or_waited_for(locks):
+    first = run_of(locks, ttl=1.0, renew=False)
+    assert first.begin()
+    second = run_of(locks)
+    assert not second.begin() and second.reason == "running"
+    third = run_of(locks)
+    started = time.monotonic()
+    assert third.begin(same_run="wait", same_run_wait=5.0)  # the first is never renewed: it expires
+    assert 0.5 < time.monotonic() - started < 3.0
+    third.finish()
+
+
+def test_same_run_wait_is_bounded(locks):
+    first = run_of(locks, ttl=2.0)  # renewed by the heartbeat: it stays
+    assert first.begin()
+    second = run_of(locks)
+    started = time.monotonic()
+    assert not second.begin(same_run="wait", same_run_wait=0.5) and second.reason == "running"
+    assert time.monotonic() - started < 2.0
+    first.finish()
+
+
+def test_same_run_held_by_a_dead_process_is_released_at_once(locks):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    from taskguard.liveness import process_identity
+
+    locks.acquire("k", ttl=30, run_id="run-1", holder={**process_identity(), "pid": pid})
+    run = run_of(locks)
+    assert run.begin()  # no waiting out the 30 s TTL
+    run.finish()
+
+
+def test_keep_hands_the_lease_to_a_retry_with_the_same_fence(locks):
+    run = run_of(locks, renew=True)
+    assert run.begin()
+    fence = run.lease.fencing_token
+    handle = run.keep(10.0)
+    assert run.state == "kept" and handle["fence"] == fence
+    retry = run_of(locks)
+    assert retry.begin(handle=handle, refuse_finished=True) and retry.lease.fencing_token == fence
+    twin = run_of(locks)  # a second copy of the same retry message
+    assert not twin.begin(handle=handle, refuse_finished=True) and twin.reason == "running"
+    retry.finish()
+    twin = run_of(locks)
+    assert not twin.begin(handle=handle, refuse_finished=True) and twin.reason == "duplicate"
+
+
+def test_finish_raises_or_warns_when_the_lease_was_lost(locks, caplog):
+    reported = []
+    run = run_of(locks, on_lost_report=lambda r, reason: reported.append(reason))
+    assert run.begin()
+    locks.force_release("k")
+    with pytest.raises(LeaseLost):
+        run.finish()
+    assert reported and run.state == "finished"
+    run = run_of(locks, on_lost="warn")
+    assert run.begin()
+    locks.force_release("k")
+    run.finish()  # logs, returns
+    assert "was lost" in caplog.text
+
+
+def test_each_end_happens_once(locks):
+    run = run_of(locks)
+    assert run.begin()
+    run.finish()
+    run.fail()
+    run.hand_back()
+    assert run.keep(5.0) is None and run.state == "finished"
