@@ -13,10 +13,11 @@ The rules (design §3b):
 * A copy that finds another execution of its task id holding the lease is re-published to look
   again later (a *deferred copy*, which carries the redelivered status forward in its
   ``taskguard_defer`` header). At most one deferred copy per delivery is pending at any time: a
-  record under the lease key holds the nonce of the pending one, swapped atomically by the copy
-  that defers next; a copy whose nonce is no longer current (the broker's own redelivery of a
-  deferred copy) is dropped. The chain continues until the holder ends, so if it dies the work
-  still runs once.
+  record under the lease key names the pending one; the copy that defers next publishes its own
+  copy and then swaps the record to it atomically; a copy the record does not name (the broker's
+  own redelivery of a superseded copy, the loser of a swap) is dropped. The chain continues until
+  the holder ends, so if it dies the work still runs once, and a crash anywhere in a deferral
+  loses nothing: the record only ever names a copy that was published.
 
 Where a run's outcome is recorded:
 
@@ -186,17 +187,28 @@ def defer(task: Any, run: GuardedRun, redelivered: bool) -> None:
     record = f"defer:{req.id}:{chain}"
     if req.called_directly or req.is_eager:
         raise Ignore(f"{task.name}[{req.id}] runs in another execution")
+    expected = header["nonce"] if header else None
+    locks = run.locks
     try:
-        pending = not run.locks.put_record(run.key, record, nonce, ttl=countdown + timeout + SWEEP_MARGIN,
-                                           if_absent=True, if_value=header["nonce"] if header else None)
+        current = locks.get_record(run.key, record)
     except LeaseBackendError as e:
-        log.warning("task %s[%s]: could not record its deferred copy (%s); deferring anyway", task.name, req.id, e)
-        pending = False
-    if pending:
+        log.warning("task %s[%s]: could not read its deferred copy's record (%s); deferring anyway", task.name,
+                    req.id, e)
+        current = None
+    if current is not None and current != expected:
         log.info("task %s[%s]: another execution runs it and a deferred copy is pending; this copy is dropped",
                  task.name, req.id)
         raise Ignore(f"duplicate of running {task.name}[{req.id}]")
+    # publish first, then name the new copy in the record: the record only ever names a copy that
+    # exists, so a crash between the two loses nothing (this copy, unacked, comes back and still
+    # matches the record); a copy published by a loser of the swap finds itself unnamed and goes
     headers = {**(req.headers or {}), DEFER_HEADER: {"chain": chain, "nonce": nonce, "redelivered": redelivered}}
     task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers).apply_async()
+    try:
+        if not locks.put_record(run.key, record, nonce, ttl=countdown + timeout + SWEEP_MARGIN, if_absent=True,
+                                if_value=expected):
+            log.info("task %s[%s]: another copy deferred first; this one's copy will be dropped", task.name, req.id)
+    except LeaseBackendError as e:
+        log.warning("task %s[%s]: could not record its deferred copy: %s", task.name, req.id, e)
     log.info("task %s[%s]: another execution runs it; this copy looks again in %.1fs", task.name, req.id, countdown)
     raise Ignore(f"{task.name}[{req.id}] runs in another execution; deferred {countdown:.1f}s")
