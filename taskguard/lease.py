@@ -53,6 +53,7 @@ class Lease:
     ) -> None:
         self._locks = locks
         self.run_id = run_id
+        self.finished_id = run_id  # what a finished release records (run_id, or run_id#delivery)
         self.key = key
         self._owner_token = owner_token
         self.ttl = ttl

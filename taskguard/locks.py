@@ -109,6 +109,15 @@ def _check_value(value: Any) -> str:
     return _encodable("record value", value)
 
 
+def _finished_id(run_id: str | None, delivery: Any) -> str | None:
+    """The identity a finished run is recorded under: ``run_id``, or ``run_id#delivery``."""
+    if delivery is None or run_id is None:
+        return run_id
+    if not isinstance(delivery, str) or not delivery:
+        raise ConfigError(f"delivery must be a non-empty str or None, got {delivery!r}")
+    return run_id + "#" + _encodable("delivery", delivery)
+
+
 def _check_run_id(run_id: Any) -> str | None:
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise ConfigError(f"run_id must be a non-empty str or None, got {run_id!r}")
@@ -155,7 +164,7 @@ class Locks:
         return time.time()
 
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str, run_id: str | None,
-                     wait: float = 0.0, refuse_finished: bool = False
+                     wait: float = 0.0, refuse_finished: bool = False, finished_id: str | None = None
                      ) -> tuple[int, int | None, float | None, str | None]:
         """-> (1 acquired | 0 held | 2 run already finished, fencing token, holder's TTL seconds or
         None, holder's run id or None). ``wait``: seconds the caller will wait if the lease is held
@@ -217,6 +226,7 @@ class Locks:
         max_hold: float | None = None,
         run_id: str | None = None,
         refuse_finished: bool = False,
+        delivery: str | None = None,
     ) -> Acquisition:
         """Try to take the lease on ``key`` for ``ttl`` seconds, waiting up to ``wait`` seconds.
 
@@ -239,6 +249,10 @@ class Locks:
                 run recorded as finished on ``key``, or its finished marker still exists). For a
                 redelivered copy of a run. Without it, an acquisition by ``run_id`` starts a new
                 run of that id and clears its finished marker.
+            delivery: which delivery of ``run_id`` this is (e.g. a publish stamp), when one id
+                can be run more than once: finished runs are then recorded and refused per
+                (``run_id``, ``delivery``), so a new delivery of the same id is never taken for a
+                copy of an earlier one.
 
         Returns:
             :class:`~taskguard.Acquisition`; when not acquired, ``reason`` is ``"held"``
@@ -254,6 +268,7 @@ class Locks:
         wait = check_seconds("wait", wait, allow_zero=True)
         max_hold = self.max_hold if max_hold is None else check_seconds("max_hold", max_hold)
         run_id = _check_run_id(run_id)
+        finished_id = _finished_id(run_id, delivery)
         meta, meta_json = self._holder_meta(holder)
         owner = new_owner_token()
         started = time.monotonic()
@@ -263,7 +278,8 @@ class Locks:
             try:
                 remaining = max(0.0, deadline - time.monotonic())
                 code, fence, holder_ttl, holder_run = self._try_acquire(key, owner, ttl, meta_json, run_id, remaining,
-                                                                        refuse_finished and run_id is not None)
+                                                                        refuse_finished and run_id is not None,
+                                                                        finished_id)
             except LeaseBackendError as e:
                 self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e),
                            task=_task_of(meta))
@@ -275,6 +291,7 @@ class Locks:
             if code == 1:
                 lease = Lease(self, key, owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta,
                               run_id=run_id)
+                lease.finished_id = finished_id
                 self._track(lease, renew, max_hold)
                 if self._emitter.active:
                     self._emit("acquire", key, "acquired", duration=time.monotonic() - started,
@@ -331,6 +348,7 @@ class Locks:
         renew: bool = False,
         max_hold: float | None = None,
         run_id: str | None = None,
+        delivery: str | None = None,
     ) -> Acquisition:
         """One-shot takeover of a persisted handle (e.g. by a retry of the task that held it).
 
@@ -342,7 +360,7 @@ class Locks:
         Returns an :class:`~taskguard.Acquisition` holding the new handle, or, when not claimed,
         ``reason="not_owner"`` (another owner holds the key; ``holder_ttl`` its time left) or
         ``reason="expired"`` (no lease exists: acquire afresh, which gives a larger fence).
-        ``run_id`` is recorded on the new handle (see :meth:`acquire`).
+        ``run_id`` and ``delivery`` are recorded on the new handle (see :meth:`acquire`).
 
         Raises ConfigError for bad arguments, LeaseBackendError when Redis fails.
         """
@@ -367,6 +385,7 @@ class Locks:
             return Acquisition(False, None, reason, None if reason == "expired" else pttl)
         lease = Lease(self, key, new_owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta,
                       run_id=run_id)
+        lease.finished_id = _finished_id(run_id, delivery)
         self._track(lease, renew, max_hold)
         self._emit("claim", key, "claimed", duration=took, fencing_token=fence, ttl=ttl, holder=meta,
                    task=_task_of(meta))
@@ -542,7 +561,7 @@ class Locks:
         try:
             if finished_ttl is not None:
                 finished_ttl = check_seconds("finished_ttl", finished_ttl)
-            ok = self._release_one(lease.key, lease.owner_token, lease.run_id if finished else None,
+            ok = self._release_one(lease.key, lease.owner_token, lease.finished_id if finished else None,
                                    finished_ttl if finished else None)
         except LeaseBackendError as e:
             self._emit("release", lease.key, "error", duration=time.monotonic() - started, error=str(e),

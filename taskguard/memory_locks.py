@@ -72,12 +72,14 @@ class MemoryLocks(Locks):
         return e
 
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str, run_id: str | None,
-                     wait: float = 0.0, refuse_finished: bool = False
+                     wait: float = 0.0, refuse_finished: bool = False, finished_id: str | None = None
                      ) -> tuple[int, int | None, float | None, str | None]:
+        finished_id = finished_id or run_id
         with self._cond:
             self._seen.releases = self._releases
-            if refuse_finished and run_id is not None:
-                if self._done.get((key, run_id), 0) > self._clock() or self._last_finished.get(key) == run_id:
+            if refuse_finished and finished_id is not None:
+                if self._done.get((key, finished_id), 0) > self._clock() or \
+                        self._last_finished.get(key) == finished_id:
                     return 2, None, None, None
             e = self._live_entry(key)
             if e is not None:
@@ -85,8 +87,8 @@ class MemoryLocks(Locks):
             fence = self._fences.get(key, 0) + 1
             self._fences[key] = fence
             self._last_finished.pop(key, None)
-            if run_id is not None and not refuse_finished:
-                self._done.pop((key, run_id), None)
+            if finished_id is not None and not refuse_finished:
+                self._done.pop((key, finished_id), None)
             now = self._clock()
             self._leases[key] = _Entry(owner, fence, holder_json, now, now + ttl, run_id)
             return 1, fence, None, None

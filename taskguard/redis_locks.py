@@ -226,16 +226,17 @@ class RedisLocks(Locks):
         return self._lease_key(key) + ":done:" + run_id
 
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str, run_id: str | None,
-                     wait: float = 0.0, refuse_finished: bool = False
+                     wait: float = 0.0, refuse_finished: bool = False, finished_id: str | None = None
                      ) -> tuple[int, int | None, float | None, str | None]:
         lease_k, fence_k, _, waiting_k = self._keys(key)
         keys = (lease_k, fence_k, waiting_k)
-        if run_id is not None:
-            keys += (self._done_key(key, run_id),)
+        finished_id = finished_id or run_id
+        if finished_id is not None:
+            keys += (self._done_key(key, finished_id),)
         wait_ms = _ms(wait + 1.0) if wait > 0 else 0  # the flag outlives the wait by a second
         res = self._run("acquire", key, scripts.ACQUIRE, keys,
                         (owner, _ms(ttl), holder_json, _ms(self.fence_idle_ttl), wait_ms, run_id or "",
-                         "1" if refuse_finished else "0"))
+                         "1" if refuse_finished else "0", finished_id or ""))
         code = int(res[0])
         if code == 1:
             return 1, int(res[1]), None, None  # (a retried acquire that ran: its expiry may be a bit older)

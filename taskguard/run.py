@@ -72,23 +72,27 @@ class GuardedRun:
         holder_ttl: seconds left on the holder's lease when not acquired, where known.
         state: ``"new"``, ``"running"``, ``"skipped"``, ``"finished"``, ``"handed_back"`` or ``"kept"``.
         tag: free for the adapter (e.g. the Celery task object the run belongs to).
+        delivery: which delivery of ``run_id`` this is, when an id can run more than once (a
+            Celery publish stamp): finished runs are recorded per (``run_id``, ``delivery``).
 
     Raises ConfigError for an invalid ``on_lost``; the lease operations raise as documented on
     :class:`~taskguard.Locks`.
     """
 
     __slots__ = ("locks", "key", "ttl", "wait", "renew", "holder", "max_hold", "run_id", "task", "on_lost",
-                 "finished_ttl", "on_lost_report", "lease", "reason", "holder_ttl", "state", "tag", "_ctx")
+                 "finished_ttl", "on_lost_report", "lease", "reason", "holder_ttl", "state", "tag", "_ctx", "delivery")
 
     def __init__(self, locks: Locks, key: str, *, ttl: float, wait: float = 0.0, renew: bool = True,
                  holder: Mapping[str, Any] | None = None, max_hold: float | None = None, run_id: str | None = None,
                  task: str | None = None, on_lost: str = "raise", finished_ttl: float | None = None,
-                 on_lost_report: Callable[["GuardedRun", str], None] | None = None, tag: Any = None) -> None:
+                 on_lost_report: Callable[["GuardedRun", str], None] | None = None, tag: Any = None,
+                 delivery: str | None = None) -> None:
         if on_lost not in ON_LOST:
             raise ConfigError(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
         self.locks, self.key, self.ttl, self.wait, self.renew = locks, key, ttl, wait, renew
         self.holder, self.max_hold, self.run_id, self.task = holder, max_hold, run_id, task
         self.on_lost, self.finished_ttl, self.on_lost_report, self.tag = on_lost, finished_ttl, on_lost_report, tag
+        self.delivery = delivery
         self.lease: Lease | None = None
         self.reason: str | None = None
         self.holder_ttl: float | None = None
@@ -122,11 +126,17 @@ class GuardedRun:
         if handle is not None:
             try:
                 acq = resume(self.locks, handle, key=self.key, ttl=self.ttl, holder=self.holder, renew=self.renew,
-                             max_hold=self.max_hold, run_id=self.run_id, refuse_finished=refuse_finished)
+                             max_hold=self.max_hold, run_id=self.run_id, refuse_finished=refuse_finished,
+                             delivery=self.delivery)
             except ConfigError as e:
                 log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
         if acq is None:
-            acq = self._acquire(self.wait, refuse_finished)
+            # with a run id, look first without waiting: never wait inside acquire behind an
+            # execution of this very run (that is the same-run path below)
+            acq = self._acquire(0.0 if self.run_id is not None else self.wait, refuse_finished)
+            if not acq.acquired and self.wait > 0 and self.run_id is not None and acq.reason == "held" \
+                    and acq.holder_run != self.run_id:
+                acq = self._acquire(self.wait, refuse_finished)
         if not acq.acquired and self.run_id is not None and acq.holder_run == self.run_id:
             acq = self._same_run(acq, same_run, same_run_wait, refuse_finished)
         if not acq.acquired:
@@ -138,7 +148,8 @@ class GuardedRun:
 
     def _acquire(self, wait: float, refuse_finished: bool = False) -> Acquisition:
         return self.locks.acquire(self.key, ttl=self.ttl, wait=wait, holder=self.holder, renew=self.renew,
-                                  max_hold=self.max_hold, run_id=self.run_id, refuse_finished=refuse_finished)
+                                  max_hold=self.max_hold, run_id=self.run_id, refuse_finished=refuse_finished,
+                             delivery=self.delivery)
 
     def _same_run(self, acq: Acquisition, mode: str, bound: float, refuse_finished: bool) -> Acquisition:
         """The lease is held by another execution of this run id (a redelivered copy, a retry

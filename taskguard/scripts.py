@@ -18,7 +18,7 @@ every script touches one Redis Cluster slot; everything that is not a key goes i
 * ``{P:K}:waiting`` set (with the longest pending wait as its TTL) by an acquire that found the
                    lease held and will wait; a release pushes the signal only while it exists, so
                    the common uncontended release does no signalling work.
-* ``{P:K}:done:R`` the finished marker of run ``R`` (e.g. a Celery task id), written on release
+* ``{P:K}:done:R`` the finished marker of run ``R`` (a Celery task id and its publish stamp), written on release
                    only when the caller asks for one (``finished_ttl``): an acquire that refuses
                    finished runs (a redelivered copy) is then refused for that long. Its value is
                    the nonce of the release call that set it (it doubles as that call's tombstone).
@@ -94,7 +94,8 @@ _SIGNAL_ONE_WAITER = """
 # ARGV[1] owner token, ARGV[2] TTL ms, ARGV[3] holder JSON, ARGV[4] fence record idle TTL ms,
 # ARGV[5] ms the caller will wait if the lease is held (0: it will not wait), ARGV[6] run id ('' if
 # none), ARGV[7] '1' when a run that already finished must be refused (a redelivered copy), '0'
-# when this is a new run of that id (its finished marker, if any, is cleared once it acquires)
+# when this is a new run of that id (its finished marker, if any, is cleared once it acquires),
+# ARGV[8] the identity finished runs are recorded under (the run id, or run id + '#' + delivery)
 # -> {1, fence, ttl_ms} when acquired; {0, holder's PTTL, holder's run id} when held (-1: held
 #    without expiry); {2, 0} when ARGV[7] is '1' and the run asking already finished (its finished
 #    marker exists, or it is the last run recorded as finished in the fence record).
@@ -103,11 +104,11 @@ ACQUIRE = Script(
     "acquire",
     """
 local fence_rec = redis.call('GET', KEYS[2])
-if ARGV[7] == '1' and ARGV[6] ~= '' then
+if ARGV[7] == '1' and ARGV[8] ~= '' then
   if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then
     return {2, 0}
   end
-  if fence_rec and string.match(fence_rec, '^%d+ (.*)$') == ARGV[6] then
+  if fence_rec and string.match(fence_rec, '^%d+ (.*)$') == ARGV[8] then
     return {2, 0}
   end
 end
@@ -159,8 +160,8 @@ return 0
 # KEYS[1] lease, KEYS[2] release signal, KEYS[3] waiting flag, KEYS[4] release tombstone,
 # KEYS[5] fence record, optional KEYS[6] finished marker of the finishing run
 # ARGV[1] owner token, ARGV[2] signal TTL ms, ARGV[3] finished marker TTL ms (with KEYS[6]),
-# ARGV[4] a random nonce unique to this release call, ARGV[5] the id of the run that finished ('':
-# the run did not finish, e.g. it hands its message back)
+# ARGV[4] a random nonce unique to this release call, ARGV[5] the identity of the run that finished
+# (see ACQUIRE's ARGV[8]; '': the run did not finish, e.g. it hands its message back)
 # -> 1 released (and, when someone waits, one waiter signalled), 0 not the owner (or gone).
 # A finishing run is recorded as the key's last finished run in the fence record (no extra key:
 # the next acquire of the key overwrites it) and, with KEYS[6], in its own finished marker. The

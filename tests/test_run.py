@@ -130,3 +130,33 @@ def test_each_end_happens_once(locks):
     run.fail()
     run.hand_back()
     assert run.keep(5.0) is None and run.state == "finished"
+
+
+def test_a_waiting_copy_never_waits_behind_its_own_run(locks):
+    """A redelivered copy with wait > 0 while its own run holds the lease and another run of the
+    key waits: it must not queue up behind its own run (and then run it a second time once that
+    run finished and the other run passed); it reports "running" at once, for the caller to defer."""
+    import threading
+
+    original = run_of(locks, run_id="X")
+    assert original.begin()
+    other = run_of(locks, run_id="Y", wait=10.0)
+    t = threading.Thread(target=lambda: other.begin() and (time.sleep(0.3), other.finish()))
+    t.start()
+    time.sleep(0.2)
+    copy = run_of(locks, run_id="X", wait=10.0)
+    started = time.monotonic()
+    assert not copy.begin(refuse_finished=True) and copy.reason == "running"
+    assert time.monotonic() - started < 1.0
+    original.finish()
+    t.join()
+
+
+def test_a_new_delivery_of_a_finished_run_id_is_not_a_duplicate(locks):
+    first = run_of(locks, run_id="T", delivery="pub-1")
+    assert first.begin()
+    first.finish()
+    assert not run_of(locks, run_id="T", delivery="pub-1").begin(refuse_finished=True)  # its redelivery
+    second = run_of(locks, run_id="T", delivery="pub-2")
+    assert second.begin(refuse_finished=True)  # a redelivery of a new publish that never ran: runs
+    second.finish()

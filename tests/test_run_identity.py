@@ -142,6 +142,60 @@ def test_redelivered_copy_of_a_finished_run_never_overwrites_its_result(celery_e
     assert value == 1 and len(entries(app, "counted:dup:")) == 1
 
 
+def _redelivered(raw: dict) -> str:
+    import json
+
+    raw = json.loads(json.dumps(raw))
+    raw["properties"]["delivery_info"]["redelivered"] = True
+    raw["headers"]["redelivered"] = True
+    return json.dumps(raw)
+
+
+@pytest.mark.parametrize("result_expires", [600, 86400], ids=["finished-marker", "result-backend"])
+def test_redelivery_of_a_new_publish_of_a_finished_id_runs(celery_env, redis_url, prefix, result_expires):
+    """``apply_async`` with the id of a finished task, whose message the broker then delivers
+    again before it ran (the worker that prefetched it died): that publish never finished, so its
+    redelivery runs. Finished runs are recorded per publish (the ``taskguard_publish`` stamp),
+    not per task id."""
+    import json
+
+    app, queue = celery_env(result_expires=result_expires)
+    r = redis.Redis.from_url(redis_url)
+    task_id = str(uuid.uuid4())
+    with embedded_worker(app, pool="threads", concurrency=2):
+        assert app.tasks["tg.counted"].apply_async(("rp",), task_id=task_id).get(timeout=10) == 1
+    app.tasks["tg.counted"].apply_async(("rp",), task_id=task_id)
+    raw = json.loads(r.lpop(queue))
+    r.lpush(queue, _redelivered(raw))
+    with embedded_worker(app, pool="threads", concurrency=2):
+        assert wait_for(lambda: len(entries(app, "counted:rp:")) == 2, timeout=10), entries(app, "counted:rp:")
+
+
+def test_a_finished_deferral_chain_does_not_drop_a_later_deliverys_copy(celery_env, redis_url, prefix):
+    """A deferral chain of one delivery ends when its copy runs or is dropped, and takes its record
+    along; a later publish of the same id, redelivered while it runs, starts a chain of its own (it
+    used to find the old record and be dropped, leaving no copy to run the work if that run died)."""
+    import json
+
+    app, queue = celery_env()
+    r = redis.Redis.from_url(redis_url)
+    task_id = str(uuid.uuid4())
+    slow = app.tasks["tg.slow"]
+    records = lambda: list(r.scan_iter(match="{" + prefix + ":slow:9}:r:defer:*"))  # noqa: E731
+    for n, seconds in ((1, 2.0), (2, 3.0)):
+        slow.apply_async((9,), {"seconds": seconds}, task_id=task_id)
+        raw = json.loads(r.lindex(queue, 0))
+        before = len(executions(app, prefix, "tg.slow"))
+        with embedded_worker(app, pool="threads", concurrency=2):
+            assert wait_for(lambda: len(entries(app, "slow:9:start")) == n, timeout=10)
+            r.lpush(queue, _redelivered(raw))  # the broker hands this delivery out again while it runs
+            assert wait_for(lambda: len(entries(app, "slow:9:end")) == n, timeout=15)
+            # the copy was deferred (a second copy came back) and then dropped as a duplicate
+            assert wait_for(lambda: len(executions(app, prefix, "tg.slow")) - before >= 3, timeout=15)
+            assert wait_for(lambda: records() == [], timeout=5), records()
+    assert len(entries(app, "slow:9:start")) == 2
+
+
 # -- Celery: publishes of an existing id run -----------------------------------------------------------
 
 def test_apply_async_with_the_id_of_a_finished_task_runs_again(celery_env):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HEADER", "BEAT_HEADER", "DEFER_HEADER", "read_header"]
+__all__ = ["HEADER", "BEAT_HEADER", "DEFER_HEADER", "PUBLISH_HEADER", "new_publish_stamp", "publish_time",
+           "read_header"]
 
 #: The handle of a lease kept for a retry, ``{"key", "owner", "fence", "expires"}``, plus ``"skips"``
 #: (``on_skip="retry"`` attempts so far).
@@ -14,6 +15,28 @@ BEAT_HEADER = "taskguard_beat"
 #: Header of a copy taskguard re-published to look again later while another execution of its task
 #: id runs: ``{"chain", "nonce", "redelivered"}`` (see :mod:`taskguard_celery.identity`).
 DEFER_HEADER = "taskguard_defer"
+#: Stamp of one publish of a guarded task: ``"<publish time, ms, hex>.<random>"``. Every publish
+#: through ``GuardedTask.apply_async`` (a call, a retry, a replacement, a chain step) gets a new one;
+#: a broker redelivery and taskguard's deferred copies keep it. Finished runs are recorded per
+#: (task id, stamp), so a new publish of an id is never taken for a copy of an earlier one.
+PUBLISH_HEADER = "taskguard_publish"
+
+
+def new_publish_stamp() -> str:
+    import secrets
+    import time
+
+    return f"{int(time.time() * 1000):x}.{secrets.token_hex(4)}"
+
+
+def publish_time(stamp: Any) -> float | None:
+    """The publish time (Unix epoch seconds) in a stamp, or ``None`` for anything else."""
+    if not isinstance(stamp, str) or "." not in stamp:
+        return None
+    try:
+        return int(stamp.split(".", 1)[0], 16) / 1000.0
+    except ValueError:
+        return None
 
 
 def read_header(request: Any, name: str = HEADER) -> Any:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import secrets
 import weakref
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from celery.backends.base import DisabledBackend
@@ -46,15 +46,18 @@ from taskguard import LeaseBackendError
 from taskguard.locks import check_seconds
 from taskguard.run import GuardedRun
 
-from .headers import DEFER_HEADER, read_header
+from .headers import DEFER_HEADER, PUBLISH_HEADER, publish_time, read_header
 
 __all__ = ["redelivery_timeout", "redelivery_window", "finished_ttl", "is_redelivery", "finished_in_backend",
-           "defer", "DEFER_MAX", "READY_STATES"]
+           "defer", "end_chain", "DEFER_MAX", "READY_STATES", "CLOCK_SKEW"]
 
 log = logging.getLogger("taskguard.celery")
 
 #: Task states that mean the run finished (its message was acked).
 READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
+#: Clock difference between hosts allowed when a stored result's ``date_done`` is compared with a
+#: publish stamp, seconds.
+CLOCK_SKEW = 1.0
 #: Longest a deferred copy waits before looking again, seconds.
 DEFER_MAX = 10.0
 #: Added to the broker's redelivery timeout for its restore sweep and clock skew, seconds.
@@ -161,6 +164,8 @@ def finished_in_backend(task: Any, request: Any) -> bool:
         log.warning("task %s[%s]: could not read its state from the result backend: %s", task.name, request.id, e)
         return False
     state = meta.get("status")
+    if state in READY_STATES and _stored_before_this_publish(meta, read_header(request, PUBLISH_HEADER)):
+        return False  # the outcome of an earlier publish of this id, not of this delivery's run
     if state == "FAILURE" and task.acks_late and not task.acks_on_timeout and \
             isinstance(meta.get("result"), TimeLimitExceeded):
         # a hard time limit stores FAILURE, then hands an acks_late message back when
@@ -169,22 +174,67 @@ def finished_in_backend(task: Any, request: Any) -> bool:
     return state in READY_STATES
 
 
+def _stored_before_this_publish(meta: dict, stamp: Any) -> bool:
+    published = publish_time(stamp)
+    done = meta.get("date_done")
+    if published is None or done is None:
+        return False  # an unstamped publish (a client without taskguard): the task id decides
+    try:
+        done_dt = done if isinstance(done, datetime) else datetime.fromisoformat(str(done))
+    except ValueError:
+        return False
+    if done_dt.tzinfo is None:  # Celery stores UTC (celery/backends/base.py, _get_result_meta)
+        done_dt = done_dt.replace(tzinfo=timezone.utc)
+    return done_dt.timestamp() < published - CLOCK_SKEW
+
+
+def _chain_record(req: Any, redelivered: bool, header: dict | None) -> tuple[str, str]:
+    """(chain, record name) of this copy's deferral chain: its own header's, else one chain for
+    the broker's redeliveries of this delivery (task id and publish stamp), else a new one."""
+    if header:
+        chain = header["chain"]
+    elif redelivered:
+        stamp = read_header(req, PUBLISH_HEADER)
+        chain = "r:" + (stamp if isinstance(stamp, str) else "")
+    else:
+        chain = secrets.token_hex(8)
+    return chain, f"defer:{req.id}:{chain}"
+
+
+def _defer_header(req: Any) -> dict | None:
+    header = read_header(req, DEFER_HEADER)
+    if not isinstance(header, dict) or not isinstance(header.get("chain"), str) or \
+            not isinstance(header.get("nonce"), str):
+        return None
+    return header
+
+
+def end_chain(task: Any, run: GuardedRun) -> None:
+    """A deferred copy runs, or is dropped as a duplicate: its chain ends, so its record goes
+    (only while it still names this copy)."""
+    req = task.request
+    header = _defer_header(req)
+    if header is None:
+        return
+    _chain, record = _chain_record(req, False, header)
+    try:
+        run.locks.delete_record(run.key, record, if_value=header["nonce"])
+    except LeaseBackendError as e:  # it expires by itself
+        log.warning("task %s[%s]: could not end its deferral record: %s", task.name, req.id, e)
+
+
 def defer(task: Any, run: GuardedRun, redelivered: bool) -> None:
     """Another execution of this task id holds the lease: re-publish this copy to look again when
     that lease could have ended, unless another deferred copy of the same delivery is pending.
     Always raises :class:`celery.exceptions.Ignore` (this copy stores no result and is acked)."""
     req = task.request
-    header = read_header(req, DEFER_HEADER)
-    if not isinstance(header, dict) or not isinstance(header.get("chain"), str) or \
-            not isinstance(header.get("nonce"), str):
-        header = None
-    # a broker redelivery of the original message joins the task id's one redelivery chain;
-    # each publish starts a chain of its own
-    chain = header["chain"] if header else ("redelivered" if redelivered else secrets.token_hex(8))
+    header = _defer_header(req)
+    # the broker's redeliveries of one delivery join that delivery's one chain; each publish
+    # starts a chain of its own
+    chain, record = _chain_record(req, redelivered, header)
     timeout = redelivery_timeout(task.app)
     countdown = min(max(run.holder_ttl or 1.0, 0.5), DEFER_MAX, max(0.5, timeout / 2))
     nonce = secrets.token_hex(8)
-    record = f"defer:{req.id}:{chain}"
     if req.called_directly or req.is_eager:
         raise Ignore(f"{task.name}[{req.id}] runs in another execution")
     expected = header["nonce"] if header else None

@@ -23,7 +23,7 @@ from taskguard.run import GuardedRun
 from . import identity, skipping
 from .beat import entry_guard, published_by_stale_leader
 from .config import locks_for
-from .headers import BEAT_HEADER, DEFER_HEADER, HEADER, read_header
+from .headers import BEAT_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, new_publish_stamp, read_header
 
 __all__ = ["GuardedTask", "guarded_task", "current_lease", "HEADER"]  # current_lease: taskguard.context
 
@@ -134,17 +134,30 @@ class GuardedTask(Task):
         redelivered = not local and (identity.is_redelivery(req) or handle is not None)
         if redelivered and identity.finished_in_backend(self, req):
             return skipping.duplicate(self, key, locks)
+        stamp = read_header(req, PUBLISH_HEADER)
+        stamp = stamp if isinstance(stamp, str) and stamp and not local else None
         run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
                          holder={"task": self.name, "task_id": req.id}, max_hold=opts.max_hold,
                          run_id=req.id or None, task=self.name, on_lost=opts.on_lost,
                          finished_ttl=None if local else identity.finished_ttl(self, req),
-                         on_lost_report=self._report_lost, tag=self)
-        if not run.begin(handle=handle, refuse_finished=redelivered):
+                         on_lost_report=self._report_lost, tag=self, delivery=stamp)
+        # with a publish stamp, finished runs are known per delivery: no copy of a delivery whose
+        # run finished runs again, whichever copy the broker hands out first (an ETA message held
+        # past the visibility timeout runs on two workers at once); unstamped (a client without
+        # taskguard), only a redelivered copy is checked
+        if not run.begin(handle=handle, refuse_finished=redelivered or stamp is not None):
             if run.reason == "duplicate":
+                identity.end_chain(self, run)
                 return skipping.duplicate(self, key, locks)
             if run.reason == "running":
                 identity.defer(self, run, redelivered)
             return skipping.skip(self, run.skip(report=False), skips, locks)
+        if redelivered and opts.wait > 0 and identity.finished_in_backend(self, req):
+            # it waited behind other runs of the key: its own run may have finished meanwhile
+            run.hand_back()
+            identity.end_chain(self, run)
+            return skipping.duplicate(self, key, locks)
+        identity.end_chain(self, run)
         with run:
             try:
                 result = self._body(req, args, kwargs)
@@ -182,6 +195,18 @@ class GuardedTask(Task):
 
     def _report_lost(self, run: GuardedRun, reason: str) -> None:
         skipping.send_event(self, "task-lease-lost", key=run.key, reason=reason, fencing_token=run.lease.fencing_token)
+
+    # -- publishing ------------------------------------------------------------------------------
+    def apply_async(self, args=None, kwargs=None, task_id=None, producer=None, link=None, link_error=None,
+                    shadow=None, **options):
+        """Celery's ``Task.apply_async``, stamping the message with a new publish stamp (the
+        ``taskguard_publish`` header) unless it is taskguard's own deferred copy of a delivery,
+        which keeps its delivery's stamp. Every publish of a guarded task passes here: calls,
+        retries, replacements, chain and chord steps (celery/app/task.py, celery/canvas.py)."""
+        headers = options.get("headers")
+        if not (isinstance(headers, dict) and DEFER_HEADER in headers):
+            options["headers"] = {**(headers or {}), PUBLISH_HEADER: new_publish_stamp()}
+        return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
 
     # -- retries keep the lease -------------------------------------------------------------------
     def retry(self, args=None, kwargs=None, exc=None, throw=True, eta=None, countdown=None, max_retries=None,
@@ -222,6 +247,7 @@ def _release_kept(task: GuardedTask, run: GuardedRun, handle: dict) -> None:
         lease = task.taskguard_locks.restore(handle["key"], handle["owner"], ttl=run.ttl,
                                              fencing_token=handle["fence"])
         lease.run_id = run.run_id
+        lease.finished_id = run.run_id if not run.delivery else f"{run.run_id}#{run.delivery}"
         lease.release(finished=True, finished_ttl=run.finished_ttl)
     except LeaseBackendError as e:
         log.warning("task %s: could not release the lease kept for an unpublished retry: %s", task.name, e)

@@ -38,11 +38,15 @@ def load_handle(locks: Locks, job_id: str) -> dict | None:
         return None
 
 
-def save_handle(locks: Locks, job_id: str, handle: dict, ttl: float) -> None:
-    """Keep ``handle`` for ``job_id`` for ``ttl`` seconds. Raises LeaseBackendError."""
-    locks.put_record(_job_key(job_id), _HANDLE, json.dumps(handle), ttl=ttl)
+def save_handle(locks: Locks, job_id: str, handle: dict, ttl: float) -> str:
+    """Keep ``handle`` for ``job_id`` for ``ttl`` seconds; returns the record as stored (for
+    :func:`drop_handle`). Raises LeaseBackendError."""
+    raw = json.dumps(handle)
+    locks.put_record(_job_key(job_id), _HANDLE, raw, ttl=ttl)
+    return raw
 
 
-def drop_handle(locks: Locks, job_id: str) -> None:
-    """Forget the handle kept for ``job_id``. Raises LeaseBackendError."""
-    locks.delete_record(_job_key(job_id), _HANDLE)
+def drop_handle(locks: Locks, job_id: str, saved: str | None = None) -> None:
+    """Forget the handle kept for ``job_id`` (only the one this execution ``saved``, when given:
+    a later execution of the same job id may have stored its own). Raises LeaseBackendError."""
+    locks.delete_record(_job_key(job_id), _HANDLE, if_value=saved)

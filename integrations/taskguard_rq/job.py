@@ -131,32 +131,38 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
     if not run.begin(handle=handle, same_run="wait", same_run_wait=_job_timeout(job)):
         return _skip(job, locks, name, opts, run)
     lease = run.lease
+    saved = None
     if run_id is not None:  # for GuardedWorker, should the work-horse be killed
-        save_handle(locks, run_id, {"key": key, "owner": lease.owner_token, "fence": lease.fencing_token,
-                                    "expires": lease.expires_at, "running": True}, ttl=_job_timeout(job) + opts.ttl)
+        try:
+            saved = save_handle(locks, run_id, {"key": key, "owner": lease.owner_token, "fence": lease.fencing_token,
+                                                "expires": lease.expires_at, "running": True},
+                                ttl=_job_timeout(job) + opts.ttl)
+        except BaseException:
+            run.hand_back()  # the body never ran: nothing is left locked
+            raise
     _mirror(job, key=key, fence=lease.fencing_token, outcome="running")
     with run:
         try:
             result = fn(*args, **kwargs)
         except BaseException:
             retry_in = job.get_retry_interval() if job is not None and job.retries_left else None
-            _end(job, locks, run, retry_in, "failed")
+            _end(job, locks, run, retry_in, "failed", saved)
             raise
     if isinstance(result, Retry):  # RQ >= 2.1 runs the job again for a returned Retry
         retries = (job.number_of_retries or 0) if job is not None else 0
         retry_in = Retry.get_interval(retries, result.intervals) if retries < result.max else None
-        _end(job, locks, run, retry_in, "ran")
+        _end(job, locks, run, retry_in, "ran", saved)
         return result
     try:
         run.finish()
     finally:
         if job is not None:
-            _quietly(drop_handle, locks, job.id)
+            _quietly(drop_handle, locks, job.id, saved)
     _mirror(job, outcome="ran")
     return result
 
 
-def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcome: str) -> None:
+def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcome: str, saved: str | None) -> None:
     """The execution ends without finishing the job's work for good. If RQ runs it again
     (``retry_in`` seconds from now), keep the lease for that execution; else release it. Never
     raises (the body's own exception must win)."""
@@ -170,7 +176,7 @@ def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcom
         else:
             run.fail()
         if job is not None:
-            drop_handle(locks, job.id)
+            drop_handle(locks, job.id, saved)
         _mirror(job, outcome=outcome)
     except LeaseBackendError as e:
         log.warning("lease %r: could not hand over or release after the body ended: %s", run.key, e)
