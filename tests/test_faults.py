@@ -134,14 +134,14 @@ def test_cut_connections_never_double_hold_and_waiters_do_not_hang(redis_url, pr
 
 # -- Celery workers SIGKILLed under load, and the soak ------------------------------------------------
 
-def run_soak(redis_url: str, prefix: str, seconds: float, units: int, keys: int) -> None:
+def run_soak(redis_url: str, prefix: str, seconds: float, units: int, keys: int, broker: str | None = None) -> None:
     queue = f"q-{prefix}"
-    conf = {"broker_transport_options": {"visibility_timeout": 3, "unacked_restore_interval": 1,
-                                         "unacked_restore_throttle": 1}}
-    app = make_app(queue, prefix, **conf)
+    conf = {} if broker else {"broker_transport_options": {"visibility_timeout": 3, "unacked_restore_interval": 1,
+                                                           "unacked_restore_throttle": 1}}
+    app = make_app(queue, prefix, broker=broker, **conf)
     r = redis.Redis.from_url(redis_url)
     rng = random.Random(7)
-    workers = [WorkerProcess(queue, prefix, concurrency=2, conf=conf).start() for _ in range(2)]
+    workers = [WorkerProcess(queue, prefix, concurrency=2, conf=conf, broker=broker).start() for _ in range(2)]
     kills = 0
     try:
         for i in range(units):
@@ -154,7 +154,7 @@ def run_soak(redis_url: str, prefix: str, seconds: float, units: int, keys: int)
             if rng.random() < 0.5:  # a whole worker, main process and children
                 target.signal_all(signal.SIGKILL)
                 target.stop()
-                workers[victim] = WorkerProcess(queue, prefix, concurrency=2, conf=conf).start()
+                workers[victim] = WorkerProcess(queue, prefix, concurrency=2, conf=conf, broker=broker).start()
             else:  # one pool child
                 for key in r.scan_iter(match="{" + prefix + ":unit:*}", _type="hash"):
                     info = app.conf.taskguard_locks.holder(key.decode()[len(prefix) + 2:-1])
@@ -183,6 +183,12 @@ def run_soak(redis_url: str, prefix: str, seconds: float, units: int, keys: int)
     if keys_left:
         r.delete(*keys_left)
     r.delete(queue)
+    if broker:
+        try:
+            with app.connection_for_write() as conn:
+                conn.default_channel.queue_delete(queue)
+        except Exception:
+            pass
     assert done == units
     assert violations == []
     assert increasing
@@ -193,5 +199,12 @@ def test_sigkill_workers_under_load_every_unit_completes_once_at_a_time(redis_ur
 
 
 def test_soak(redis_url, prefix):
+    """Whole workers and pool children SIGKILLed at random for ``TASKGUARD_SOAK_SECONDS`` (45) on
+    RabbitMQ. (Not on the Redis transport: a worker SIGKILLed between kombu's BRPOP of a message
+    and its record of the message as unacked loses that message in the broker, before any task
+    code sees it — celery/celery#7950, #4354; the soak found it as one unit in 135 lost in about
+    half the runs, its retry message published and never received by any worker.)"""
+    from .test_celery_failures import require_rabbitmq
+
     seconds = float(os.environ.get("TASKGUARD_SOAK_SECONDS", "45"))
-    run_soak(redis_url, prefix, seconds=seconds, units=max(120, int(seconds * 3)), keys=8)
+    run_soak(redis_url, prefix, seconds=seconds, units=max(120, int(seconds * 3)), keys=8, broker=require_rabbitmq())
