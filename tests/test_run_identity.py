@@ -105,11 +105,11 @@ def test_eta_task_longer_than_the_visibility_timeout_runs_once(celery_env, prefi
     conf = {"broker_transport_options": {"visibility_timeout": 1, **FAST_RESTORE}}
     app, queue = celery_env(**conf)
     with WorkerProcess(queue, prefix, concurrency=1, conf=conf), WorkerProcess(queue, prefix, concurrency=1, conf=conf):
-        res = app.tasks["tg.counted"].apply_async(("eta",), countdown=4)
+        res = app.tasks["tg.counted"].apply_async(("eta",), countdown=6)
         assert res.get(timeout=30) == 1
         time.sleep(5.0)
     copies = executions(app, prefix, "tg.counted")
-    say(f"injected: countdown 4 s, visibility_timeout 1 s, two workers; observed {len(copies)} executions, "
+    say(f"injected: countdown 6 s, visibility_timeout 1 s, two workers; observed {len(copies)} executions, "
         f"bodies {entries(app, 'counted:eta:')}")
     assert len(entries(app, "counted:eta:")) == 1 and len(copies) >= 2  # copies did arrive
     assert AsyncResult(res.id, app=app).get(timeout=1) == 1
