@@ -19,13 +19,13 @@ a URL is only ever shown with its password masked.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 from .urls import check_url
+from .validate import MAX_SECONDS, check_fraction, check_seconds
 
 __all__ = ["from_env", "read_env", "ENV_VARS"]
 
@@ -37,16 +37,11 @@ def _show(raw: str) -> str:
 
 
 def _seconds(name: str, raw: str) -> float:
-    from .locks import MAX_SECONDS
-
     try:
-        v = float(raw.strip())
-    except ValueError:
-        v = math.nan
-    if not math.isfinite(v) or v <= 0 or v > MAX_SECONDS:
+        return check_seconds(name, float(raw.strip()))
+    except (ValueError, ConfigError):
         raise ConfigError(f"{name} must be a number of seconds > 0 and at most {MAX_SECONDS:.0e} "
-                          f"(e.g. '5' or '2.5'), got {_show(raw)}")
-    return v
+                          f"(e.g. '5' or '2.5'), got {_show(raw)}") from None
 
 
 def _int_range(lo: int, hi: int) -> Callable[[str, str], int]:
@@ -61,12 +56,9 @@ def _int_range(lo: int, hi: int) -> Callable[[str, str], int]:
 
 def _fraction(name: str, raw: str) -> float:
     try:
-        v = float(raw.strip())
-    except ValueError:
-        v = math.nan
-    if not (0 < v <= 0.5):
-        raise ConfigError(f"{name} must be a number in (0, 0.5] (a fraction of the TTL), got {_show(raw)}")
-    return v
+        return check_fraction(float(raw.strip()), name)
+    except (ValueError, ConfigError):
+        raise ConfigError(f"{name} must be a number in (0, 0.5] (a fraction of the TTL), got {_show(raw)}") from None
 
 
 def _prefix(name: str, raw: str) -> str:

@@ -21,6 +21,8 @@ from .heartbeat import get_heartbeat
 from .lease import Acquisition, HolderInfo, Lease
 from .liveness import process_identity
 from .skipped import Skipped
+from .validate import (MAX_SECONDS, MIN_TTL, check_fraction, check_key, check_name, check_run_id, check_seconds,  # noqa: F401
+                       check_token, check_ttl, check_value, encodable)
 
 __all__ = ["Locks", "check_seconds", "check_fraction", "new_owner_token"]
 
@@ -35,60 +37,6 @@ def new_owner_token() -> str:
     return secrets.token_urlsafe(18)
 
 
-#: Longest duration accepted anywhere, seconds (about 31 years; far inside Redis's PEXPIRE range).
-MAX_SECONDS = 1e9
-
-
-def check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
-    """Validate a duration in seconds (finite, > 0 or >= 0, at most :data:`MAX_SECONDS`);
-    raise :class:`ConfigError` naming ``name`` otherwise."""
-    kind = type(value)
-    if (kind is float or kind is int) and 0 < value <= MAX_SECONDS:  # the common case, fast
-        return float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    try:
-        v = float(value)
-    except OverflowError:
-        v = math.inf
-    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero) or v > MAX_SECONDS:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{name} must be a finite number of seconds {bound} and at most {MAX_SECONDS:.0e}, "
-                          f"got {value!r}")
-    return v
-
-
-def check_fraction(value: Any, name: str = "renew_fraction") -> float:
-    """Validate the heartbeat's renew fraction: a number in (0, 0.5]."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < float(value) <= 0.5):
-        raise ConfigError(f"{name} must be a number in (0, 0.5] (a fraction of the TTL), got {value!r}")
-    return float(value)
-
-
-def _encodable(name: str, value: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ConfigError(f"{name} must be valid Unicode text (it holds a lone surrogate), got {value!r}") from None
-    return value
-
-
-def _check_key(key: Any) -> str:
-    if not isinstance(key, str) or not key:
-        raise ConfigError(f"lease key must be a non-empty str, got {key!r}")
-    return _encodable("lease key", key)
-
-
-def _check_token(token: Any) -> str:
-    if not isinstance(token, str) or not token:
-        raise ConfigError("owner_token must be a non-empty str")
-    try:
-        token.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ConfigError("owner_token must be valid Unicode text") from None
-    return token
-
-
 _BASE_META: dict[int, tuple[dict, str]] = {}  # per pid: default holder metadata and its JSON
 
 
@@ -97,31 +45,13 @@ def _task_of(meta: Mapping[str, Any]) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def _check_name(name: Any) -> str:
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"record name must be a non-empty str, got {name!r}")
-    return _encodable("record name", name)
-
-
-def _check_value(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"record value must be a str, got {type(value).__name__}")
-    return _encodable("record value", value)
-
-
 def _finished_id(run_id: str | None, delivery: Any) -> str | None:
     """The identity a finished run is recorded under: ``run_id``, or ``run_id#delivery``."""
     if delivery is None or run_id is None:
         return run_id
     if not isinstance(delivery, str) or not delivery:
         raise ConfigError(f"delivery must be a non-empty str or None, got {delivery!r}")
-    return run_id + "#" + _encodable("delivery", delivery)
-
-
-def _check_run_id(run_id: Any) -> str | None:
-    if run_id is not None and (not isinstance(run_id, str) or not run_id):
-        raise ConfigError(f"run_id must be a non-empty str or None, got {run_id!r}")
-    return run_id if run_id is None else _encodable("run_id", run_id)
+    return run_id + "#" + encodable("delivery", delivery)
 
 
 def _ms(seconds: float) -> int:
@@ -263,11 +193,11 @@ class Locks:
             ConfigError: invalid ``key``, ``ttl``, ``wait``, ``max_hold`` or ``holder``.
             LeaseBackendError: Redis unreachable or failing. Never reported as "held".
         """
-        key = _check_key(key)
-        ttl = check_seconds("ttl", ttl)
+        key = check_key(key)
+        ttl = check_ttl(ttl)
         wait = check_seconds("wait", wait, allow_zero=True)
         max_hold = self.max_hold if max_hold is None else check_seconds("max_hold", max_hold)
-        run_id = _check_run_id(run_id)
+        run_id = check_run_id(run_id)
         finished_id = _finished_id(run_id, delivery)
         meta, meta_json = self._holder_meta(holder)
         owner = new_owner_token()
@@ -329,9 +259,9 @@ class Locks:
 
         Raises ConfigError for an empty key or token, or a bad ``ttl``.
         """
-        key = _check_key(key)
-        ttl = check_seconds("ttl", ttl)
-        _check_token(owner_token)
+        key = check_key(key)
+        ttl = check_ttl(ttl)
+        check_token(owner_token)
         if fencing_token is not None and (isinstance(fencing_token, bool) or not isinstance(fencing_token, int)):
             raise ConfigError("fencing_token must be an int or None")
         lease = Lease(self, key, owner_token, ttl=ttl, fencing_token=fencing_token, expires_at=expires_at)
@@ -364,11 +294,11 @@ class Locks:
 
         Raises ConfigError for bad arguments, LeaseBackendError when Redis fails.
         """
-        key = _check_key(key)
-        ttl = check_seconds("ttl", ttl)
-        _check_token(owner_token)
+        key = check_key(key)
+        ttl = check_ttl(ttl)
+        check_token(owner_token)
         max_hold = self.max_hold if max_hold is None else check_seconds("max_hold", max_hold)
-        run_id = _check_run_id(run_id)
+        run_id = check_run_id(run_id)
         meta, meta_json = self._holder_meta(holder)
         new_owner = new_owner_token()
         started = time.monotonic()
@@ -396,11 +326,11 @@ class Locks:
         owner token: for a supervisor that knows the run is over but never had its handle (e.g.
         a Celery worker's main process after a hard time limit killed the child). Returns
         ``True`` when the lease was that run's and is now released. Raises LeaseBackendError."""
-        run_id = _check_run_id(run_id)
+        run_id = check_run_id(run_id)
         if run_id is None:
             raise ConfigError("run_id is required")
         started = time.monotonic()
-        ok = self._release_run(_check_key(key), run_id)
+        ok = self._release_run(check_key(key), run_id)
         self._emit("release", key, "released_for_run" if ok else "not_owner", duration=time.monotonic() - started)
         return ok
 
@@ -411,7 +341,7 @@ class Locks:
         """Who holds ``key``: holder metadata, fencing token and remaining TTL (seconds), or
         ``None`` when no lease is held. Never returns the owner token.
         Raises LeaseBackendError when Redis fails."""
-        return self._holder_one(_check_key(key))
+        return self._holder_one(check_key(key))
 
     def with_lease(
         self,
@@ -467,24 +397,24 @@ class Locks:
         if if_value is not None and not isinstance(if_value, str):
             raise ConfigError("if_value must be a str or None")
         cond = ("absent_or_eq" if if_absent else "eq") if if_value is not None else ("absent" if if_absent else "any")
-        return self._put_record(_check_key(key), _check_name(name), _check_value(value),
+        return self._put_record(check_key(key), check_name(name), check_value(value),
                                 check_seconds("ttl", ttl), cond, if_value or "")
 
     def get_record(self, key: str, name: str) -> str | None:
         """The record ``name`` of ``key``, or ``None``. Raises LeaseBackendError."""
-        return self._get_record(_check_key(key), _check_name(name))
+        return self._get_record(check_key(key), check_name(name))
 
     def delete_record(self, key: str, name: str, *, if_value: str | None = None) -> bool:
         """Delete the record ``name`` of ``key`` (only if it holds ``if_value``, when given).
         Returns ``True`` when deleted. Raises LeaseBackendError."""
-        return self._delete_record(_check_key(key), _check_name(name), if_value or "")
+        return self._delete_record(check_key(key), check_name(name), if_value or "")
 
     def count_record(self, key: str, name: str, *, by: int = 1, ttl: float | None = None) -> int:
         """Add ``by`` to the integer record ``name`` of ``key`` (created at 0) and return the sum;
         ``ttl`` (seconds) sets its expiry, ``None`` keeps it. Raises LeaseBackendError."""
         if isinstance(by, bool) or not isinstance(by, int):
             raise ConfigError("by must be an int")
-        return self._count_record(_check_key(key), _check_name(name), by,
+        return self._count_record(check_key(key), check_name(name), by,
                                   None if ttl is None else check_seconds("ttl", ttl))
 
     def _put_record(self, key: str, name: str, value: str, ttl: float, cond: str, expect: str) -> bool:
@@ -533,7 +463,7 @@ class Locks:
             get_heartbeat().add(lease, self.renew_fraction, max_hold)
 
     def _renew_lease(self, lease: Lease, ttl: float | None) -> bool:
-        ttl = lease.ttl if ttl is None else check_seconds("ttl", ttl)
+        ttl = lease.ttl if ttl is None else check_ttl(ttl)
         if lease.inherited or lease.released or lease._lost_reason is not None:
             return False
         started, sent_at = time.monotonic(), self._now()

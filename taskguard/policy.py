@@ -7,9 +7,9 @@ from typing import Any, Callable
 
 from .errors import ConfigError
 from .keys import KeyTemplate
-from .locks import check_seconds
+from .validate import check_seconds, check_ttl
 
-__all__ = ["GuardOptions", "ON_SKIP", "ON_LOST", "DEFAULT_TTL"]
+__all__ = ["GuardOptions", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS"]
 
 #: What a run that cannot get its lease does.
 #: ``result``: finish successfully with a ``Skipped`` value; ``ignore``: record nothing (Celery:
@@ -86,7 +86,7 @@ class GuardOptions:
 
         try:
             template = KeyTemplate(name if key is None else key, fn, skip_self=skip_self)
-            ttl = check_seconds("ttl", ttl)
+            ttl = check_ttl(ttl)
             wait = check_seconds("wait", wait, allow_zero=True)
             max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
             skip_retry_delay = None if skip_retry_delay is None else check_seconds("skip_retry_delay", skip_retry_delay)
@@ -114,9 +114,15 @@ class GuardOptions:
         return min(max(holder_ttl or 1.0, 1.0), self.ttl)
 
 
+def _defaults() -> dict[str, Any]:
+    import inspect
+
+    params = inspect.signature(GuardOptions.build).parameters
+    return {n: p.default for n, p in params.items() if n not in ("fn", "name", "skip_self", "allowed_on_skip")}
+
+
+#: The guard options :meth:`GuardOptions.build` accepts, with their defaults (the one place each
+#: default lives; adapters read them from here).
+OPTION_DEFAULTS: dict[str, Any] = _defaults()
 #: option names :meth:`GuardOptions.build` accepts (adapters pop them from task options)
-OPTION_NAMES = tuple(
-    p for p in GuardOptions.build.__code__.co_varnames[: GuardOptions.build.__code__.co_argcount
-                                                       + GuardOptions.build.__code__.co_kwonlyargcount]
-    if p not in ("cls", "fn", "name", "skip_self", "allowed_on_skip")
-)
+OPTION_NAMES = tuple(OPTION_DEFAULTS)

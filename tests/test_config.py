@@ -333,10 +333,10 @@ def test_a_bad_ttl_is_a_config_error_and_touches_nothing(any_locks, client, ttl)
 
 
 def test_small_large_and_integer_ttls_are_accepted(any_locks):
-    for i, ttl in enumerate((1, 0.001, 2**20, 10**9, 1e9)):
+    for i, ttl in enumerate((1, 0.1, 2**20, 10**9, 1e9)):
         lease = any_locks.acquire(f"good-ttl-{i}", ttl=ttl).lease
         assert lease is not None and lease.ttl == float(ttl)
-        lease.release()  # the 1 ms lease may be gone already
+        lease.release()  # the 100 ms lease may be gone already
 
 
 # -- a valid environment -----------------------------------------------------------------------------
@@ -604,3 +604,34 @@ def test_key_template_binds_like_signature_bind(fn, nargs, names):
     except ConfigError:
         got = "error"
     assert got == expected
+
+
+# -- the TTL floor: a lease that could expire before its first renewal guards nothing ------------------
+
+@pytest.mark.parametrize("ttl", [0.001, 0.05, 0.0999])
+def test_a_ttl_below_the_floor_is_refused_everywhere(any_locks, ttl):
+    from taskguard.validate import MIN_TTL
+
+    with pytest.raises(ConfigError, match=f">= {MIN_TTL:g}"):
+        any_locks.acquire("floor", ttl=ttl)
+    lease = any_locks.acquire("floor", ttl=MIN_TTL).lease  # the floor itself is accepted
+    with pytest.raises(ConfigError, match="ttl"):
+        lease.renew(ttl)
+    with pytest.raises(ConfigError, match="ttl"):
+        any_locks.claim("floor", lease.owner_token, ttl=ttl)
+    with pytest.raises(ConfigError, match="ttl"):
+        any_locks.restore("floor", lease.owner_token, ttl=ttl)
+    lease.release()
+
+
+def test_a_ttl_below_the_floor_fails_task_and_job_declarations_and_beat_entries():
+    from taskguard_celery import guarded_task
+    from taskguard_celery.beat import validate_entry_options
+    from taskguard_rq import guarded_job
+
+    with pytest.raises(ConfigError, match="ttl"):
+        guarded_task(ttl=0.001)(lambda: None)
+    with pytest.raises(ConfigError, match="ttl"):
+        guarded_job(ttl=0.001)(lambda: None)
+    with pytest.raises(ConfigError, match="beat entry 'e'.*ttl"):
+        validate_entry_options("e", {"ttl": 0.001})

@@ -44,7 +44,7 @@ from celery.schedules import schedule
 
 from taskguard import ConfigError, LeaseBackendError, Lease, Locks
 from taskguard.keys import KeyTemplate
-from taskguard.locks import check_seconds
+from taskguard.validate import check_seconds, check_ttl
 
 from .config import locks_for
 from .headers import BEAT_HEADER
@@ -85,9 +85,11 @@ def validate_entry_options(name: str, options: Any) -> dict:
     if not isinstance(options, dict) or set(options) - set(ENTRY_OPTION_KEYS):
         raise ConfigError(f"beat entry {name!r}: options[{ENTRY_OPTION!r}] must be a dict with keys "
                           f"{ENTRY_OPTION_KEYS}, got {options!r}")
-    ttl = options.get("ttl")
-    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 1e9):
-        raise ConfigError(f"beat entry {name!r}: ttl must be a number of seconds > 0, got {ttl!r}")
+    if options.get("ttl") is not None:
+        try:
+            check_ttl(options["ttl"])
+        except ConfigError as e:
+            raise ConfigError(f"beat entry {name!r}: {e}") from None
     key = options.get("key")
     if key is not None and (not isinstance(key, str) or not key):
         raise ConfigError(f"beat entry {name!r}: key must be a non-empty template str, got {key!r}")
@@ -279,7 +281,7 @@ def entry_guard(task: Any, opts: Any, header: dict) -> Any:
                 template = _entry_keys[(type(task), spec)] = KeyTemplate(spec, task.run)
             changes["key"] = template
         if ttl is not None:
-            changes["ttl"] = check_seconds("ttl", ttl)
+            changes["ttl"] = check_ttl(ttl)
     except ConfigError as e:
         log.error("task %s: ignoring the beat entry's guard options: %s", task.name, e)
         return opts

@@ -43,7 +43,7 @@ from celery.backends.rpc import RPCBackend
 from celery.exceptions import Ignore, TimeLimitExceeded
 
 from taskguard import LeaseBackendError
-from taskguard.locks import check_seconds
+from taskguard.validate import check_seconds
 from taskguard.run import GuardedRun
 
 from .headers import DEFER_HEADER, PUBLISH_HEADER, publish_time, read_header

@@ -17,7 +17,7 @@ from celery.utils.time import maybe_iso8601
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped
 from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, release_handle
-from taskguard.policy import OPTION_NAMES, GuardOptions
+from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions
 from taskguard.run import GuardedRun
 
 from . import identity, skipping
@@ -55,17 +55,18 @@ class GuardedTask(Task):
     are local to the running request, so the threads pool stays correct.
     """
 
-    key: Any = None
-    ttl: float = 60.0
-    wait: float = 0.0
-    blocking_wait: bool = False
-    renew: bool = True
-    on_skip: str = "result"
-    on_lost: str = "raise"
-    skip_retry_delay: float | None = None
-    skip_max_retries: int = 3
-    max_hold: float | None = None
-    continue_on_skip: bool = False
+    # defaults: taskguard.policy.OPTION_DEFAULTS (the one place they live)
+    key: Any = OPTION_DEFAULTS["key"]
+    ttl: float = OPTION_DEFAULTS["ttl"]
+    wait: float = OPTION_DEFAULTS["wait"]
+    blocking_wait: bool = OPTION_DEFAULTS["blocking_wait"]
+    renew: bool = OPTION_DEFAULTS["renew"]
+    on_skip: str = OPTION_DEFAULTS["on_skip"]
+    on_lost: str = OPTION_DEFAULTS["on_lost"]
+    skip_retry_delay: float | None = OPTION_DEFAULTS["skip_retry_delay"]
+    skip_max_retries: int = OPTION_DEFAULTS["skip_max_retries"]
+    max_hold: float | None = OPTION_DEFAULTS["max_hold"]
+    continue_on_skip: bool = OPTION_DEFAULTS["continue_on_skip"]
     locks: Locks | None = None
 
     _taskguard: GuardOptions | None = None

@@ -1,0 +1,103 @@
+"""Every validator of taskguard's options and arguments, and the bounds they apply.
+
+Each check raises :class:`~taskguard.ConfigError` naming what it checks and what it accepts, and
+never echoes a secret (an owner token is never shown; URLs are checked in :mod:`taskguard.urls`,
+which masks passwords). Adapters and the environment parser call these; nothing else validates.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["MAX_SECONDS", "MIN_TTL", "check_seconds", "check_ttl", "check_fraction", "check_key", "check_token",
+           "check_name", "check_value", "check_run_id", "encodable"]
+
+#: Longest duration accepted anywhere, seconds (about 31 years; far inside Redis's PEXPIRE range).
+MAX_SECONDS = 1e9
+#: Shortest lease TTL accepted, seconds. The heartbeat renews a lease every ``ttl * renew_fraction``
+#: seconds, each renewal one round trip; below this a lease can expire before any renewal reaches
+#: Redis (a loaded worker, a slow network) and guards nothing, so it is refused, not clamped.
+MIN_TTL = 0.1
+
+
+def check_seconds(name: str, value: Any, *, allow_zero: bool = False, minimum: float = 0.0) -> float:
+    """Validate a duration in seconds: a finite number, > 0 (>= 0 with ``allow_zero``), at least
+    ``minimum`` and at most :data:`MAX_SECONDS`. Returns it as a float."""
+    kind = type(value)
+    if (kind is float or kind is int) and minimum < value <= MAX_SECONDS:  # the common case, fast
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero) or v > MAX_SECONDS or (0 < v < minimum):
+        bound = f">= {minimum:g}" if minimum else (">= 0" if allow_zero else "> 0")
+        raise ConfigError(f"{name} must be a finite number of seconds {bound} and at most {MAX_SECONDS:.0e}, "
+                          f"got {value!r}")
+    return v
+
+
+def check_ttl(value: Any, name: str = "ttl") -> float:
+    """Validate a lease TTL: seconds, at least :data:`MIN_TTL` (a shorter lease could expire
+    before its first renewal) and at most :data:`MAX_SECONDS`."""
+    return check_seconds(name, value, minimum=MIN_TTL)
+
+
+def check_fraction(value: Any, name: str = "renew_fraction") -> float:
+    """Validate the heartbeat's renew fraction: a number in (0, 0.5]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < float(value) <= 0.5):
+        raise ConfigError(f"{name} must be a number in (0, 0.5] (a fraction of the TTL), got {value!r}")
+    return float(value)
+
+
+def encodable(name: str, value: str) -> str:
+    """``value`` unchanged if it can be sent to Redis as UTF-8 (no lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{name} must be valid Unicode text (it holds a lone surrogate), got {value!r}") from None
+    return value
+
+
+def check_key(key: Any) -> str:
+    """A lease key: a non-empty ``str``."""
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"lease key must be a non-empty str, got {key!r}")
+    return encodable("lease key", key)
+
+
+def check_token(token: Any) -> str:
+    """An owner token: a non-empty ``str`` (never shown in the error)."""
+    if not isinstance(token, str) or not token:
+        raise ConfigError("owner_token must be a non-empty str")
+    try:
+        token.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("owner_token must be valid Unicode text") from None
+    return token
+
+
+def check_name(name: Any) -> str:
+    """A record name: a non-empty ``str``."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"record name must be a non-empty str, got {name!r}")
+    return encodable("record name", name)
+
+
+def check_value(value: Any) -> str:
+    """A record value: a ``str``."""
+    if not isinstance(value, str):
+        raise ConfigError(f"record value must be a str, got {type(value).__name__}")
+    return encodable("record value", value)
+
+
+def check_run_id(run_id: Any) -> str | None:
+    """A run id: a non-empty ``str`` or ``None``."""
+    if run_id is not None and (not isinstance(run_id, str) or not run_id):
+        raise ConfigError(f"run_id must be a non-empty str or None, got {run_id!r}")
+    return run_id if run_id is None else encodable("run_id", run_id)
