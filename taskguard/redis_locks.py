@@ -12,7 +12,6 @@ import redis
 from redis.exceptions import NoScriptError, RedisError
 
 from . import scripts
-from .connections import DirectConnections
 from .errors import ConfigError, LeaseBackendError
 from .events import Listener
 from .lease import HolderInfo
@@ -71,11 +70,6 @@ class RedisLocks(Locks):
             it expires because of the server-clock floor (see :mod:`taskguard.scripts`).
         max_hold: default bound on heartbeat renewal per lease, seconds (``None``: none).
         listeners: callables receiving :class:`~taskguard.events.LeaseEvent` s.
-        direct_connections: send the lease scripts on redis-py connections of this object's own
-            rather than through ``client.execute_command`` (default ``True``; about 30 us less
-            CPU per call, see :mod:`taskguard.connections`, which also lists the clients that
-            always use ``execute_command``). Turn it off when something must see every command
-            through ``execute_command``, such as tracing that patches ``redis.Redis``.
 
     Raises ConfigError for invalid options. No round trip is made at construction.
     """
@@ -91,7 +85,6 @@ class RedisLocks(Locks):
         max_hold: float | None = None,
         shutdown_timeout: float = 5.0,
         listeners: Iterable[Listener] = (),
-        direct_connections: bool = True,
     ) -> None:
         super().__init__(prefix=prefix, renew_fraction=renew_fraction, max_hold=max_hold,
                          shutdown_timeout=shutdown_timeout, listeners=listeners)
@@ -105,11 +98,6 @@ class RedisLocks(Locks):
         # does not say (redis-py 8 applies its default elsewhere), slices stay at 1 s.
         self._slice = max(0.01, min(self.poll_interval, st / 2 if st else 1.0))
         self._owns_client = False
-        if not isinstance(direct_connections, bool):
-            raise ConfigError(f"direct_connections must be a bool, got {direct_connections!r}")
-        self._direct = DirectConnections.for_client(client) if direct_connections else None
-        # what the scripts are sent through: anything with redis-py's execute_command(*args)
-        self._exec: Any = self._direct or client
 
     @classmethod
     def from_url(
@@ -195,12 +183,11 @@ class RedisLocks(Locks):
 
     def _run(self, op: str, key: str | None, script: scripts.Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
-            return script(self._exec, keys, args)
+            return script(self.client, keys, args)
         except RedisError as e:
             raise LeaseBackendError(op, key, _detail(e)) from e
         except BaseException:
-            if self._direct is None:
-                self._drop_idle_pool_connections()
+            self._drop_idle_pool_connections()
             raise
 
     def _drop_idle_pool_connections(self) -> None:
@@ -208,8 +195,7 @@ class RedisLocks(Locks):
         exception (a signal handler raising between send and read, e.g. Celery's soft time
         limit): redis-py has already put that connection back in its pool, possibly with the
         reply still to come, where the next command would read it as its own. Disconnect the
-        pool's idle connections (they reconnect on use). The direct path needs none of this
-        (see :mod:`taskguard.connections`)."""
+        pool's idle connections (they reconnect on use)."""
         try:
             pool = getattr(self.client, "connection_pool", None)
             if pool is not None:
@@ -413,8 +399,6 @@ class RedisLocks(Locks):
     def close(self, timeout: float | None = None) -> None:
         """Release this object's live leases, then close the client if :meth:`from_url` made it."""
         super().close(timeout)
-        if self._direct is not None:
-            self._direct.close()
         if self._owns_client:
             try:
                 self.client.close()
