@@ -20,13 +20,11 @@ What it measures, on one Redis (``--url``, default ``$TASKGUARD_REDIS_URL`` or
    Pipelines are counted on the client: ``client.pipeline`` is wrapped on the instance (the only
    instrumentation; taskguard is not patched).
 
-2. Redis memory per distinct key: ``INFO memory`` ``used_memory`` before and after acquiring and
-   releasing ``--keys`` (100,000) distinct keys, on a ``RedisLocks`` whose ``fence_idle_ttl`` is
-   short (chosen so that every counter outlives the creation plus the 10 s release tombstones; or
-   ``--fence-idle-ttl``). Three readings: right after the last release (fence counters plus the
-   release tombstones of the last 10 s), once the tombstones expired (what stays: the fence
-   counters; delta / keys = bytes per distinct key), and once the counters idled past
-   ``fence_idle_ttl`` (memory back to the baseline).
+2. Redis memory per idle distinct key: ``INFO memory`` ``used_memory`` before and after acquiring
+   and releasing ``--keys`` (100,000) distinct keys (what stays: one hash per key with its fence
+   and release mark, for ``fence_idle_ttl``, 3600 s here or ``--fence-idle-ttl``), then the same
+   reading for the floor any fenced lock needs: one string key with a TTL and a 16-digit value
+   under each of the same names. Printed: bytes per key of each and their ratio (target <= 1.15x).
 
 Keys live under fresh ``tgbench-<pid>-<random>`` prefixes and are deleted at the end (also after an
 error, Ctrl-C or SIGTERM). Other clients of the same Redis change ``used_memory`` too: run it on an
@@ -36,7 +34,6 @@ otherwise idle Redis for figures to quote.
 from __future__ import annotations
 
 import gc
-import math
 import multiprocessing
 import os
 import platform
@@ -59,9 +56,8 @@ from taskguard import RedisLocks
 from taskguard.heartbeat import COALESCE, get_heartbeat
 from taskguard.redis_locks import SIGNAL_TTL
 from taskguard.urls import redact_url
-from benchlib import arg_parser, cleanup, exit_on_sigterm, fmt_table, git_state, open_admin, pct, run_prefix  # noqa: E402
+from benchlib import arg_parser, cleanup, exit_on_sigterm, fmt_table, git_state, open_admin, pct, run_prefix, verdict  # noqa: E402
 
-TOMBSTONE_TTL = 10.0  # the release tombstone ({P:K}:released) lives 10 s (scripts.RELEASE)
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -243,17 +239,13 @@ def used_memory(admin: redis.Redis, reads: int = 5) -> int:
     return int(statistics.median(vals))
 
 
-def count_keys(admin: redis.Redis, prefix: str) -> dict[str, int]:
-    out = {"fence": 0, "released": 0, "other": 0}
-    for k in admin.scan_iter(match=f"*{prefix}*", count=5000):
-        kind = "fence" if k.endswith(":fence") else "released" if k.endswith(":released") else "other"
-        out[kind] += 1
-    return out
+def count_keys(admin: redis.Redis, prefix: str) -> int:
+    return sum(1 for _ in admin.scan_iter(match=f"*{prefix}*", count=5000))
 
 
-def mean_memory_usage(admin: redis.Redis, prefix: str, suffix: str, n: int = 200) -> float:
+def mean_memory_usage(admin: redis.Redis, prefix: str, n: int = 200) -> float:
     keys = []
-    for k in admin.scan_iter(match=f"*{prefix}*{suffix}", count=5000):
+    for k in admin.scan_iter(match=f"*{prefix}*", count=5000):
         keys.append(k)
         if len(keys) >= n:
             break
@@ -277,84 +269,57 @@ def wait_until(pred: Any, timeout: float, step: float = 1.0) -> bool:
 
 def part_memory(url: str, admin: redis.Redis, prefix: str, n: int, idle_ttl: float | None,
                 per_op_hint: float | None) -> None:
+    """Memory per idle distinct key, side by side with its floor: one string key with a TTL (a
+    16-digit value, what any fencing counter needs) under the same name."""
     client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
-    # how long creating n keys takes here: from part 1's acquire+release, else a short probe
-    if per_op_hint is None:
-        probe = RedisLocks(client, prefix=prefix + ":probe", fence_idle_ttl=5)
-        s = time.monotonic()
-        for i in range(500):
-            probe.acquire(f"p{i}", ttl=10).lease.release()
-        per_op_hint = (time.monotonic() - s) / 500
-        cleanup(admin, prefix + ":probe")
-    est = per_op_hint * n
-    if idle_ttl is None:  # every counter must outlive the creation plus the tombstones, with a margin
-        idle_ttl = float(math.ceil((est * 1.4 + TOMBSTONE_TTL + 5) / 5) * 5)
+    idle_ttl = idle_ttl or 3600.0
     locks = RedisLocks(client, prefix=prefix, fence_idle_ttl=idle_ttl)
     others0 = int(admin.dbsize())
     time.sleep(0.5)
     base = used_memory(admin)
-
-    t_first = time.monotonic()
+    t0 = time.monotonic()
     for i in range(n):
         acq = locks.acquire(f"k:{i}", ttl=10)
         if not acq.acquired:
             raise RuntimeError(f"key k:{i} unexpectedly held")
         acq.lease.release()
-    t_last = time.monotonic()
-    create_s = t_last - t_first
+    create_s = time.monotonic() - t0
     time.sleep(0.3)
     after = used_memory(admin)
-    kinds_after = count_keys(admin, prefix)
-    fence_usage = mean_memory_usage(admin, prefix, ":fence")
-    tomb_usage = mean_memory_usage(admin, prefix, ":released")
-
-    # stage b: the release tombstones (10 s) gone, the counters still there
-    time.sleep(max(0.0, t_last + TOMBSTONE_TTL + 0.5 - time.monotonic()))
-    wait_until(lambda: count_keys(admin, prefix)["released"] == 0, 10.0)
+    keys_after = count_keys(admin, prefix)
+    usage = mean_memory_usage(admin, prefix)
+    names = [locks._lease_key(f"k:{i}") for i in range(n)]
+    for i in range(0, n, 1000):
+        admin.delete(*names[i:i + 1000])
+    time.sleep(0.5)
+    base2 = used_memory(admin)
+    pipe = admin.pipeline(transaction=False)
+    value = "1796078722691000"  # a fencing token: server microseconds
+    for i, name in enumerate(names):
+        pipe.set(name, value, px=int(idle_ttl * 1000))
+        if i % 1000 == 999:
+            pipe.execute()
+    pipe.execute()
     time.sleep(0.3)
-    stays = used_memory(admin)
-    kinds_stays = count_keys(admin, prefix)
-    t_stays = time.monotonic()
-
-    # stage c: the counters idle past fence_idle_ttl
-    time.sleep(max(0.0, t_last + idle_ttl + 0.5 - time.monotonic()))
-    gone = wait_until(lambda: sum(count_keys(admin, prefix).values()) == 0, 30.0)
-    time.sleep(1.5)  # let serverCron shrink the keyspace tables
-    end = used_memory(admin)
-    t_end = time.monotonic()
-    kinds_end = count_keys(admin, prefix)
-    others1 = int(admin.dbsize()) - sum(kinds_end.values())
-
-    def row(label: str, when: str, mem: int, kinds: dict[str, int]) -> list[str]:
-        d = mem - base
-        return [label, when, f"{mem:,}", f"{d:+,}", f"{d / n:+.1f}", f"{kinds['fence']:,}",
-                f"{kinds['released']:,}", f"{kinds['other']:,}"]
-
-    print(f"## 2. Redis memory per distinct key: {n:,} distinct keys acquired + released once "
-          f"(RedisLocks fence_idle_ttl={idle_ttl:g} s)")
+    floor = used_memory(admin)
+    floor_usage = mean_memory_usage(admin, prefix)
+    for i in range(0, n, 1000):
+        admin.delete(*names[i:i + 1000])
+    others1 = int(admin.dbsize()) - count_keys(admin, prefix)
+    per_key, per_floor = (after - base) / n, (floor - base2) / n
+    print(f"## 2. Redis memory per idle distinct key: {n:,} distinct keys acquired + released once "
+          f"(fence_idle_ttl={idle_ttl:g} s), beside the floor of one string key with a TTL per name")
     print(f"   creating them took {create_s:.1f} s ({create_s / n * 1e6:.0f} us per acquire+release); "
           f"used_memory = median of 5 INFO reads\n")
-    print(fmt_table(["reading", "at", "used_memory B", "delta B", "B per key", "fence counters",
-                     "release tombstones", "other keys"], [
-        ["baseline", "before", f"{base:,}", "", "", "0", "0", "0"],
-        row("after the last release", "+0 s", after, kinds_after),
-        row("tombstones expired: what stays", f"+{t_stays - t_last:.0f} s", stays, kinds_stays),
-        row("counters idle past fence_idle_ttl", f"+{t_end - t_last:.0f} s", end, kinds_end),
-    ], align="llrrrrrr"))
-    print(f"   MEMORY USAGE (the key and its value, without the keyspace tables): fence counter "
-          f"{fence_usage:.0f} B, release tombstone {tomb_usage:.0f} B (means of 200 keys)")
-    print(f"   what stays per distinct key once idle: {(stays - base) / n:.0f} B (its fence counter, with its "
-          f"share of the keyspace and expires tables) for fence_idle_ttl")
-    back = gone and abs(end - base) <= 0.1 * max(stays - base, 1)
-    print(f"   ({idle_ttl:g} s here; 7 days by default), then {(end - base) / n:+.1f} B: "
-          + ("back at the baseline (within 10% of what stayed; other clients move used_memory too)" if back
-             else "NOT back at the baseline" + ("" if gone else " (some keys did not expire in time)")))
-    print(f"   right after a release a key also keeps its release tombstone ({{P:K}}:released, "
-          f"{TOMBSTONE_TTL:g} s) - the release signal")
-    print(f"   list ({{P:K}}:signal, {SIGNAL_TTL:g} s) exists only when someone waited.")
-    if kinds_stays["fence"] < n:
-        print(f"   WARNING: {n - kinds_stays['fence']:,} counters expired before the 'what stays' reading (creating "
-              f"the keys took longer than estimated): rerun with a larger --fence-idle-ttl")
+    print(fmt_table(["what", "keys", "B per key (used_memory delta)", "MEMORY USAGE (mean of 200)"], [
+        ["taskguard: the lease hash once released (fence + release mark)", f"{keys_after:,}", f"{per_key:.1f}",
+         f"{usage:.0f}"],
+        ["floor: SET name <16 digits> PX idle", f"{n:,}", f"{per_floor:.1f}", f"{floor_usage:.0f}"],
+    ], align="lrrr"))
+    ratio = per_key / per_floor if per_floor > 0 else float("nan")
+    print(f"   taskguard / floor = {ratio:.3f}x  target <= 1.15x: {verdict(ratio <= 1.15)}")
+    print(f"   one key per distinct guard key; it goes after fence_idle_ttl (7 days by default) without use. "
+          f"The release signal ({{P:K}}:signal, {SIGNAL_TTL:g} s) exists only when someone waited.")
     if others1 != others0:
         print(f"   NOTE: other clients' keys in this db went from {others0:,} to {others1:,} meanwhile; their "
               f"memory is in the deltas")

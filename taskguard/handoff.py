@@ -77,6 +77,7 @@ def resume(
     run_id: str | None = None,
     refuse_finished: bool = False,
     delivery: str | None = None,
+    markers: bool = True,
 ) -> Acquisition:
     """Take over the persisted ``handle`` for ``key``, else acquire ``key`` afresh when free.
 
@@ -85,21 +86,21 @@ def resume(
     another owner holds ``key``, ``holder_run`` says which run; the caller must not run). A handle for a different key (the retry's
     arguments changed the key) is released and ``key`` acquired.
 
-    ``refuse_finished`` and ``delivery`` are passed on (see :meth:`Locks.acquire`).
+    ``refuse_finished``, ``delivery`` and ``markers`` are passed on (see :meth:`Locks.acquire`).
 
     Raises ConfigError for a malformed handle, LeaseBackendError when Redis fails."""
     h = parse_handle(handle)
     if h["key"] != key:
         release_handle(locks, h, ttl=ttl)
         return locks.acquire(key, ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id,
-                             refuse_finished=refuse_finished, delivery=delivery)
+                             refuse_finished=refuse_finished, delivery=delivery, markers=markers)
     acq = locks.claim(key, h["owner"], ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id,
                       delivery=delivery)
     if acq.acquired:
         return acq
     if acq.reason == "expired":  # (or already claimed and released by another copy of the handle)
         return locks.acquire(key, ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id,
-                             refuse_finished=refuse_finished, delivery=delivery)
+                             refuse_finished=refuse_finished, delivery=delivery, markers=markers)
     info = locks.holder(key)  # who took it: another execution of this run, or another run?
     return Acquisition(False, None, "held", acq.holder_ttl, info.run_id if info is not None else None)
 

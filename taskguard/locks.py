@@ -94,8 +94,8 @@ class Locks:
         return time.time()
 
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str, run_id: str | None,
-                     wait: float = 0.0, refuse_finished: bool = False, finished_id: str | None = None
-                     ) -> tuple[int, int | None, float | None, str | None]:
+                     wait: float = 0.0, refuse_finished: bool = False, finished_id: str | None = None,
+                     markers: bool = True) -> tuple[int, int | None, float | None, str | None]:
         """-> (1 acquired | 0 held | 2 run already finished, fencing token, holder's TTL seconds or
         None, holder's run id or None). ``wait``: seconds the caller will wait if the lease is held
         (0: it will not)."""
@@ -157,6 +157,7 @@ class Locks:
         run_id: str | None = None,
         refuse_finished: bool = False,
         delivery: str | None = None,
+        markers: bool = True,
     ) -> Acquisition:
         """Try to take the lease on ``key`` for ``ttl`` seconds, waiting up to ``wait`` seconds.
 
@@ -183,6 +184,10 @@ class Locks:
                 can be run more than once: finished runs are then recorded and refused per
                 (``run_id``, ``delivery``), so a new delivery of the same id is never taken for a
                 copy of an earlier one.
+            markers: with ``refuse_finished``, also look for the run's own finished marker (one
+                more key in the script; see :mod:`taskguard.scripts`). ``False`` when the caller
+                never writes markers (``release(finished_ttl=None)``): the key's last finished
+                run is still checked.
 
         Returns:
             :class:`~taskguard.Acquisition`; when not acquired, ``reason`` is ``"held"``
@@ -209,7 +214,7 @@ class Locks:
                 remaining = max(0.0, deadline - time.monotonic())
                 code, fence, holder_ttl, holder_run = self._try_acquire(key, owner, ttl, meta_json, run_id, remaining,
                                                                         refuse_finished and run_id is not None,
-                                                                        finished_id)
+                                                                        finished_id, markers)
             except LeaseBackendError as e:
                 self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e),
                            task=_task_of(meta))

@@ -72,13 +72,13 @@ class MemoryLocks(Locks):
         return e
 
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str, run_id: str | None,
-                     wait: float = 0.0, refuse_finished: bool = False, finished_id: str | None = None
-                     ) -> tuple[int, int | None, float | None, str | None]:
+                     wait: float = 0.0, refuse_finished: bool = False, finished_id: str | None = None,
+                     markers: bool = True) -> tuple[int, int | None, float | None, str | None]:
         finished_id = finished_id or run_id
         with self._cond:
             self._seen.releases = self._releases
             if refuse_finished and finished_id is not None:
-                if self._done.get((key, finished_id), 0) > self._clock() or \
+                if (markers and self._done.get((key, finished_id), 0) > self._clock()) or \
                         self._last_finished.get(key) == finished_id:
                     return 2, None, None, None
             e = self._live_entry(key)
@@ -87,7 +87,7 @@ class MemoryLocks(Locks):
             fence = self._fences.get(key, 0) + 1
             self._fences[key] = fence
             self._last_finished.pop(key, None)
-            if finished_id is not None and not refuse_finished:
+            if finished_id is not None and not refuse_finished and markers:
                 self._done.pop((key, finished_id), None)
             now = self._clock()
             self._leases[key] = _Entry(owner, fence, holder_json, now, now + ttl, run_id)

@@ -173,22 +173,34 @@ class RedisLocks(Locks):
     def _lease_key(self, key: str) -> str:
         return "{" + self.prefix + ":" + key + "}"
 
-    def _keys(self, key: str) -> tuple[str, str, str, str]:
-        """lease, fence counter, release signal, waiting flag"""
-        k = self._lease_key(key)
-        return k, k + ":fence", k + ":signal", k + ":waiting"
-
-    def _released_key(self, key: str) -> str:
-        return self._lease_key(key) + ":released"
+    def _signal_key(self, key: str) -> str:
+        return self._lease_key(key) + ":signal"
 
     def _run(self, op: str, key: str | None, script: scripts.Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
+            if len(keys) > 1:
+                return self._run_retrying_tryagain(script, keys, args)
             return script(self.client, keys, args)
         except RedisError as e:
             raise LeaseBackendError(op, key, _detail(e)) from e
         except BaseException:
             self._drop_idle_pool_connections()
             raise
+
+    def _run_retrying_tryagain(self, script: scripts.Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """A script that declares two keys gets ``TRYAGAIN`` on Redis Cluster while its slot migrates
+        and one of them is missing on the source node (see :mod:`taskguard.scripts`): try again,
+        with a short backoff, until the client's socket timeout (or 5 s) has passed."""
+        deadline = time.monotonic() + (_socket_timeout(self.client) or 5.0)
+        pause = 0.01
+        while True:
+            try:
+                return script(self.client, keys, args)
+            except RedisError as e:
+                if "TRYAGAIN" not in str(e) or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
 
     def _drop_idle_pool_connections(self) -> None:
         """After a call through ``client.execute_command`` was interrupted by a non-Redis
@@ -212,14 +224,13 @@ class RedisLocks(Locks):
         return self._lease_key(key) + ":done:" + run_id
 
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str, run_id: str | None,
-                     wait: float = 0.0, refuse_finished: bool = False, finished_id: str | None = None
-                     ) -> tuple[int, int | None, float | None, str | None]:
-        lease_k, fence_k, _, waiting_k = self._keys(key)
-        keys = (lease_k, fence_k, waiting_k)
+                     wait: float = 0.0, refuse_finished: bool = False, finished_id: str | None = None,
+                     markers: bool = True) -> tuple[int, int | None, float | None, str | None]:
         finished_id = finished_id or run_id
-        if finished_id is not None:
+        keys: tuple[str, ...] = (self._lease_key(key),)
+        if finished_id is not None and markers and refuse_finished:
             keys += (self._done_key(key, finished_id),)
-        wait_ms = _ms(wait + 1.0) if wait > 0 else 0  # the flag outlives the wait by a second
+        wait_ms = _ms(wait + 1.0) if wait > 0 else 0  # the waiting mark outlives the wait by a second
         res = self._run("acquire", key, scripts.ACQUIRE, keys,
                         (owner, _ms(ttl), holder_json, _ms(self.fence_idle_ttl), wait_ms, run_id or "",
                          "1" if refuse_finished else "0", finished_id or ""))
@@ -228,14 +239,13 @@ class RedisLocks(Locks):
             return 1, int(res[1]), None, None  # (a retried acquire that ran: its expiry may be a bit older)
         if code == 2:
             return 2, None, None, None
-        pttl = int(res[1])
         run = res[2].decode() if isinstance(res[2], bytes) else res[2]
-        return 0, None, (pttl / 1000.0 if pttl >= 0 else None), (run or None)
+        return 0, None, int(res[1]) / 1000.0, (run or None)
 
     def _wait_signal(self, key: str, timeout: float) -> None:
         timeout = max(0.01, min(timeout, self._slice))  # never 0: BLPOP 0 blocks forever
         try:
-            self.client.blpop([self._keys(key)[2]], timeout=timeout)
+            self.client.blpop([self._signal_key(key)], timeout=timeout)
         except RedisError as e:
             raise LeaseBackendError("acquire", key, _detail(e)) from e
         except BaseException:
@@ -281,12 +291,20 @@ class RedisLocks(Locks):
 
     def _release_one(self, key: str, owner: str, finished_run: str | None = None,
                      finished_ttl: float | None = None) -> bool:
-        lease_k, fence_k, signal_k, waiting_k = self._keys(key)
-        keys = (lease_k, signal_k, waiting_k, self._released_key(key), fence_k)
+        keys: tuple[str, ...] = (self._lease_key(key),)
         if finished_run is not None and finished_ttl is not None:
             keys += (self._done_key(key, finished_run),)
-        args = (owner, _ms(SIGNAL_TTL), _ms(finished_ttl or 1.0), secrets.token_hex(8), finished_run or "")
-        return int(self._run("release", key, scripts.RELEASE, keys, args)) == 1
+        args = (owner, _ms(self.fence_idle_ttl), _ms(finished_ttl or 1.0), secrets.token_hex(4), finished_run or "")
+        return self._signalled(key, int(self._run("release", key, scripts.RELEASE, keys, args)))
+
+    def _signalled(self, key: str, code: int) -> bool:
+        """After a release that answered 2 (released, someone waits): wake one waiter."""
+        if code == 2:
+            try:
+                self._run("release", key, scripts.SIGNAL, (self._signal_key(key),), (_ms(SIGNAL_TTL),))
+            except LeaseBackendError as e:  # the waiter still wakes at its next poll or the lease's expiry
+                log.warning("could not signal the waiters of %r: %s", key, e)
+        return code >= 1
 
     def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
                    run_id: str | None = None) -> tuple[bool, int | None, float | None]:
@@ -298,18 +316,16 @@ class RedisLocks(Locks):
         return False, None, (pttl / 1000.0 if pttl >= 0 else float(pttl))
 
     def _release_run(self, key: str, run_id: str) -> bool:
-        lease_k, _, signal_k, waiting_k = self._keys(key)
-        return int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (lease_k, signal_k, waiting_k),
-                             (run_id, _ms(SIGNAL_TTL)))) == 1
+        code = int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (self._lease_key(key),), (run_id,)))
+        return self._signalled(key, code)
 
     def force_release(self, key: str) -> bool:
         """Delete the lease on ``key`` whoever holds it (an operator's tool, e.g. ``taskguard
         release KEY --force``): the holder finds it lost at its next renewal or release, and its
         fenced writes still carry the old, now lower, fencing token. Returns ``True`` when a lease
         was there. Raises LeaseBackendError."""
-        lease_k, _, signal_k, waiting_k = self._keys(key)
-        ok = int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (lease_k, signal_k, waiting_k),
-                           ("", _ms(SIGNAL_TTL)))) == 1
+        ok = self._signalled(key, int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN,
+                                                (self._lease_key(key),), ("",))))
         self._emit("release", key, "forced" if ok else "no_lease")
         return ok
 

@@ -127,7 +127,7 @@ class GuardedRun:
             try:
                 acq = resume(self.locks, handle, key=self.key, ttl=self.ttl, holder=self.holder, renew=self.renew,
                              max_hold=self.max_hold, run_id=self.run_id, refuse_finished=refuse_finished,
-                             delivery=self.delivery)
+                             delivery=self.delivery, markers=self.finished_ttl is not None)
             except ConfigError as e:
                 log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
         if acq is None:
@@ -149,7 +149,7 @@ class GuardedRun:
     def _acquire(self, wait: float, refuse_finished: bool = False) -> Acquisition:
         return self.locks.acquire(self.key, ttl=self.ttl, wait=wait, holder=self.holder, renew=self.renew,
                                   max_hold=self.max_hold, run_id=self.run_id, refuse_finished=refuse_finished,
-                             delivery=self.delivery)
+                             delivery=self.delivery, markers=self.finished_ttl is not None)
 
     def _same_run(self, acq: Acquisition, mode: str, bound: float, refuse_finished: bool) -> Acquisition:
         """The lease is held by another execution of this run id (a redelivered copy, a retry

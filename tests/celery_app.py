@@ -81,12 +81,12 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
 
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.loses", ttl=5, key="loses")
     def loses(self):
-        r.hset("{" + prefix + ":loses}", "owner", "someone-else")  # taken over mid-body
+        r.hset("{" + prefix + ":loses}", "o", "someone-else")  # taken over mid-body
         return "finished"
 
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.loses_warn", ttl=5, key="loses", on_lost="warn")
     def loses_warn(self):
-        r.hset("{" + prefix + ":loses}", "owner", "someone-else")
+        r.hset("{" + prefix + ":loses}", "o", "someone-else")
         return "finished"
 
     for mode in ("ignore", "raise", "retry"):

@@ -70,8 +70,8 @@ def test_owner_token_never_in_repr_logs_events_or_errors(client, prefix, caplog)
     token = lease.owner_token
     texts = [repr(lease), str(lease), repr(acq), repr(locks), repr(locks.holder("secret"))]
     time.sleep(0.3)
-    client.hset("{" + prefix + ":secret}", "owner", "thief")  # the heartbeat finds it lost
-    client.pexpire("{" + prefix + ":secret}", 5000)
+    now_ms = int(client.time()[0]) * 1000
+    client.hset("{" + prefix + ":secret}", mapping={"o": "thief", "x": now_ms + 6000})  # the heartbeat finds it lost
     time.sleep(0.4)
     assert lease.lost
     with pytest.raises(LeaseLost) as err:

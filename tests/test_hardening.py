@@ -26,40 +26,38 @@ def test_scripts_are_idempotent_under_client_retries(client, prefix):
     """redis-py re-sends a command after a timeout although the server ran it: a second run of
     the same acquire / claim / release must give the same answer, never orphan a lease."""
     locks = RedisLocks(client, prefix=prefix)
-    lk, fk, sk, wk = locks._keys("idem")
-    args = ("owner-1", 5000, "{}", 60000, 0, "", "0")
-    first = scripts.ACQUIRE(client, (lk, fk, wk), args)
-    again = scripts.ACQUIRE(client, (lk, fk, wk), args)
+    lk = locks._lease_key("idem")
+    args = ("owner-1", 5000, "{}", 60000, 0, "", "0", "")
+    first = scripts.ACQUIRE(client, (lk,), args)
+    again = scripts.ACQUIRE(client, (lk,), args)
     assert int(first[0]) == 1 and int(again[0]) == 1 and int(first[1]) == int(again[1])
     claim_args = ("owner-1", "owner-2", 5000, "{}", "run")
     assert int(scripts.CLAIM(client, (lk,), claim_args)[0]) == 1
     assert int(scripts.CLAIM(client, (lk,), claim_args)[0]) == 1  # re-sent: still claimed
-    rel_keys = (lk, sk, wk, locks._released_key("idem"), fk)
-    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0, "call-1", ""))) == 1
-    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0, "call-1", ""))) == 1  # re-sent: released
-    assert int(scripts.RELEASE(client, rel_keys, ("owner-2", 10000, 0, "call-2", ""))) == 0  # a new call: no
-    assert int(scripts.RELEASE(client, rel_keys, ("someone-else", 10000, 0, "call-1", ""))) == 0
+    assert int(scripts.RELEASE(client, (lk,), ("owner-2", 60000, 0, "call-1", ""))) == 1
+    assert int(scripts.RELEASE(client, (lk,), ("owner-2", 60000, 0, "call-1", ""))) == 1  # re-sent: released
+    assert int(scripts.RELEASE(client, (lk,), ("owner-2", 60000, 0, "call-2", ""))) == 0  # a new call: no
+    assert int(scripts.RELEASE(client, (lk,), ("someone-else", 60000, 0, "call-1", ""))) == 0
     assert locks.holder("idem") is None
 
 
-def test_release_with_a_done_marker_is_idempotent_without_a_tombstone(client, prefix):
-    """The done marker doubles as the release's tombstone: a re-sent release of a finished run
-    answers 1, a new release call answers 0, and no separate tombstone key is written."""
+def test_release_with_a_done_marker_is_idempotent(client, prefix):
+    """A finishing release names the run in the lease hash and, asked for one, writes its
+    finished marker atomically: a re-sent release still answers 1, a new call answers 0, and
+    neither the hash nor the marker keeps the owner token."""
     locks = RedisLocks(client, prefix=prefix)
     lease = locks.acquire("done", ttl=5, run_id="task-1").lease
-    lk, fk, sk, wk = locks._keys("done")
-    done_k, tomb_k = locks._done_key("done", "task-1"), locks._released_key("done")
-    rel_keys = (lk, sk, wk, tomb_k, fk, done_k)
-    args = (lease.owner_token, 10000, 60000, "nonce-1", "task-1")
-    assert int(scripts.RELEASE(client, rel_keys, args)) == 1
-    assert int(scripts.RELEASE(client, rel_keys, args)) == 1  # re-sent after it ran: released
-    assert int(scripts.RELEASE(client, rel_keys, args[:3] + ("nonce-2", "task-1"))) == 0  # a new call: no
-    assert client.exists(done_k) == 1 and client.exists(tomb_k) == 0
-    assert 0 < client.pttl(done_k) <= 60000
+    lk, done_k = locks._lease_key("done"), locks._done_key("done", "task-1")
+    args = (lease.owner_token, 60000, 60000, "nonce-1", "task-1")
+    assert int(scripts.RELEASE(client, (lk, done_k), args)) == 1
+    assert int(scripts.RELEASE(client, (lk, done_k), args)) == 1  # re-sent after it ran: released
+    assert int(scripts.RELEASE(client, (lk, done_k), args[:3] + ("nonce-2", "task-1"))) == 0  # a new call: no
+    assert client.exists(done_k) == 1 and 0 < client.pttl(done_k) <= 60000
     # a redelivered copy of the finished run is refused; a new run of the id is not
     assert locks.acquire("done", ttl=5, run_id="task-1", refuse_finished=True).reason == "duplicate"
-    assert client.get(fk).decode().endswith(" task-1")  # the fence record names the last finished run
-    assert lease.owner_token.encode() not in client.get(done_k)  # the marker keeps no owner token
+    assert client.hget(lk, "l") == b"task-1"  # the hash names the key's last finished run
+    assert lease.owner_token.encode() not in client.get(done_k)  # no owner token kept anywhere
+    assert all(lease.owner_token.encode() not in v for v in client.hvals(lk))
 
 
 def test_renew_never_shortens_a_stretched_lease(client, prefix):

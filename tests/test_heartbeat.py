@@ -81,7 +81,7 @@ def test_failed_renewal_marks_one_lease_lost_and_keeps_serving_others(redis_url,
     victim = locks.acquire("victim", ttl=0.6, renew=True).lease
     called = []
     victim.on_lost(lambda lease, reason: called.append(reason))
-    c.hset("{" + prefix + ":victim}", "owner", "taken-over")  # another owner now
+    c.hset("{" + prefix + ":victim}", "o", "taken-over")  # another owner now
     time.sleep(0.6)
     assert victim.lost and called
     assert [e for e in events if e.kind == "lost" and e.key == "victim"]

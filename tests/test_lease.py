@@ -29,11 +29,13 @@ def test_acquire_sets_lease_and_fence_atomically(locks):
     k = lease_key(locks, "report")
     stored = c.hgetall(k)
     stored = {a.decode(): b.decode() for a, b in stored.items()}
-    assert stored["owner"] == lease.owner_token
-    assert int(stored["fence"]) == lease.fencing_token
-    assert '"task":"daily_report"' in stored["holder"]
-    assert int(c.get(k + ":fence")) == lease.fencing_token
-    assert 4000 < c.pttl(k) <= 5000
+    # one hash holds the lease and its fence: owner, fencing token, holder, expiry (server ms)
+    assert stored["o"] == lease.owner_token
+    assert int(stored["f"]) == lease.fencing_token
+    assert '"task":"daily_report"' in stored["h"]
+    secs, micros = c.time()
+    assert 3500 < int(stored["x"]) - (int(secs) * 1000 + int(micros) // 1000) <= 5000
+    assert c.pttl(k) > 5000  # the key itself idles for fence_idle_ttl, keeping the fence
     second = locks.acquire("report", ttl=5)
     assert not second.acquired and second.reason == "held"
     assert 0 < second.holder_ttl <= 5
@@ -81,7 +83,7 @@ def test_concurrent_acquires_one_winner_one_fence(locks):
     assert len(winners) == 1
     assert all(r.reason == "held" for r in results if not r.acquired)
     c = raw_client(locks)
-    assert int(c.get(lease_key(locks, "race") + ":fence")) == winners[0].lease.fencing_token
+    assert int(c.hget(lease_key(locks, "race"), "f")) == winners[0].lease.fencing_token
 
 
 # -- 2. fencing tokens only grow, also when the counter is lost ------------------------------------
@@ -100,12 +102,12 @@ def test_fence_grows_after_counter_is_lost(locks):
     k = lease_key(locks, "lostctr")
     first = locks.acquire("lostctr", ttl=5).lease
     first.release()
-    c.delete(k + ":fence")  # as an eviction or a restart without persistence would
+    c.delete(k)  # as an eviction or a restart without persistence would
     second = locks.acquire("lostctr", ttl=5).lease
     assert second.fencing_token > first.fencing_token
     second.release()
     # even a counter rewound far below the last token cannot make tokens go back
-    c.set(k + ":fence", 1)
+    c.hset(k, "f", 1)
     third = locks.acquire("lostctr", ttl=5).lease
     assert third.fencing_token > second.fencing_token
     third.release()
@@ -116,12 +118,14 @@ def test_fence_counter_has_idle_ttl_bounding_memory(backend, prefix):
     locks = RedisLocks(c, prefix=prefix, fence_idle_ttl=3600)
     locks.acquire("mem", ttl=1).lease.release()
     k = lease_key(locks, "mem")
-    assert 3500_000 < c.pttl(k + ":fence") <= 3600_000  # the counter goes once idle
-    assert c.exists(k) == 0                               # the lease is gone at release
-    assert c.exists(k + ":signal", k + ":waiting") == 0   # nobody waited: no signalling keys
+    assert 3500_000 < c.pttl(k) <= 3600_000               # the key (and its fence) go once idle
+    assert locks.holder("mem") is None                    # the lease is gone at release
+    assert c.hexists(k, "x") == 0 and c.hexists(k, "h") == 0
+    assert c.exists(k + ":signal") == 0                   # nobody waited: no signal
     holder = locks.acquire("mem", ttl=5).lease
     assert not locks.acquire("mem", ttl=1, wait=0.05).acquired  # a waiter came and gave up
-    assert 0 < c.pttl(k + ":waiting") <= 1_100            # its flag outlives its wait by 1 s
+    now_ms = int(c.time()[0]) * 1000 + int(c.time()[1]) // 1000
+    assert 0 < int(c.hget(k, "w")) - now_ms <= 1_100      # its mark outlives its wait by 1 s
     holder.release()
     assert 0 < c.pttl(k + ":signal") <= 10_000            # the release signal expires by itself
 
@@ -173,7 +177,7 @@ def test_lease_context_manager_releases(locks):
 def test_ensure_held_verify_asks_redis(locks):
     lease = locks.acquire("verify", ttl=5).lease
     lease.ensure_held(verify=True)
-    raw_client(locks).hset(lease_key(locks, "verify"), "owner", "someone-else")
+    raw_client(locks).hset(lease_key(locks, "verify"), "o", "someone-else")
     lease.ensure_held()  # local knowledge only: still looks held
     with pytest.raises(LeaseLost):
         lease.ensure_held(verify=True)

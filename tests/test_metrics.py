@@ -35,7 +35,7 @@ def test_metrics_count_acquires_skips_losses_and_failed_renewals(client, prefix)
         locks = RedisLocks(client, prefix=prefix, renew_fraction=0.25)
         held = locks.acquire("k", ttl=0.4, renew=True, holder={"task": "reports.build"}).lease
         out = locks.with_lease("k", lambda lease: None, ttl=1, task="reports.build")
-        client.hset("{" + prefix + ":k}", "owner", "thief")
+        client.hset("{" + prefix + ":k}", "o", "thief")
         time.sleep(0.5)  # the heartbeat finds it lost
         assert held.lost and out.reason == "held"
     finally:

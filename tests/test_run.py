@@ -43,7 +43,7 @@ def test_fail_is_finished_and_finished_ttl_outlives_other_runs(locks):
     other = run_of(locks, run_id="run-2")
     assert other.begin()  # another run of the key takes it: the fence record forgets run-1
     other.finish()
-    copy = run_of(locks)
+    copy = run_of(locks, finished_ttl=30.0)  # a copy of the same task, which keeps markers too
     assert not copy.begin(refuse_finished=True) and copy.reason == "duplicate"  # the marker remembers
 
 
