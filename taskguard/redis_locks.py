@@ -93,6 +93,7 @@ class RedisLocks(Locks):
         self.client = client
         self.poll_interval = check_seconds("poll_interval", poll_interval)
         self.fence_idle_ttl = check_seconds("fence_idle_ttl", fence_idle_ttl)
+        self._cluster = hasattr(client, "nodes_manager")  # redis.cluster.RedisCluster
         st = _socket_timeout(client)
         # A blocking BLPOP must return before the client's socket timeout fires. When the client
         # does not say (redis-py 8 applies its default elsewhere), slices stay at 1 s.
@@ -283,11 +284,51 @@ class RedisLocks(Locks):
         return out
 
     def _pipeline_renew(self, items: Sequence[tuple[str, str, float]], use_eval: bool) -> list[Any]:
+        if self._cluster:
+            return self._pipeline_renew_by_node(items, use_eval)
         pipe = self.client.pipeline(transaction=False)
         for key, owner, ttl in items:
             queue = scripts.RENEW.queue_eval if use_eval else scripts.RENEW.queue
             queue(pipe, (self._lease_key(key),), (owner, _ms(ttl)))
         return list(pipe.execute(raise_on_error=False))
+
+    def _pipeline_renew_by_node(self, items: Sequence[tuple[str, str, float]], use_eval: bool) -> list[Any]:
+        """Redis Cluster: one plain pipeline per node that owns the keys' slots (routed by the
+        slot map redis-py keeps), so a renewal round costs one round trip per node. redis-py's
+        ``ClusterPipeline`` would ask the server ``COMMAND GETKEYS`` for every ``EVALSHA`` (a
+        movable-keys command to it), one more round trip per lease. A renewal answered ``MOVED``
+        or ``ASK`` (a slot moved or moving) is sent again alone through the cluster client, which
+        follows the redirection."""
+        client = self.client
+        by_node: dict[Any, list[int]] = {}
+        for i, (key, _, _) in enumerate(items):
+            node = client.nodes_manager.get_node_from_slot(client.keyslot(self._lease_key(key)))
+            by_node.setdefault(node.name, []).append(i)
+        results: list[Any] = [None] * len(items)
+        queue = scripts.RENEW.queue_eval if use_eval else scripts.RENEW.queue
+        for name, idx in by_node.items():
+            node = client.get_node(node_name=name)
+            conn = node.redis_connection if node is not None else None
+            if conn is None:
+                conn = client.get_redis_connection(node)
+            pipe = conn.pipeline(transaction=False)
+            for i in idx:
+                key, owner, ttl = items[i]
+                queue(pipe, (self._lease_key(key),), (owner, _ms(ttl)))
+            try:
+                replies = pipe.execute(raise_on_error=False)
+            except RedisError as e:  # this node unreachable: its leases fall back one by one below
+                replies = [e] * len(idx)
+            for i, r in zip(idx, replies):
+                results[i] = r
+        for i, r in enumerate(results):
+            if isinstance(r, RedisError) and not isinstance(r, NoScriptError):
+                key, owner, ttl = items[i]
+                try:  # through the cluster client: it follows MOVED / ASK and refreshes its slot map
+                    results[i] = scripts.RENEW(client, (self._lease_key(key),), (owner, _ms(ttl)))
+                except RedisError as e:
+                    results[i] = e
+        return results
 
     def _release_one(self, key: str, owner: str, finished_run: str | None = None,
                      finished_ttl: float | None = None) -> bool:

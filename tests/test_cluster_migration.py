@@ -154,3 +154,40 @@ def test_leases_stay_exclusive_and_nothing_is_left_through_a_live_reshard(cluste
                     ids[cl.ports[1]], "--cluster-to", ids[cl.ports[0]], "--cluster-slots", "600", "--cluster-yes"],
                    capture_output=True, text=True, timeout=120)
     uuid.uuid4()
+
+
+def _getkeys_calls(cl) -> int:
+    total = 0
+    for c in cl.node_clients():
+        stats = c.info("commandstats")
+        total += int(stats.get("cmdstat_command|getkeys", {}).get("calls", 0))
+    return total
+
+
+def test_cluster_renewals_cost_one_round_trip_per_node(cluster_locks):
+    """A heartbeat round of 300 leases on a 3-primary cluster: one pipeline per node, no
+    ``COMMAND GETKEYS`` per lease (redis-py's ClusterPipeline asks it for every EVALSHA)."""
+    cl, client, locks = cluster_locks
+    leases = [locks.acquire(f"r{i}", ttl=30).lease for i in range(300)]
+    before = _getkeys_calls(cl)
+    outcomes = locks._renew_many([(lease.key, lease.owner_token, 30.0) for lease in leases])
+    assert outcomes == [True] * 300
+    assert _getkeys_calls(cl) == before
+    for lease in leases:
+        assert lease.release()
+
+
+def test_cluster_renewals_follow_a_slot_that_moves(cluster_locks):
+    """A renewal whose slot is migrating (ASK) or moved (MOVED) is sent again through the cluster
+    client and succeeds; the lease is never reported lost."""
+    cl, client, locks = cluster_locks
+    lease = locks.acquire("moving", ttl=30).lease
+    m = _Migration(cl, client.keyslot(locks._lease_key("moving"))).start()
+    try:
+        src = m.src_c
+        src.execute_command("MIGRATE", "127.0.0.1", m.dst, locks._lease_key("moving"), 0, 5000)  # moved: ASK
+        assert locks._renew_many([(lease.key, lease.owner_token, 30.0)]) == [True]
+    finally:
+        m.finish()
+    assert locks._renew_many([(lease.key, lease.owner_token, 30.0)]) == [True]  # MOVED, then the new owner
+    assert lease.release()
