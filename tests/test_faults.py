@@ -208,3 +208,21 @@ def test_soak(redis_url, prefix):
 
     seconds = float(os.environ.get("TASKGUARD_SOAK_SECONDS", "45"))
     run_soak(redis_url, prefix, seconds=seconds, units=max(120, int(seconds * 3)), keys=8, broker=require_rabbitmq())
+
+
+def test_torture_short(redis_url):
+    """A short run of ``bench/torture.py`` (the full run does 10^5 acquisitions): 8 processes on 4
+    keys through the TCP proxy, with SIGKILL, SIGSTOP, cut and delayed connections; 0 overlaps and
+    0 fence regressions."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "bench" / "torture.py"), "--acquisitions", "1500",
+                          "--seconds", "90", "--url", redis_url], cwd=root, capture_output=True, text=True,
+                         timeout=180)
+    say(out.stdout.strip().replace("\n", "\n    "))
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "overlaps: 0   fence regressions: 0" in out.stdout
+    assert "acquisitions 1," in out.stdout or "acquisitions 2," in out.stdout

@@ -1,0 +1,182 @@
+#!/usr/bin/env python
+"""A torture run of the lease protocol: many processes, few keys, holders killed and paused,
+connections cut and delayed, every holder writing to a fenced ledger.
+
+Run from the repository root:
+
+    .venv/bin/python bench/torture.py [--procs 8] [--keys 4] [--acquisitions 100000] [--seconds 600] [--url URL]
+
+``--procs`` processes loop on ``--keys`` keys: ``acquire(key, ttl=0.5, renew=True, wait=0.2)``
+through a TCP proxy to Redis (the suite's ``tests/tcp_proxy.py``); each holder then writes to a
+fenced ledger on Redis directly (the storage-side check of ``examples/fencing.py``: a write with a
+fencing token below the last accepted one is rejected), checks that nobody else entered the key
+meanwhile, and releases. Meanwhile the parent injects, at random every 0.1-0.3 s: SIGKILL of a
+process (respawned), SIGSTOP of a process for two TTLs (then SIGCONT), a cut of every proxied
+connection, or 0.3 s of proxy delay for a second. It stops at ``--acquisitions`` in all or after
+``--seconds``, and prints acquisitions, faults injected, **overlaps** (a holder whose lease was held
+throughout, per its release, saw another holder enter its key; must be 0) and **fence
+regressions** (among holds that were held throughout, which therefore follow one another, a later
+one with a lower or equal token; must be 0), plus the stale writes the fenced ledger rejected.
+It exits 1 when either is not 0. Keys live under a fresh prefix and are deleted at the end.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import redis  # noqa: E402
+
+from benchlib import arg_parser, cleanup, exit_on_sigterm, open_admin, run_prefix  # noqa: E402
+
+TTL = 0.5
+LEDGER = """
+local last = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) < last then
+  redis.call('INCR', KEYS[2])
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('RPUSH', KEYS[3], ARGV[1])
+return 1
+"""
+
+
+def worker(proxy_url: str, direct_url: str, prefix: str, keys: int, seed: int) -> None:
+    from taskguard import LeaseBackendError, RedisLocks
+
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    rng = random.Random(seed)
+    locks = RedisLocks(redis.Redis.from_url(proxy_url, socket_timeout=1, socket_connect_timeout=1), prefix=prefix)
+    store = redis.Redis.from_url(direct_url)
+    ledger = store.register_script(LEDGER)
+    while True:
+        key = f"k{rng.randrange(keys)}"
+        try:
+            acq = locks.acquire(key, ttl=TTL, renew=True, wait=0.2)
+        except LeaseBackendError:
+            time.sleep(0.05)
+            continue
+        if not acq.acquired:
+            continue
+        lease = acq.lease
+        store.incr(f"{prefix}:acquisitions")
+        store.rpush(f"{prefix}:order:{key}", lease.fencing_token)  # after the acquire, before the release
+        occ = f"{prefix}:occ:{key}"
+        store.set(occ, lease.fencing_token)
+        time.sleep(rng.uniform(0, 0.01))
+        accepted = ledger(keys=[f"{prefix}:last:{key}", f"{prefix}:rejected", f"{prefix}:ledger:{key}"],
+                          args=[lease.fencing_token]) == 1
+        entered = int(store.get(occ) or 0) != lease.fencing_token
+        try:
+            held = lease.release()
+        except LeaseBackendError:
+            held = False
+        if held and not lease.lost:
+            # holds that were held throughout do not overlap, so they were recorded (after their
+            # acquire returned, before their release) in the order they held the key: their tokens
+            # must only grow
+            store.sadd(f"{prefix}:clean:{key}", lease.fencing_token)
+            if entered and accepted:
+                store.rpush(f"{prefix}:overlaps", f"{key}:{lease.fencing_token}")
+
+
+def spawn(ctx, args, prefix, proxy_url, seed):
+    p = ctx.Process(target=worker, args=(proxy_url, args.url, prefix, args.keys, seed), daemon=True)
+    p.start()
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = arg_parser(__doc__)
+    ap.add_argument("--procs", type=int, default=8)
+    ap.add_argument("--keys", type=int, default=4)
+    ap.add_argument("--acquisitions", type=int, default=100_000)
+    ap.add_argument("--seconds", type=float, default=600.0)
+    args = ap.parse_args(argv)
+    opened = open_admin(args.url)
+    if opened is None:
+        return 1
+    admin, _ = opened
+    exit_on_sigterm()
+    from tests.tcp_proxy import TcpProxy
+
+    parts = urlsplit(args.url)
+    proxy = TcpProxy(parts.port or 6379, parts.hostname or "127.0.0.1")
+    proxy_url = f"redis://127.0.0.1:{proxy.port}{parts.path or '/0'}"
+    prefix = run_prefix()
+    ctx = mp.get_context("fork")
+    rng = random.Random(11)
+    procs = [spawn(ctx, args, prefix, proxy_url, i) for i in range(args.procs)]
+    faults = {"SIGKILL": 0, "SIGSTOP": 0, "cut": 0, "delay": 0}
+    stopped: list[tuple[float, mp.Process]] = []
+    started = time.monotonic()
+    seed = args.procs
+    try:
+        while True:
+            done = int(admin.get(f"{prefix}:acquisitions") or 0)
+            if done >= args.acquisitions or time.monotonic() - started > args.seconds:
+                break
+            time.sleep(rng.uniform(0.1, 0.3))
+            for until, p in list(stopped):
+                if time.monotonic() >= until:
+                    os.kill(p.pid, signal.SIGCONT)
+                    stopped.remove((until, p))
+            fault = rng.choice(list(faults))
+            i = rng.randrange(len(procs))
+            if fault == "SIGKILL":
+                os.kill(procs[i].pid, signal.SIGKILL)
+                procs[i].join(5)
+                stopped[:] = [(u, p) for u, p in stopped if p is not procs[i]]
+                seed += 1
+                procs[i] = spawn(ctx, args, prefix, proxy_url, seed)
+            elif fault == "SIGSTOP":
+                if any(p is procs[i] for _, p in stopped):
+                    continue
+                os.kill(procs[i].pid, signal.SIGSTOP)
+                stopped.append((time.monotonic() + 2 * TTL, procs[i]))
+            elif fault == "cut":
+                proxy.cut()
+            else:
+                proxy.delay = 0.3
+                time.sleep(1.0)
+                proxy.delay = 0.0
+            faults[fault] += 1
+    finally:
+        for _, p in stopped:
+            os.kill(p.pid, signal.SIGCONT)
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.join(5)
+        proxy.close()
+    elapsed = time.monotonic() - started
+    acquisitions = int(admin.get(f"{prefix}:acquisitions") or 0)
+    overlaps = admin.llen(f"{prefix}:overlaps")
+    rejected = int(admin.get(f"{prefix}:rejected") or 0)
+    regressions = 0
+    for k in range(args.keys):
+        clean = admin.smembers(f"{prefix}:clean:k{k}")
+        fences = [int(x) for x in admin.lrange(f"{prefix}:order:k{k}", 0, -1) if x in clean]
+        regressions += sum(1 for a, b in zip(fences, fences[1:]) if b <= a)
+    cleanup(admin, prefix)
+    print(f"torture: {args.procs} processes, {args.keys} keys, {elapsed:.0f} s")
+    print(f"   acquisitions {acquisitions:,} ({acquisitions / elapsed:,.0f}/s)")
+    print("   faults injected: " + ", ".join(f"{n} {k}" for k, n in faults.items()))
+    print(f"   stale writes rejected by the fence: {rejected}")
+    print(f"   overlaps: {overlaps}   fence regressions: {regressions}")
+    return 0 if overlaps == 0 and regressions == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
