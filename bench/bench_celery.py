@@ -660,7 +660,7 @@ def diagnostics(bench: Bench, ops: int, rounds: int) -> tuple[list[list[str]], l
     m = bench.m
     locks = m.guarded_noop.taskguard_locks
     client = locks.client
-    path = locks._exec  # the connection path of the guard's script calls
+    path = locks.client  # the guard's script calls go through the client's execute_command
     orig = path.execute_command
     inside = [0.0, 0.0]
     clock, tclock = time.perf_counter, time.thread_time
@@ -739,7 +739,7 @@ def diagnostics(bench: Bench, ops: int, rounds: int) -> tuple[list[list[str]], l
         f"   guard per call (guarded - unguarded apply): {g[0] - u[0]:+.1f} us wall, {g[1] - u[1]:+.1f} us CPU. "
         "Of that:",
         f"     {g[3] - g[4]:6.1f} us  wall waiting for Redis inside the 2 EVALSHA calls (loopback round trips, Lua)",
-        f"     {g[4]:6.1f} us  CPU in the 2 script calls on taskguard's own connections: packing, idle check, retry "
+        f"     {g[4]:6.1f} us  CPU in the 2 script calls through the client's execute_command: pool, packing, retry "
         f"wrapper, sendall/recv syscalls, hiredis (2x PING through redis-py's pool costs {pg[2]:.1f} us CPU)",
         f"     {locks_py:6.1f} us  CPU in the Locks API around them (acquire: checks, holder JSON, owner token, Lease, "
         "heartbeat add; release: heartbeat discard, events)",

@@ -116,17 +116,17 @@ def make_contenders(client: redis.Redis, locks: RedisLocks, prefix: str) -> dict
         lk.release()
 
     # Diagnostic: taskguard's own scripts, same keys and argument sizes, no API around them.
-    lease_k, fence_k, signal_k, waiting_k = locks._keys("raw")
+    lease_k = locks._lease_key("raw")
     owner = new_owner_token()
     holder_json = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}, separators=(",", ":"))
     acq_args = (owner, TTL * 1000, holder_json, int(locks.fence_idle_ttl * 1000), 0, "", "0", "")
-    rel_args = (owner, 10_000, 0, "bench", "")
+    rel_args = (owner, int(locks.fence_idle_ttl * 1000), 0, "bench", "")
     ACQ, REL = scripts.ACQUIRE, scripts.RELEASE
     path = locks.client  # the path taskguard's own calls take: the client's execute_command
 
     def raw() -> None:
-        ACQ(path, (lease_k, fence_k, waiting_k), acq_args)
-        REL(path, (lease_k, signal_k, waiting_k, locks._released_key("raw"), fence_k), rel_args)
+        ACQ(path, (lease_k,), acq_args)
+        REL(path, (lease_k,), rel_args)
 
     return {"taskguard": tg, "2x PING": two_pings, "redis-py Lock": rp, "tg scripts raw": raw}
 
@@ -390,7 +390,7 @@ def print_split(url: str, prefix: str, ops: int, rounds: int) -> None:
     instance attribute wrapper on its connection path: taskguard's code is not touched)."""
     client = redis.Redis.from_url(url)
     locks = RedisLocks(client, prefix=prefix)
-    path = locks._exec
+    path = locks.client
     clock = time.perf_counter
     orig = path.execute_command
     inside = [0.0]
