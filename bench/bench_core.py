@@ -440,11 +440,11 @@ class _NullRedisLocks(RedisLocks):
 
     # *rest/**kw and the int 1 ("acquired", also truthy) keep this working while the primitives grow.
     def _try_acquire(self, key, owner, ttl, holder_json, *rest, **kw):  # type: ignore[override]
-        self._keys(key)
-        return 1, 1, None
+        self._lease_key(key)
+        return 1, 1, None, None
 
     def _release_one(self, key, owner, *rest, **kw):  # type: ignore[override]
-        self._keys(key)
+        self._lease_key(key)
         return True
 
 

@@ -11,8 +11,8 @@ everything that is not a key goes in ARGV):
                    ``l`` the identity of the run that finished, if one did (the next acquisition
                    drops it); ``w`` (server ms) until when someone waits for the lease. The key
                    carries an idle TTL (``fence_idle_ttl``, default 7 days, never shorter than the
-                   lease), refreshed at every acquisition and release, so Redis memory per distinct
-                   key is bounded and the fence lives exactly as long as the lease it fences.
+                   lease), set at every acquisition, so Redis memory per distinct key is bounded and
+                   the fence lives at least as long as the lease it fences.
 * ``{P:K}:signal`` a one-element list pushed after a release when someone waits; waiters ``BLPOP``
                    it, so a waiter wakes on release instead of by polling. It expires by itself.
 * ``{P:K}:done:R`` the finished marker of run ``R`` (a Celery task id and its publish stamp),
@@ -135,10 +135,7 @@ redis.call('HSET', KEYS[1], 'o', ARGV[1], 'x', string.format('%.0f', now + ttl),
 if v[5] then
   redis.call('HDEL', KEYS[1], 'l')
 end
-local keep = math.max(tonumber(ARGV[4]), ttl)
-if redis.call('PTTL', KEYS[1]) < keep then
-  redis.call('PEXPIRE', KEYS[1], keep)
-end
+redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[4]), ttl))
 if KEYS[2] and ARGV[7] == '0' then
   redis.call('DEL', KEYS[2])
 end
@@ -169,7 +166,7 @@ return 1
 )
 
 # KEYS[1] lease, optional KEYS[2] finished marker of the finishing run
-# ARGV[1] owner token, ARGV[2] idle TTL ms of the key, ARGV[3] finished marker TTL ms (with
+# ARGV[1] owner token, ARGV[2] (unused, kept for the argument layout), ARGV[3] finished marker TTL ms (with
 # KEYS[2]), ARGV[4] a random nonce unique to this release call, ARGV[5] the identity of the run
 # that finished ('': the run did not finish, e.g. it hands its message back)
 # -> 1 released, 2 released and someone waits (the caller then signals), 0 not the owner (or
@@ -187,14 +184,14 @@ local exp = tonumber(v[2])
 local tomb = '~' .. ARGV[4] .. string.sub(redis.sha1hex(ARGV[1]), 1, 8)
 if v[1] == ARGV[1] and exp and exp > now then
   redis.call('HDEL', KEYS[1], 'x', 'h', 's', 'r', 'w')
-  redis.call('HSET', KEYS[1], 'o', tomb)
   if ARGV[5] ~= '' then
-    redis.call('HSET', KEYS[1], 'l', ARGV[5])
+    redis.call('HSET', KEYS[1], 'o', tomb, 'l', ARGV[5])
+  else
+    redis.call('HSET', KEYS[1], 'o', tomb)
   end
   if KEYS[2] then
     redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
   end
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
   if (tonumber(v[3]) or 0) > now then
     return 2
   end
