@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.runs} finished runs of one guarded no-op task per kind (Redis broker, visibility_timeout 60 s)")
     print(fmt_table(["task", "taskguard keys left", "naming a run", "taskguard B / run", "longest TTL",
                      "taskguard B in all", "Celery result B / run", "taskguard / Celery per run"], rows))
-    print("Keys that name no run are per guard key (its fence record and, for 10 s, the last release's "
-          "tombstone).")
+    print("Keys that name no run are per guard key: its lease hash (fencing token, release mark, last finished run).")
     return 0
 
 

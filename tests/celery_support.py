@@ -74,6 +74,15 @@ class EventLog:
         return self.of(type_)
 
 
+def delete_amqp_queue(app, queue: str) -> None:
+    """Remove a test's queue from RabbitMQ (best effort: the broker may be gone already)."""
+    try:
+        with app.connection_for_write() as conn:
+            conn.default_channel.queue_delete(queue)
+    except Exception:
+        pass
+
+
 def body_log(app) -> list[str]:
     r = redis.Redis.from_url(app.conf.broker_url if app.conf.broker_url.startswith("redis") else
                              os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))

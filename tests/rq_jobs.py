@@ -14,6 +14,12 @@ from rq import Retry
 from taskguard_rq import current_lease, guarded_job
 
 
+def _attempt(name: str) -> int:
+    """How many times the job of ``name`` started so far, this start included."""
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    return int(r.incr("{" + os.environ["TASKGUARD_PREFIX"] + ":attempts:" + name + "}"))
+
+
 def _log(entry: str) -> None:
     r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":log}", entry)
@@ -42,8 +48,7 @@ def short_ttl(seconds=2.0):
 
 @guarded_job(ttl=2, key="flaky:{name}")
 def flaky(name, fail_times=1):
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    attempt = r.incr("{" + os.environ["TASKGUARD_PREFIX"] + ":attempts:" + name + "}")
+    attempt = _attempt(name)
     _log(f"flaky:{name}:{attempt}:{current_lease().fencing_token}")
     if attempt <= fail_times:
         raise RuntimeError(f"attempt {attempt} fails")
@@ -52,8 +57,7 @@ def flaky(name, fail_times=1):
 
 @guarded_job(ttl=3, key="kill:{name}")
 def killed(name):
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    attempt = r.incr("{" + os.environ["TASKGUARD_PREFIX"] + ":attempts:" + name + "}")
+    attempt = _attempt(name)
     _log(f"kill:{name}:{attempt}:{current_lease().fencing_token}")
     if attempt == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # the work-horse dies without any finally
@@ -68,8 +72,7 @@ def overrun(seconds=5.0):
 
 @guarded_job(ttl=10, key="rr:{name}")
 def returns_retry(name):
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    attempt = r.incr("{" + os.environ["TASKGUARD_PREFIX"] + ":attempts:" + name + "}")
+    attempt = _attempt(name)
     _log(f"rr:{name}:{attempt}:{current_lease().fencing_token}")
     if attempt == 1:
         return Retry(max=2)  # RQ >= 2.1 runs the job again
@@ -78,8 +81,7 @@ def returns_retry(name):
 
 @guarded_job(ttl=3, key="stall:{name}")
 def stalls_once(name):
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    attempt = r.incr("{" + os.environ["TASKGUARD_PREFIX"] + ":attempts:" + name + "}")
+    attempt = _attempt(name)
     _log(f"stall:{name}:{attempt}:{current_lease().fencing_token}:{os.getpid()}")
     if attempt == 1:
         time.sleep(60)  # the whole worker dies meanwhile

@@ -18,7 +18,7 @@ from celery.result import AsyncResult
 from taskguard import LeaseBackendError, LeaseLost, RedisLocks, is_skipped
 
 from .celery_app import make_app
-from .celery_support import WorkerProcess, body_log, embedded_worker
+from .celery_support import WorkerProcess, body_log, delete_amqp_queue, embedded_worker
 from .servers import RedisServer
 
 # Redis broker: unacked messages come back after 3 s; kombu sweeps for them every second
@@ -66,11 +66,7 @@ def env(redis_url, prefix, broker):
     yield app, queue, prefix, broker, conf
     redis.Redis.from_url(redis_url).delete(app.tg_log, queue)
     if broker:
-        try:
-            with app.connection_for_write() as conn:
-                conn.default_channel.queue_delete(queue)
-        except Exception:
-            pass
+        delete_amqp_queue(app, queue)
 
 
 def wait_for(pred, timeout=20.0, step=0.1):

@@ -20,7 +20,7 @@ import redis
 from taskguard import LeaseBackendError, RedisLocks
 
 from .celery_app import FENCED_SET, make_app
-from .celery_support import WorkerProcess
+from .celery_support import WorkerProcess, delete_amqp_queue
 from .tcp_proxy import TcpProxy
 
 
@@ -184,11 +184,7 @@ def run_soak(redis_url: str, prefix: str, seconds: float, units: int, keys: int,
         r.delete(*keys_left)
     r.delete(queue)
     if broker:
-        try:
-            with app.connection_for_write() as conn:
-                conn.default_channel.queue_delete(queue)
-        except Exception:
-            pass
+        delete_amqp_queue(app, queue)
     assert done == units
     assert violations == []
     assert increasing

@@ -25,6 +25,7 @@ from taskguard import is_skipped
 from . import rq_jobs
 from .celery_app import make_app
 from .celery_support import WorkerProcess, body_log, embedded_worker
+from .test_celery_failures import wait_for
 from .test_rq import RQWorker, locks as rq_locks, log as rq_log, rq_env, wait_done  # noqa: F401  (fixture)
 
 FAST_RESTORE = {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
@@ -57,16 +58,6 @@ def celery_env(redis_url, prefix):
     r = redis.Redis.from_url(redis_url)
     for app, queue in made:
         r.delete(app.tg_log, queue, f"{prefix}:executions")
-
-
-def wait_for(pred, timeout=20.0, step=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(step)
-    return pred()
 
 
 # -- Celery: redelivery of a long acks_late body ----------------------------------------------------
