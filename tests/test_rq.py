@@ -28,7 +28,7 @@ def rq_env(redis_url, prefix, monkeypatch):
     """Leases under the test's prefix (here and in worker processes), and the test's own queue."""
     monkeypatch.setenv("TASKGUARD_REDIS_URL", redis_url)
     monkeypatch.setenv("TASKGUARD_PREFIX", prefix)
-    monkeypatch.setattr(taskguard_rq.job, "_default", None)
+    monkeypatch.setattr(taskguard_rq.config, "_default", None)
     conn = redis.Redis.from_url(redis_url)
     queue = Queue(f"q-{prefix}", connection=conn)
     yield queue

@@ -13,7 +13,8 @@ from taskguard import Skipped, TaskSkipped, is_skipped, metrics as _metrics
 from taskguard.context import current_lease
 
 from .handles import load_handle
-from .job import META_KEY, ON_SKIP, guarded_job, locks_for, skip_count
+from .config import locks_for
+from .job import META_KEY, ON_SKIP, guarded_job, skip_count
 from .worker import GuardedWorker, settle_killed_job
 
 if _metrics.enabled_by_env():  # work-horses are forked from here: they inherit the listener

@@ -20,19 +20,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from typing import Any, Callable
 
 from rq import Retry, get_current_job
 
-import taskguard
 from taskguard import LeaseBackendError, Locks, Skipped, TaskSkipped
 from taskguard.policy import GuardOptions
 from taskguard.run import GuardedRun
 
+from .config import locks_for
 from .handles import drop_handle, load_handle, save_handle
 
-__all__ = ["guarded_job", "locks_for", "skip_count", "META_KEY", "ON_SKIP"]
+__all__ = ["guarded_job", "skip_count", "META_KEY", "ON_SKIP"]
 
 log = logging.getLogger("taskguard.rq")
 
@@ -43,22 +42,6 @@ ON_SKIP = ("result", "raise")
 #: RQ's default ``job_timeout``, seconds (rq/defaults.py); bounds the wait for an earlier
 #: execution of the same job id when the job sets none.
 DEFAULT_JOB_TIMEOUT = 180.0
-_SKIPS = "skips"
-
-_default: Locks | None = None
-_default_lock = threading.Lock()
-
-
-def locks_for(explicit: Locks | None = None) -> Locks:
-    """The job's ``locks=`` option, else one :func:`taskguard.from_env` per process."""
-    global _default
-    if explicit is not None:
-        return explicit
-    with _default_lock:
-        if _default is None:
-            _default = taskguard.from_env()
-        return _default
-
 
 def skip_count(name: str, locks: Locks | None = None) -> int:
     """Skips counted so far for the job function labelled ``name`` (``guarded.taskguard_name``)."""

@@ -24,7 +24,7 @@ from rq import Worker
 
 from taskguard import ConfigError, LeaseBackendError
 from .handles import drop_handle, load_handle, save_handle
-from .job import locks_for
+from .config import locks_for
 
 __all__ = ["GuardedWorker", "settle_killed_job"]
 
