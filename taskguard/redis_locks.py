@@ -16,7 +16,7 @@ from .errors import ConfigError, LeaseBackendError
 from .events import Listener
 from .lease import HolderInfo
 from .locks import Health, Locks, _ms, check_seconds
-from .urls import ACCEPTED, redact_url
+from .urls import ACCEPTED, redact_url, scrub
 
 log = logging.getLogger("taskguard")
 
@@ -31,17 +31,6 @@ SIGNAL_TTL = 10.0
 
 def _detail(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
-
-
-def _scrub(text: str, url: str) -> str:
-    """``text`` without the URL's password (error messages may quote parts of the URL)."""
-    from urllib.parse import urlsplit
-
-    try:
-        secret = urlsplit(url).password
-    except ValueError:
-        return "invalid URL"
-    return text.replace(secret, "***") if secret else text
 
 
 def _socket_timeout(client: Any) -> float | None:
@@ -162,7 +151,7 @@ class RedisLocks(Locks):
             problem = f"{type(e).__name__}: {e}"
         if problem is not None:
             raise ConfigError(f"url: cannot build a Redis client from {redact_url(url)} ({ACCEPTED}): "
-                              f"{_scrub(problem, url)}")
+                              f"{scrub(problem, url)}")
         locks = cls(client, prefix=prefix, **opts)
         locks._owns_client = True
         return locks

@@ -7,7 +7,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from .errors import ConfigError
 
-__all__ = ["check_url", "redact_url"]
+__all__ = ["check_url", "redact_url", "scrub"]
 
 SCHEMES = ("redis", "rediss", "unix")
 ACCEPTED = "redis://[user[:password]@]host[:port][/db], rediss://... or unix:///path/to.sock"
@@ -43,6 +43,15 @@ def redact_url(url: object) -> str:
     return repr(parts._replace(netloc=netloc).geturl())
 
 
+def scrub(text: str, url: str) -> str:
+    """``text`` (an error message that may quote parts of ``url``) without ``url``'s password."""
+    try:
+        secret = urlsplit(url).password
+    except ValueError:
+        return "invalid URL"
+    return text.replace(secret, "***") if secret else text
+
+
 def _known_query_options() -> set[str]:
     from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 
@@ -70,6 +79,7 @@ def check_url(url: object, name: str) -> str:
     if parts.scheme == "unix":
         if not parts.path:
             raise ConfigError(f"{name}: a unix:// URL needs a socket path ({ACCEPTED}), got {shown}")
+        _parse_as_redis_py_does(url, name, shown)
         return url
     if not parts.hostname:
         raise ConfigError(f"{name}: the URL has no host ({ACCEPTED}), got {shown}")
@@ -78,4 +88,17 @@ def check_url(url: object, name: str) -> str:
     db = parts.path.lstrip("/")
     if db and not (db.isdigit() and db.isascii() and len(db) <= 9):
         raise ConfigError(f"{name}: the path must be a database number, got {shown}")
+    _parse_as_redis_py_does(url, name, shown)
     return url
+
+
+def _parse_as_redis_py_does(url: str, name: str, shown: str) -> None:
+    """The client is built by redis-py's own URL parser (``redis.connection.parse_url``): what it
+    refuses is refused here first, with the setting's name and the password masked."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{name} must be a Redis URL ({ACCEPTED}) that redis-py accepts: {scrub(str(e), url)}, "
+                          f"got {shown}") from None

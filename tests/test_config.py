@@ -635,3 +635,12 @@ def test_a_ttl_below_the_floor_fails_task_and_job_declarations_and_beat_entries(
         guarded_job(ttl=0.001)(lambda: None)
     with pytest.raises(ConfigError, match="beat entry 'e'.*ttl"):
         validate_entry_options("e", {"ttl": 0.001})
+
+
+def test_a_url_redis_py_refuses_is_refused_at_check_time_without_its_password():
+    from taskguard.urls import check_url
+
+    with pytest.raises(ConfigError) as err:
+        check_url("redis://:s3cret-pw@127.0.0.1:6379/0?socket_timeout=abc", "TASKGUARD_REDIS_URL")
+    text = str(err.value)
+    assert "TASKGUARD_REDIS_URL" in text and "socket_timeout" in text and "s3cret-pw" not in text
