@@ -120,8 +120,10 @@ class GuardedRun:
             same_run_wait: with ``same_run="wait"``, the longest wait in seconds; each step is
                 bounded by the holder's TTL, so a dead holder is outlived.
 
-        Raises LeaseBackendError when Redis fails.
+        Raises ConfigError for an unknown ``same_run``, LeaseBackendError when Redis fails.
         """
+        if same_run not in SAME_RUN:
+            raise ConfigError(f"same_run must be one of {SAME_RUN}, got {same_run!r}")
         acq = None
         if handle is not None:
             try:

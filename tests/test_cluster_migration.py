@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
-import uuid
 
 import pytest
 import redis
@@ -153,7 +152,6 @@ def test_leases_stay_exclusive_and_nothing_is_left_through_a_live_reshard(cluste
     subprocess.run(["redis-cli", "--cluster", "reshard", f"127.0.0.1:{cl.ports[1]}", "--cluster-from",
                     ids[cl.ports[1]], "--cluster-to", ids[cl.ports[0]], "--cluster-slots", "600", "--cluster-yes"],
                    capture_output=True, text=True, timeout=120)
-    uuid.uuid4()
 
 
 def _getkeys_calls(cl) -> int:

@@ -104,6 +104,8 @@ def test_two_concurrent_jobs_of_one_key_one_runs_one_skipped(rq_env):
     assert first.meta["taskguard"]["outcome"] == "ran" and first.return_value()["n"] == 1
     assert "owner" not in str(first.meta) and "owner" not in str(second.meta)
     assert skip_count(rq_jobs.slow.taskguard_name) == 1
+    counter = "{" + os.environ["TASKGUARD_PREFIX"] + ":rq-skips}:r:" + rq_jobs.slow.taskguard_name
+    assert 0 < rq_env.connection.pttl(counter) <= 7 * 86400 * 1000  # a counter that goes when unused
     assert log(rq_env).count("slow:1:end") == 1
     assert locks().holder("slow:1") is None
 

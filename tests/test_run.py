@@ -160,3 +160,11 @@ def test_a_new_delivery_of_a_finished_run_id_is_not_a_duplicate(locks):
     second = run_of(locks, run_id="T", delivery="pub-2")
     assert second.begin(refuse_finished=True)  # a redelivery of a new publish that never ran: runs
     second.finish()
+
+
+def test_an_unknown_same_run_mode_is_a_config_error(locks):
+    from taskguard import ConfigError
+
+    with pytest.raises(ConfigError, match="same_run"):
+        run_of(locks).begin(same_run="ignore")
+    assert locks.holder("k") is None

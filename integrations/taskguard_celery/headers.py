@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+import time
 from typing import Any
 
 __all__ = ["HEADER", "BEAT_HEADER", "DEFER_HEADER", "PUBLISH_HEADER", "new_publish_stamp", "publish_time",
@@ -23,9 +25,7 @@ PUBLISH_HEADER = "taskguard_publish"
 
 
 def new_publish_stamp() -> str:
-    import secrets
-    import time
-
+    """A publish stamp (see :data:`PUBLISH_HEADER`): publish time in ms (hex), a dot, 32 random bits."""
     return f"{int(time.time() * 1000):x}.{secrets.token_hex(4)}"
 
 

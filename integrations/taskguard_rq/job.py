@@ -42,6 +42,9 @@ ON_SKIP = ("result", "raise")
 #: RQ's default ``job_timeout``, seconds (rq/defaults.py); bounds the wait for an earlier
 #: execution of the same job id when the job sets none.
 DEFAULT_JOB_TIMEOUT = 180.0
+#: A function's skip counter goes this many seconds after its last skip (it is a gauge for people,
+#: the Prometheus counter is the durable one).
+SKIP_COUNT_TTL = 7 * 86400.0
 
 def skip_count(name: str, locks: Locks | None = None) -> int:
     """Skips counted so far for the job function labelled ``name`` (``guarded.taskguard_name``)."""
@@ -177,7 +180,7 @@ def _skip(job: Any, locks: Locks, name: str, opts: GuardOptions, run: GuardedRun
         raise TaskSkipped(run.key, "running", name, run.holder_ttl)
     skipped: Skipped = run.skip()
     try:
-        locks.count_record("rq-skips", name)
+        locks.count_record("rq-skips", name, ttl=SKIP_COUNT_TTL)
     except LeaseBackendError as e:
         log.warning("could not count a skip of %s: %s", name, e)
     log.info("%s", skipped.describe())
