@@ -230,6 +230,20 @@ class GuardedRun:
         lease = self._end("kept")
         return None if lease is None else persist(lease, seconds)
 
+    def release_kept(self, handle: Mapping[str, Any]) -> None:
+        """:meth:`keep` handed the lease to a retry that was then never published (max retries
+        exceeded, a publish error): the run ends here. Release the kept lease, recording the run as
+        finished. Never raises (the caller's own exception must win)."""
+        from .locks import _finished_id
+
+        if self.state != "kept":
+            return
+        self.state = "finished"
+        lease = self.locks.restore(handle["key"], handle["owner"], ttl=self.ttl, fencing_token=handle["fence"])
+        lease.run_id = self.run_id
+        lease.finished_id = _finished_id(self.run_id, self.delivery)
+        self._release_quietly(lease, finished=True)
+
     def skip(self, report: bool = True) -> Skipped:
         """The :class:`~taskguard.Skipped` value of a run that did not get its lease, after
         emitting the ``skip`` event (``report=False``: the caller reports it, e.g. after

@@ -448,3 +448,19 @@ def test_malformed_taskguard_header_is_ignored_not_fatal(app, header):
         out = app.tasks["tg.slow"].apply_async((4,), {"seconds": 0}, headers={"taskguard": header}).get(timeout=5)
     assert out["n"] == 4
     assert lease_holder(app, "slow:4") is None
+
+
+def test_a_retry_that_is_not_published_releases_the_kept_lease_at_once(app):
+    """The run's last retry fails with MaxRetriesExceededError: the lease it had stretched for that
+    retry is released when the task fails (not left for the countdown plus the TTL), and the run is
+    recorded as finished."""
+    locks = app.conf.taskguard_locks
+    with embedded_worker(app, pool="threads", concurrency=2):
+        res = app.tasks["tg.retrying"].apply_async(("maxed",), {"fail_times": 99, "countdown": 0.1})
+        with pytest.raises(Exception) as err:
+            res.get(timeout=20)
+        gone_at = time.monotonic()
+        assert locks.holder("retry:maxed") is None
+    assert "MaxRetries" in type(err.value).__name__ or "Retries" in str(err.value)
+    assert len([e for e in body_log(app) if e.startswith("retrying:maxed:")]) == 6  # the run and 5 retries
+    assert time.monotonic() - gone_at < 5

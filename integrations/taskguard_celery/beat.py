@@ -44,7 +44,7 @@ from celery.schedules import schedule
 
 from taskguard import ConfigError, LeaseBackendError, Lease, Locks
 from taskguard.keys import KeyTemplate
-from taskguard.validate import check_seconds, check_ttl
+from taskguard.validate import check_ttl
 
 from .config import locks_for
 from .headers import BEAT_HEADER

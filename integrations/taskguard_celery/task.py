@@ -14,7 +14,7 @@ from celery import Task, shared_task
 from celery.exceptions import Reject, Retry
 from celery.utils.time import maybe_iso8601
 
-from taskguard import ConfigError, LeaseBackendError, Locks, Skipped
+from taskguard import ConfigError, Locks, Skipped
 from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions
@@ -239,19 +239,8 @@ class GuardedTask(Task):
             raise
         except BaseException:  # not published: this run ends here, release what it kept
             if handle is not None:
-                _release_kept(self, run, handle)
+                run.release_kept(handle)
             raise
-
-
-def _release_kept(task: GuardedTask, run: GuardedRun, handle: dict) -> None:
-    try:
-        lease = task.taskguard_locks.restore(handle["key"], handle["owner"], ttl=run.ttl,
-                                             fencing_token=handle["fence"])
-        lease.run_id = run.run_id
-        lease.finished_id = run.run_id if not run.delivery else f"{run.run_id}#{run.delivery}"
-        lease.release(finished=True, finished_ttl=run.finished_ttl)
-    except LeaseBackendError as e:
-        log.warning("task %s: could not release the lease kept for an unpublished retry: %s", task.name, e)
 
 
 def _retry_delay(eta: Any, countdown: Any, default: Any) -> float:

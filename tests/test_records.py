@@ -1,0 +1,62 @@
+"""The records API (put/get/delete/count under a lease key's hash tag): the same answers from Redis
+(standalone and Cluster) and from MemoryLocks, conditions checked atomically, TTLs kept."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from taskguard import ConfigError, MemoryLocks, RedisLocks
+
+
+@pytest.fixture(params=["standalone", "cluster", "memory"])
+def any_locks(request, redis_url, prefix):
+    if request.param == "memory":
+        yield MemoryLocks(prefix=prefix)
+        return
+    if request.param == "standalone":
+        client = redis.Redis.from_url(redis_url)
+    else:
+        from redis.cluster import RedisCluster
+
+        client = RedisCluster(host="127.0.0.1", port=request.getfixturevalue("cluster").ports[0])
+    yield RedisLocks(client, prefix=prefix)
+    client.close()
+
+
+def test_conditions(any_locks):
+    lk = any_locks
+    assert lk.put_record("k", "r", "a", ttl=5, if_absent=True)
+    assert not lk.put_record("k", "r", "b", ttl=5, if_absent=True)  # a record exists
+    assert not lk.put_record("k", "r", "a", ttl=5, if_absent=True)  # even with the same value
+    assert not lk.put_record("k", "r", "b", ttl=5, if_value="x")  # it does not hold "x"
+    assert lk.put_record("k", "r", "b", ttl=5, if_value="a")  # compare and swap
+    assert lk.put_record("k", "r", "c", ttl=5, if_absent=True, if_value="b")  # absent or "b"
+    assert lk.get_record("k", "r") == "c"
+    assert not lk.delete_record("k", "r", if_value="b")
+    assert lk.delete_record("k", "r", if_value="c")
+    assert lk.get_record("k", "r") is None
+    assert lk.put_record("k", "r", "d", ttl=5, if_absent=True, if_value="zz")  # absent now
+    assert lk.put_record("k", "r", "e", ttl=5)  # unconditional
+    assert lk.delete_record("k", "r") and not lk.delete_record("k", "r")
+
+
+def test_ttls_and_counters(any_locks):
+    lk = any_locks
+    lk.put_record("t", "r", "v", ttl=0.2)
+    assert lk.count_record("t", "n") == 1 and lk.count_record("t", "n", by=4, ttl=0.2) == 5
+    time.sleep(0.35)
+    assert lk.get_record("t", "r") is None and lk.count_record("t", "n") == 1  # both expired
+
+
+def test_bad_arguments_are_config_errors(any_locks):
+    with pytest.raises(ConfigError, match="record name"):
+        any_locks.put_record("k", "", "v", ttl=5)
+    with pytest.raises(ConfigError, match="record value"):
+        any_locks.put_record("k", "r", 5, ttl=5)
+    with pytest.raises(ConfigError, match="ttl"):
+        any_locks.put_record("k", "r", "v", ttl=0)
+    with pytest.raises(ConfigError, match="by must be an int"):
+        any_locks.count_record("k", "n", by=1.5)
