@@ -44,6 +44,8 @@ import time
 from typing import Any
 
 import redis
+import redis.client
+import redis.cluster
 import redis.utils
 
 try:  # run from a checkout without installing
@@ -61,13 +63,25 @@ from benchlib import arg_parser, cleanup, exit_on_sigterm, fmt_table, git_state,
 
 
 # -- small helpers ---------------------------------------------------------------------------------
-def redis_cpu(admin: redis.Redis) -> float:
-    info = admin.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+def redis_cpu(admins: list[redis.Redis]) -> float:
+    """CPU seconds of the Redis servers (every primary of a Cluster), from ``INFO cpu``."""
+    total = 0.0
+    for admin in admins:
+        info = admin.info("cpu")
+        total += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return total
 
 
-def evalsha_calls(admin: redis.Redis) -> int:
-    return int(admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+def command_calls(admins: list[redis.Redis], name: str) -> int:
+    return sum(int(a.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)) for a in admins)
+
+
+def evalsha_calls(admins: list[redis.Redis]) -> int:
+    return command_calls(admins, "evalsha")
+
+
+def getkeys_calls(admins: list[redis.Redis]) -> int:
+    return command_calls(admins, "command|getkeys")
 
 
 def thread_cpu() -> dict[str, float]:
@@ -112,35 +126,43 @@ def prober(url: str, stop: Any, out: Any, every: float) -> None:
 
 # -- part 1: the heartbeat with many leases -------------------------------------------------------------
 class PipelineLog:
-    """Wraps ``client.pipeline`` on one client instance: size and round-trip time of each execute."""
+    """Counts every plain redis-py pipeline execute in this process (``redis.client.Pipeline``:
+    what the heartbeat sends on standalone Redis, and per node on a Cluster): its size and round
+    trip time. The class's ``execute`` is wrapped for the measurement only (taskguard is not
+    patched) and restored by :meth:`close`."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self) -> None:
         self.entries: list[tuple[float, int, float]] = []  # (started monotonic, commands, seconds)
-        orig = client.pipeline
+        self._orig = orig = redis.client.Pipeline.execute
         log = self.entries
 
-        def pipeline(*a: Any, **k: Any) -> Any:
-            pipe = orig(*a, **k)
-            run = pipe.execute
+        def execute(pipe: Any, *a: Any, **k: Any) -> Any:
+            n = len(pipe.command_stack)
+            s = time.monotonic()
+            try:
+                return orig(pipe, *a, **k)
+            finally:
+                log.append((s, n, time.monotonic() - s))
 
-            def execute(*ea: Any, **ek: Any) -> Any:
-                n = len(pipe.command_stack)
-                s = time.monotonic()
-                try:
-                    return run(*ea, **ek)
-                finally:
-                    log.append((s, n, time.monotonic() - s))
+        redis.client.Pipeline.execute = execute  # type: ignore[method-assign]
 
-            pipe.execute = execute
-            return pipe
-
-        client.pipeline = pipeline  # type: ignore[method-assign]
+    def close(self) -> None:
+        redis.client.Pipeline.execute = self._orig  # type: ignore[method-assign]
 
 
-def part_heartbeat(url: str, admin: redis.Redis, prefix: str, n: int, ttl: float, seconds: float,
-                   warmup: float) -> dict[str, float]:
-    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
-    plog = PipelineLog(client)
+def busy_loop(stop: threading.Event) -> None:
+    """A CPU-bound pure-Python thread: it holds the GIL whenever the interpreter lets it."""
+    while not stop.is_set():
+        sum(i * i for i in range(2000))
+
+
+def part_heartbeat(url: str, admins: list[redis.Redis], prefix: str, n: int, ttl: float, seconds: float,
+                   warmup: float, cluster: bool = False, busy: bool = False) -> dict[str, float]:
+    if cluster:
+        client: Any = redis.cluster.RedisCluster.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    else:
+        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    plog = PipelineLog()
     locks = RedisLocks(client, prefix=prefix)
     interval = ttl * locks.renew_fraction
     ctx = multiprocessing.get_context("fork")  # forked before any taskguard thread exists
@@ -159,26 +181,40 @@ def part_heartbeat(url: str, admin: redis.Redis, prefix: str, n: int, ttl: float
             raise RuntimeError(f"lease live:{i} unexpectedly held")
         leases.append(acq.lease)
     acquire_s = time.monotonic() - t0
+    busy_stop = threading.Event()
+    busy_thread = threading.Thread(target=busy_loop, args=(busy_stop,), name="cpu-busy", daemon=True)
+    if busy:
+        busy_thread.start()
     time.sleep(warmup)
 
     gc.collect()
     beats0, pipes0 = hb.beats, len(plog.entries)
-    ev0, rcpu0, cpu0, th0 = evalsha_calls(admin), redis_cpu(admin), time.process_time(), thread_cpu()
+    ev0, gk0, rcpu0 = evalsha_calls(admins), getkeys_calls(admins), redis_cpu(admins)
+    cpu0, th0 = time.process_time(), thread_cpu()
     w0 = time.monotonic()
     time.sleep(seconds)
     w1 = time.monotonic()
     beats1, pipes1 = hb.beats, len(plog.entries)
-    ev1, rcpu1, cpu1, th1 = evalsha_calls(admin), redis_cpu(admin), time.process_time(), thread_cpu()
+    ev1, gk1, rcpu1 = evalsha_calls(admins), getkeys_calls(admins), redis_cpu(admins)
+    cpu1, th1 = time.process_time(), thread_cpu()
+    busy_stop.set()
+    if busy:
+        busy_thread.join()
     stop.set()
     samples = out.get(timeout=30)
     probe.join(10)
+    plog.close()
 
-    # end check: every lease still held, with how much TTL left (one pipelined PTTL over all keys)
+    # end check: every lease still held, with how much TTL left (the lease's expiry field ``x``,
+    # server milliseconds, against the server's TIME; the key itself lives for fence_idle_ttl)
     lost = sum(1 for lease in leases if lease.lost)
-    pipe = admin.pipeline(transaction=False)
+    pipe = client.pipeline(transaction=False)
     for lease in leases:
-        pipe.pttl(locks._lease_key(lease.key))
-    pttls = sorted(int(x) for x in pipe.execute())
+        pipe.hget(locks._lease_key(lease.key), "x")
+    expiries = pipe.execute()
+    sec, usec = admins[0].time()
+    now_ms = sec * 1000 + usec // 1000
+    pttls = sorted(int(x) - now_ms if x is not None else -1 for x in expiries)
     t_rel = time.monotonic()
     not_released = sum(1 for lease in leases if not lease.release())
     release_s = time.monotonic() - t_rel
@@ -191,10 +227,11 @@ def part_heartbeat(url: str, admin: redis.Redis, prefix: str, n: int, ttl: float
     renewals = sum(sizes)
     cpu = cpu1 - cpu0
     idle = sorted(x[1] for x in samples if x[0] < idle_end)
-    busy = sorted(x[1] for x in samples if w0 <= x[0] <= w1)
+    busy_pings = sorted(x[1] for x in samples if w0 <= x[0] <= w1)
 
-    print(f"## 1. {n:,} live leases on one heartbeat: ttl={ttl:g} s, renew_fraction={locks.renew_fraction:.3g} "
-          f"(renewed every {interval:g} s,")
+    where = f"a {len(admins)}-primary Redis Cluster" if cluster else "one Redis"
+    print(f"## 1. {n:,} live leases on one heartbeat, {where}{', a CPU-busy thread beside it' if busy else ''}: "
+          f"ttl={ttl:g} s, renew_fraction={locks.renew_fraction:.3g} (renewed every {interval:g} s,")
     print(f"   up to {COALESCE:.0%} of that early to share a round); measured over {wall:.1f} s after a "
           f"{warmup:g} s warm-up\n")
     rows = [
@@ -208,6 +245,7 @@ def part_heartbeat(url: str, admin: redis.Redis, prefix: str, n: int, ttl: float
         ["renewals / s (client-side)", f"{renewals / wall:,.0f} ({renewals / wall / n:.2f} per lease; "
                                        f"1/interval = {1 / interval:.2f})"],
         ["EVALSHA / s (INFO commandstats)", f"{(ev1 - ev0) / wall:,.0f} (other clients' included)"],
+        ["COMMAND GETKEYS in the window", f"{gk1 - gk0} (redis-py's ClusterPipeline asks one per EVALSHA)"],
         ["CPU of this process", f"{cpu / wall * 1e3:.0f} ms/s = {cpu / wall:.1%} of a core "
                                 f"({cpu / max(renewals, 1) * 1e6:.1f} us per renewal)"],
     ]
@@ -219,7 +257,7 @@ def part_heartbeat(url: str, admin: redis.Redis, prefix: str, n: int, ttl: float
         ["Redis CPU", f"{(rcpu1 - rcpu0) / wall * 1e3:.0f} ms/s "
                       f"({(rcpu1 - rcpu0) / max(renewals, 1) * 1e6:.1f} us per renewal; other clients' included)"],
         ["PING from another process, no leases", lat_cell(idle)],
-        ["PING from another process, heartbeat on", lat_cell(busy)],
+        ["PING from another process, heartbeat on", lat_cell(busy_pings)],
         ["leases lost", f"{lost} of {n:,}"],
         ["TTL left at the end check", f"min {pttls[0] / 1e3:.2f} s, median {pct(pttls, .5) / 1e3:.2f} s "
                                       f"(of ttl {ttl:g} s)"],
@@ -326,6 +364,38 @@ def part_memory(url: str, admin: redis.Redis, prefix: str, n: int, idle_ttl: flo
     client.close()
 
 
+def main_cluster(args: Any, t_start: float) -> int:
+    """Part 1 on a local 3-primary Redis Cluster (tests/servers.py starts it), quiet and then
+    beside a CPU-busy thread; the cluster is stopped at the end."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from tests.servers import RedisCluster
+
+    cluster = RedisCluster().start()
+    try:
+        admins = [redis.Redis(port=p, decode_responses=True) for p in cluster.ports]
+        server = admins[0].info("server")
+        print("# taskguard at scale on Redis Cluster: many leases on one heartbeat")
+        print(f"python        {platform.python_implementation()} {platform.python_version()} on {platform.system()} "
+              f"{platform.machine()}, {os.cpu_count()} CPUs, load average "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(f"redis server  {server.get('redis_version')} (cluster of {len(admins)} primaries, no replicas, "
+              f"ports {', '.join(map(str, cluster.ports))}; started for this run)")
+        print(f"redis-py      {redis.__version__}, hiredis {'yes' if redis.utils.HIREDIS_AVAILABLE else 'no'}")
+        print(f"taskguard     {taskguard.__version__} from {os.path.dirname(taskguard.__file__)}{git_state()}\n")
+        prefix = run_prefix()
+        for busy in (False, True):
+            part_heartbeat(cluster.url, admins, f"{prefix}:hb{int(busy)}", args.leases, args.ttl, args.seconds,
+                           args.warmup, cluster=True, busy=busy)
+            print()
+        for a in admins:
+            a.close()
+    finally:
+        cluster.close()
+    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+          f"total wall time {time.monotonic() - t_start:.1f} s")
+    return 0
+
+
 # -- main -------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = arg_parser(__doc__)
@@ -338,12 +408,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="fence_idle_ttl of part 2, seconds (default: just long enough, see the docstring)")
     ap.add_argument("--skip-heartbeat", action="store_true", help="part 2 only")
     ap.add_argument("--skip-memory", action="store_true", help="part 1 only")
+    ap.add_argument("--busy-thread", action="store_true",
+                    help="run part 1 again with a CPU-busy Python thread in the same process")
+    ap.add_argument("--cluster", action="store_true",
+                    help="part 1 on a 3-primary Redis Cluster of local redis-server processes started for "
+                         "the run (ignores --url; part 1 runs quiet and then beside a CPU-busy thread)")
     args = ap.parse_args(argv)
     if args.leases < 1 or args.keys < 1 or args.seconds <= 0 or args.ttl <= 0:
         ap.error("--leases, --keys must be >= 1; --seconds, --ttl > 0")
 
     exit_on_sigterm()
     t_start = time.monotonic()
+    if args.cluster:
+        return main_cluster(args, t_start)
     opened = open_admin(args.url)
     if opened is None:
         return 2
@@ -366,10 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     hint = None
     try:
         if not args.skip_heartbeat:
-            hint = part_heartbeat(args.url, admin, prefix + ":hb", args.leases, args.ttl, args.seconds,
-                                  args.warmup)["acq_rel_s"]
-            cleanup(admin, prefix + ":hb")  # part 1's counters (fence_idle_ttl 7 days) would skew part 2
-            print()
+            for busy in (False, True) if args.busy_thread else (False,):
+                hint = part_heartbeat(args.url, [admin], prefix + ":hb", args.leases, args.ttl, args.seconds,
+                                      args.warmup, busy=busy)["acq_rel_s"]
+                cleanup(admin, prefix + ":hb")  # part 1's counters (fence_idle_ttl 7 days) would skew part 2
+                print()
         if not args.skip_memory:
             part_memory(args.url, admin, prefix + ":mem", args.keys, args.fence_idle_ttl, hint)
     finally:

@@ -137,6 +137,23 @@ class Lease:
         """
         return self._locks._release_lease(self, finished, finished_ttl)
 
+    def put_record(self, name: str, value: str, *, if_absent: bool = False, if_value: str | None = None) -> bool:
+        """Write the lease record ``name`` (``str``) of this key, fenced by this lease: the write
+        happens only while this owner holds the lease, checked atomically with it (one
+        single-key script on Redis), so a holder that lost its lease (expired while paused, taken
+        over) can never overwrite what the current holder wrote. Lease records live with the
+        key's fence (``fence_idle_ttl`` after its last acquisition) and survive releases; read
+        them with :meth:`Locks.get_lease_record`.
+
+        Conditions, checked atomically with the write: ``if_absent`` (only when the record does
+        not exist), ``if_value`` (only when it holds exactly this value), both (either). Returns
+        ``True`` when written or when it already holds ``value`` (a retried call); ``False``
+        when the condition did not hold. Raises :class:`~taskguard.LeaseLost` when this owner
+        does not hold the lease (the handle is then marked lost; nothing is written),
+        ``ConfigError`` for bad arguments, :class:`~taskguard.LeaseBackendError` when Redis fails.
+        """
+        return self._locks._put_lease_record(self, name, value, if_absent, if_value)
+
     def ensure_held(self, verify: bool = False) -> None:
         """Raise :class:`~taskguard.LeaseLost` unless the lease is still held.
 

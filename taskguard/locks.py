@@ -15,7 +15,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
-from .errors import ConfigError, LeaseBackendError
+from .errors import ConfigError, LeaseBackendError, LeaseLost
 from .events import Emitter, LeaseEvent, Listener
 from .heartbeat import get_heartbeat
 from .lease import Acquisition, HolderInfo, Lease
@@ -421,6 +421,31 @@ class Locks:
             raise ConfigError("by must be an int")
         return self._count_record(check_key(key), check_name(name), by,
                                   None if ttl is None else check_seconds("ttl", ttl))
+
+    def get_lease_record(self, key: str, name: str) -> str | None:
+        """The lease record ``name`` of ``key`` (written by a holder with
+        :meth:`Lease.put_record`), or ``None``. Anyone may read it. Raises LeaseBackendError."""
+        return self._get_lease_record(check_key(key), check_name(name))
+
+    def _put_lease_record(self, lease: Lease, name: str, value: str, if_absent: bool, if_value: str | None) -> bool:
+        if if_value is not None and not isinstance(if_value, str):
+            raise ConfigError("if_value must be a str or None")
+        cond = ("absent_or_eq" if if_absent else "eq") if if_value is not None else ("absent" if if_absent else "any")
+        name, value = check_name(name), check_value(value)
+        if lease.inherited:
+            raise LeaseLost(lease.key, "inherited from the parent process")
+        lease.ensure_held()
+        code = self._put_lease_record_one(lease.key, lease.owner_token, name, value, cond, if_value or "")
+        if code < 0:
+            lease._mark_lost("not held in Redis")
+            raise LeaseLost(lease.key, lease.lost_reason or "not held in Redis")
+        return code == 1
+
+    def _put_lease_record_one(self, key: str, owner: str, name: str, value: str, cond: str, expect: str) -> int:
+        raise NotImplementedError
+
+    def _get_lease_record(self, key: str, name: str) -> str | None:
+        raise NotImplementedError
 
     def _put_record(self, key: str, name: str, value: str, ttl: float, cond: str, expect: str) -> bool:
         raise NotImplementedError

@@ -53,6 +53,7 @@ class MemoryLocks(Locks):
         self._releases = 0  # bumped by every release; a waiter sleeps only while it is unchanged
         self._seen = threading.local()
         self._records: dict[tuple[str, str], tuple[str, float | None]] = {}
+        self._lease_records: dict[tuple[str, str], str] = {}  # (key, name) -> value, kept like the fence
         self._clock = clock
         self._cond = threading.Condition()
         self._leases: dict[str, _Entry] = {}
@@ -161,6 +162,24 @@ class MemoryLocks(Locks):
             del self._records[(key, name)]
             return None
         return value
+
+    def _put_lease_record_one(self, key: str, owner: str, name: str, value: str, cond: str, expect: str) -> int:
+        with self._cond:
+            e = self._live_entry(key)
+            if e is None or e.owner != owner:
+                return -1
+            cur = self._lease_records.get((key, name))
+            if cur == value:
+                return 1
+            if (cond == "absent" and cur is not None) or (cond == "eq" and cur != expect) or \
+                    (cond == "absent_or_eq" and cur is not None and cur != expect):
+                return 0
+            self._lease_records[(key, name)] = value
+            return 1
+
+    def _get_lease_record(self, key: str, name: str) -> str | None:
+        with self._cond:
+            return self._lease_records.get((key, name))
 
     def _put_record(self, key: str, name: str, value: str, ttl: float, cond: str, expect: str) -> bool:
         with self._cond:

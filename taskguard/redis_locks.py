@@ -247,8 +247,9 @@ class RedisLocks(Locks):
 
     def _renew_many(self, items: Sequence[tuple[str, str, float]]) -> list[Any]:
         """Renewals pipelined, :data:`RENEW_BATCH` per round trip (plus one more only after a
-        NOSCRIPT), so 10,000 leases never hold Redis in one long burst."""
-        if len(items) > RENEW_BATCH:
+        NOSCRIPT), so 10,000 leases never hold Redis in one long burst. On a Cluster the batches
+        are cut per node (:meth:`_pipeline_renew_by_node`)."""
+        if len(items) > RENEW_BATCH and not self._cluster:
             out: list[Any] = []
             for i in range(0, len(items), RENEW_BATCH):
                 out.extend(self._renew_many(items[i:i + RENEW_BATCH]))
@@ -283,7 +284,8 @@ class RedisLocks(Locks):
 
     def _pipeline_renew_by_node(self, items: Sequence[tuple[str, str, float]], use_eval: bool) -> list[Any]:
         """Redis Cluster: one plain pipeline per node that owns the keys' slots (routed by the
-        slot map redis-py keeps), so a renewal round costs one round trip per node. redis-py's
+        slot map redis-py keeps) and per :data:`RENEW_BATCH` of that node's leases, so a renewal
+        round costs one round trip per node, as on one Redis. redis-py's
         ``ClusterPipeline`` would ask the server ``COMMAND GETKEYS`` for every ``EVALSHA`` (a
         movable-keys command to it), one more round trip per lease. A renewal answered ``MOVED``
         or ``ASK`` (a slot moved or moving) is sent again alone through the cluster client, which
@@ -295,21 +297,23 @@ class RedisLocks(Locks):
             by_node.setdefault(node.name, []).append(i)
         results: list[Any] = [None] * len(items)
         queue = scripts.RENEW.queue_eval if use_eval else scripts.RENEW.queue
-        for name, idx in by_node.items():
+        for name, node_idx in by_node.items():
             node = client.get_node(node_name=name)
             conn = node.redis_connection if node is not None else None
             if conn is None:
                 conn = client.get_redis_connection(node)
-            pipe = conn.pipeline(transaction=False)
-            for i in idx:
-                key, owner, ttl = items[i]
-                queue(pipe, (self._lease_key(key),), (owner, _ms(ttl)))
-            try:
-                replies = pipe.execute(raise_on_error=False)
-            except RedisError as e:  # this node unreachable: its leases fall back one by one below
-                replies = [e] * len(idx)
-            for i, r in zip(idx, replies):
-                results[i] = r
+            for start in range(0, len(node_idx), RENEW_BATCH):
+                idx = node_idx[start:start + RENEW_BATCH]
+                pipe = conn.pipeline(transaction=False)
+                for i in idx:
+                    key, owner, ttl = items[i]
+                    queue(pipe, (self._lease_key(key),), (owner, _ms(ttl)))
+                try:
+                    replies = pipe.execute(raise_on_error=False)
+                except RedisError as e:  # this node unreachable: its leases fall back one by one below
+                    replies = [e] * len(idx)
+                for i, r in zip(idx, replies):
+                    results[i] = r
         for i, r in enumerate(results):
             if isinstance(r, RedisError) and not isinstance(r, NoScriptError):
                 key, owner, ttl = items[i]
@@ -401,6 +405,17 @@ class RedisLocks(Locks):
         return int(self._run("renew", key, scripts.OWNS, (self._lease_key(key),), (owner,))) != -2
 
     # -- records ---------------------------------------------------------------------------------
+    def _put_lease_record_one(self, key: str, owner: str, name: str, value: str, cond: str, expect: str) -> int:
+        return int(self._run("record", key, scripts.PUT_LEASE_RECORD, (self._lease_key(key),),
+                             (owner, "d:" + name, value, cond, expect)))
+
+    def _get_lease_record(self, key: str, name: str) -> str | None:
+        try:
+            raw = self.client.hget(self._lease_key(key), "d:" + name)
+        except RedisError as e:
+            raise LeaseBackendError("record", key, _detail(e)) from e
+        return raw.decode() if isinstance(raw, bytes) else raw
+
     def _record_key(self, key: str, name: str) -> str:
         return self._lease_key(key) + ":r:" + name
 

@@ -9,7 +9,9 @@ everything that is not a key goes in ARGV):
                    run id given at acquire/claim; after a release, ``o`` holds ``~`` and the
                    release call's nonce (a client retry of that release still answers 1) and
                    ``l`` the identity of the run that finished, if one did (the next acquisition
-                   drops it); ``w`` (server ms) until when someone waits for the lease. The key
+                   drops it); ``w`` (server ms) until when someone waits for the lease;
+                   ``d:NAME`` the lease records (:meth:`Lease.put_record`), written only by the
+                   holder and kept across leases. The key
                    carries an idle TTL (``fence_idle_ttl``, default 7 days, never shorter than the
                    lease), set at every acquisition, so Redis memory per distinct key is bounded and
                    the fence lives at least as long as the lease it fences.
@@ -57,7 +59,7 @@ from typing import Any, Sequence
 from redis.exceptions import NoScriptError
 
 __all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_WITHOUT_TOKEN", "CLAIM", "HOLDER", "OWNS", "SIGNAL",
-           "PUT_RECORD", "DELETE_RECORD"]
+           "PUT_RECORD", "DELETE_RECORD", "PUT_LEASE_RECORD"]
 
 
 class Script:
@@ -322,5 +324,31 @@ if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
 return redis.call('DEL', KEYS[1])
+""",
+)
+
+
+# A write fenced by the lease itself: the record lives in the lease's hash (field ``d:NAME``), so
+# the ownership check and the write are one single-key script.
+# KEYS[1] lease; ARGV[1] owner token, ARGV[2] field, ARGV[3] value, ARGV[4] condition (as for
+# PUT_RECORD), ARGV[5] the value expected by 'eq' / 'absent_or_eq'
+# -> 1 written (or it already holds exactly this value: a client retry of this call), 0 the
+#    condition did not hold, -1 this owner does not hold the lease (nothing written).
+PUT_LEASE_RECORD = Script(
+    "put_lease_record",
+    _NOW + """
+local v = redis.call('HMGET', KEYS[1], 'o', 'x', ARGV[2])
+local exp = tonumber(v[2])
+if v[1] ~= ARGV[1] or not exp or exp <= now then
+  return -1
+end
+local cur = v[3]
+if cur == ARGV[3] then return 1 end
+local cond = ARGV[4]
+if cond == 'absent' and cur then return 0 end
+if cond == 'eq' and cur ~= ARGV[5] then return 0 end
+if cond == 'absent_or_eq' and cur and cur ~= ARGV[5] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+return 1
 """,
 )

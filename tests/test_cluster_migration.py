@@ -80,6 +80,8 @@ def test_every_operation_succeeds_while_its_slot_migrates(cluster_locks):
         assert locks.holder("held").fencing_token == held.fencing_token
         assert locks.put_record("rec", "slot", "v", ttl=30, if_absent=True)
         assert locks.get_record("rec", "slot") == "v"
+        assert held.put_record("slot", "claimed", if_absent=True)  # a lease record (beat slots)
+        assert locks.get_lease_record("held", "slot") == "claimed"
         assert held.release() is True and locks.holder("held") is None
         assert free.lease.release() is True
         again = locks.acquire("held", ttl=30).lease  # the fence survives on the source node
@@ -171,6 +173,35 @@ def test_cluster_renewals_cost_one_round_trip_per_node(cluster_locks):
     outcomes = locks._renew_many([(lease.key, lease.owner_token, 30.0) for lease in leases])
     assert outcomes == [True] * 300
     assert _getkeys_calls(cl) == before
+    for lease in leases:
+        assert lease.release()
+
+
+def test_cluster_renewal_batches_are_cut_per_node(cluster_locks, monkeypatch):
+    """2,400 leases (more than RENEW_BATCH in all, fewer on each node) are renewed in exactly one
+    pipeline per node: the batch limit applies per node, not before the leases are routed."""
+    from redis.client import Pipeline
+
+    from taskguard.redis_locks import RENEW_BATCH
+
+    cl, client, locks = cluster_locks
+    n = 2400
+    assert RENEW_BATCH < n < RENEW_BATCH * len(cl.ports)
+    leases = [locks.acquire(f"b{i}", ttl=30).lease for i in range(n)]
+    items = [(lease.key, lease.owner_token, 30.0) for lease in leases]
+    assert locks._renew_many(items) == [True] * n  # the first round also loads RENEW (NOSCRIPT, EVAL)
+    sizes: list[int] = []
+    orig = Pipeline.execute
+
+    def counting(pipe, *a, **k):
+        sizes.append(len(pipe.command_stack))
+        return orig(pipe, *a, **k)
+
+    monkeypatch.setattr(Pipeline, "execute", counting)
+    outcomes = locks._renew_many(items)
+    monkeypatch.setattr(Pipeline, "execute", orig)
+    assert outcomes == [True] * n
+    assert len(sizes) == len(cl.ports) and sum(sizes) == n and max(sizes) <= RENEW_BATCH
     for lease in leases:
         assert lease.release()
 

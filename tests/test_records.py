@@ -60,3 +60,34 @@ def test_bad_arguments_are_config_errors(any_locks):
         any_locks.put_record("k", "r", "v", ttl=0)
     with pytest.raises(ConfigError, match="by must be an int"):
         any_locks.count_record("k", "n", by=1.5)
+
+
+def test_lease_records_are_written_only_by_the_holder(any_locks):
+    """A lease record is fenced by its lease: the holder writes it (conditions as for records), a
+    handle whose lease expired or was taken over cannot, and the record outlives releases."""
+    from taskguard import LeaseLost
+
+    lk = any_locks
+    first = lk.acquire("L", ttl=0.3).lease
+    assert lk.get_lease_record("L", "slot") is None
+    assert first.put_record("slot", "a", if_absent=True)
+    assert first.put_record("slot", "a", if_absent=True)  # already holds it: a retried call
+    assert not first.put_record("slot", "b", if_absent=True)
+    assert not first.put_record("slot", "b", if_value="x")
+    assert first.put_record("slot", "b", if_value="a")
+    time.sleep(0.45)  # first's lease expires
+    second = lk.acquire("L", ttl=5).lease
+    assert second.fencing_token > first.fencing_token
+    with pytest.raises(LeaseLost):
+        first.put_record("slot", "stale")  # the old holder cannot write any more
+    assert first.lost
+    assert lk.get_lease_record("L", "slot") == "b"
+    assert second.put_record("slot", "c", if_value="b")
+    assert second.release()
+    with pytest.raises(LeaseLost):
+        second.put_record("slot", "after-release")
+    assert lk.get_lease_record("L", "slot") == "c"  # kept across leases, like the fence
+    third = lk.acquire("L", ttl=5).lease
+    assert third.put_record("slot", "d", if_value="c") and third.release()
+    with pytest.raises(ConfigError):
+        lk.get_lease_record("L", "")
