@@ -26,8 +26,9 @@ class Skipped:
             seconds passed without getting it; ``"retry_exhausted"``: ``on_skip="retry"`` ran
             out of attempts; ``"duplicate"``: a redelivered copy of a run that already finished;
             ``"running"``: another execution of the same run id still holds the lease;
-            ``"stale_leader"``: published by a beat that is no longer the leader; adapters may add
-            others).
+            ``"stale_leader"``: no longer produced — beat claims its slots against the leader
+            lease now — and kept so results stored by earlier releases still read; adapters may
+            add others).
         task: the task's name where known, else ``None``.
         holder_ttl: seconds (float) left on the holder's lease when the skip was decided, where
             known, else ``None``.

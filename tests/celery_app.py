@@ -182,6 +182,13 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         beat = (self.request.headers or {}).get("taskguard_beat") or getattr(self.request, "taskguard_beat", None) or {}
         note(f"tick:{beat.get('slot')}:{beat.get('leader_fence')}:{time.time():.3f}")
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.slot_tick", ttl=30, key="slot-tick")
+    def slot_tick(self, seconds=0.0):
+        """A guarded beat task: logs its slot, leader fence, time and task id."""
+        beat = (self.request.headers or {}).get("taskguard_beat") or getattr(self.request, "taskguard_beat", None) or {}
+        note(f"stick:{beat.get('slot')}:{beat.get('leader_fence')}:{time.time():.3f}:{self.request.id}")
+        time.sleep(seconds)
+
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.guarded_tick", ttl=30, key="gtick")
     def guarded_tick(self, seconds=0.0):
         note(f"gtick:{self.lease.key}:{self.lease.ttl}")
@@ -276,7 +283,7 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
 
     if os.environ.get("TG_TEST_BEAT"):
         app.conf.beat_schedule = {
-            "tick": {"task": "tg.tick", "schedule": float(os.environ["TG_TEST_BEAT"])},
+            "tick": {"task": os.environ.get("TG_TEST_BEAT_TASK", "tg.tick"), "schedule": float(os.environ["TG_TEST_BEAT"])},
         }
 
     app.tg_log = log

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -15,8 +16,8 @@ from celery import Celery
 from celery.beat import ScheduleEntry
 from celery.schedules import crontab
 
-from taskguard import MemoryLocks, Skipped
-from taskguard_celery.beat import slot_of
+from taskguard import ConfigError, MemoryLocks
+from taskguard_celery.beat import TaskguardScheduler, latest_due, slot_id
 
 from .celery_app import make_app
 from .celery_support import BeatProcess, WorkerProcess, body_log, embedded_worker
@@ -129,20 +130,26 @@ def test_sigkill_of_the_leader_beat_hands_over_within_the_leader_ttl(beat_env):
     check_once_per_slot(runs, runs[0][2], stopped)
 
 
-def test_a_message_from_a_stale_leader_is_dropped(beat_env):
+def test_a_message_from_an_older_leader_runs_and_a_slot_runs_once(beat_env):
+    """Slots are claimed in Redis against the leader lease, so the worker no longer drops a message
+    because leadership changed after it was published; and every message naming one slot (a slot
+    published again after a hand-over) shares one run identity, so the slot runs once."""
     app, queue, prefix, tmp = beat_env
     locks = app.conf.taskguard_locks
     leader = locks.acquire("beat-leader:" + app.main, ttl=30).lease
     header = {"leader_key": "beat-leader:" + app.main, "leader_fence": leader.fencing_token - 1,
-              "entry": "gtick", "slot": "every1s:1"}
+              "entry": "gtick", "slot": "every1s:1", "keep": 60}
+    task = app.tasks["tg.guarded_tick"]
     with embedded_worker(app):
-        stale = app.tasks["tg.guarded_tick"].apply_async(headers={"taskguard_beat": header}).get(timeout=5)
-        header["leader_fence"] = leader.fencing_token
-        current = app.tasks["tg.guarded_tick"].apply_async(headers={"taskguard_beat": header}).get(timeout=5)
-    say(f"injected: a message with leader fence {leader.fencing_token - 1} < {leader.fencing_token}; got {stale!r}")
-    assert isinstance(stale, Skipped) and stale.reason == "stale_leader"
-    assert current == "gtick"
-    assert len([e for e in body_log(app) if e.startswith("gtick:")]) == 1
+        older = task.apply_async(headers={"taskguard_beat": header}).get(timeout=5)
+        again = task.apply_async(headers={"taskguard_beat": dict(header, leader_fence=leader.fencing_token)})
+        time.sleep(1.0)
+        other_slot = task.apply_async(headers={"taskguard_beat": dict(header, slot="every1s:2")}).get(timeout=5)
+    say(f"injected: a slot's message from an older leader (fence {leader.fencing_token - 1}), the same slot "
+        f"again from the current one, then the next slot; got {older!r}, {again.state}, {other_slot!r}")
+    assert older == "gtick" and other_slot == "gtick"
+    assert again.state == "PENDING"  # acked without a result: a duplicate of a finished slot
+    assert len([e for e in body_log(app) if e.startswith("gtick:")]) == 2
     leader.release()
 
 
@@ -185,7 +192,7 @@ def test_beat_survives_a_redis_restart_without_duplicates(beat_env, redis_url):
 def test_crontab_across_daylight_saving_changes_each_utc_instant_once():
     """A frozen, simulated clock walks a crontab entry (every 30 min, Europe/Berlin) through both
     2026 DST changes, evaluated by two beats (the second started 7 minutes later, so their
-    ``last_run_at`` differ); every due run goes through the slot claims."""
+    ``last_run_at`` differ, which must not matter); every due instant goes through the slot claims."""
     from zoneinfo import ZoneInfo
 
     berlin = ZoneInfo("Europe/Berlin")
@@ -206,13 +213,12 @@ def test_crontab_across_daylight_saving_changes_each_utc_instant_once():
                 offset, entry = beat
                 if minute < offset:
                     continue
-                due, _next = entry.is_due()
-                if due:
-                    slot, keep = slot_of(entry)
+                instant, _next = latest_due(entry, lookback=30.0)
+                if instant is not None:
+                    slot = slot_id(entry, instant)
                     fired.append(slot)
-                    if locks.put_record(f"slot:{slot}", "slot", "1", ttl=keep, if_absent=True):
+                    if locks.put_record(f"slot:{slot}", "slot", "1", ttl=90000, if_absent=True):
                         published.append(int(slot.split(":")[1]))
-                    beat[1] = next(entry)
         instants = [datetime.fromtimestamp(t, timezone.utc) for t in published]
         local_times = {f"{datetime.fromtimestamp(t, berlin):%H:%M}" for t in published}
         say(f"{start:%Y-%m-%d}: {len(fired)} due evaluations, {len(published)} published, "
@@ -223,3 +229,186 @@ def test_crontab_across_daylight_saving_changes_each_utc_instant_once():
         assert len(local_times) == len(published)                # a repeated local hour runs once
         expected = 12 if start.month == 3 else 10                # 12 UTC half-hours; autumn repeats two local ones
         assert len(published) == expected
+
+
+# -- hand-over: no due run lost, none run twice -------------------------------------------------------
+EVERY = 4.0
+
+
+def slot_runs(app):
+    """(slot, leader fence, time, task id) of every run of the guarded beat task, in order."""
+    out = []
+    for e in body_log(app):
+        if e.startswith("stick:"):
+            _, slot_a, slot_b, fence, at, task_id = e.split(":", 5)
+            out.append((f"{slot_a}:{slot_b}", int(fence), float(at), task_id))
+    return out
+
+
+def window_of(slot):
+    return int(slot.split(":")[1])
+
+
+def leader_pid(app, timeout=20.0):
+    locks = app.conf.taskguard_locks
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = locks.holder("beat-leader:" + app.main)
+        if info is not None:
+            return info.holder["pid"]
+        time.sleep(0.05)
+    raise AssertionError("no beat became the leader")
+
+
+def sleep_until(ts):
+    time.sleep(max(0.0, ts - time.time()))
+
+
+def check_every_window_once(runs, first, last):
+    """Every window from ``first`` to ``last`` (inclusive) ran exactly once."""
+    counts = Counter(window_of(r[0]) for r in runs)
+    missing = [w for w in range(first, last + 1) if counts[w] == 0]
+    doubled = [w for w, n in counts.items() if n > 1]
+    say(f"observed: windows {first}..{last}: missing {missing}, run twice {doubled}")
+    assert not missing and not doubled
+
+
+def beat_conf(**conf):
+    return {"TG_TEST_CONF": json.dumps({"taskguard_beat_leader_ttl": 3, **conf}), "TG_TEST_BEAT_TASK": "tg.slot_tick"}
+
+
+def test_killing_the_leader_around_window_starts_loses_no_window(beat_env):
+    """Two beats, an entry every 4 s, leader TTL 3 s. The leader is SIGKILLed 1.5 s before a window
+    starts, at its start and 0.3 s after it (a replacement standby started each time). Every window
+    runs exactly once, each late by at most the leader TTL + one loop + a margin. Before, the window
+    after a kill just before it was never published (the standby took over only at the next one)."""
+    app, queue, prefix, tmp = beat_env
+    env = beat_conf()
+    delays = []
+    with WorkerProcess(queue, prefix, pool="threads", concurrency=4):
+        beats = [BeatProcess(queue, prefix, tmp, n, every=EVERY, env=env).start() for n in ("a", "b")]
+        leader_pid(app)
+        time.sleep(EVERY)  # both up, a window or so run
+        first = math.floor(time.time() / EVERY) + 1
+        for i, offset in enumerate((-1.5, 0.0, 0.3)):
+            start = (math.floor(time.time() / EVERY) + 2) * EVERY
+            sleep_until(start + offset)
+            pid = leader_pid(app)
+            os.kill(pid, signal.SIGKILL)
+            say(f"injected: SIGKILL of the leader beat {offset:+.1f} s from the window starting at {start:.0f}")
+            beats.append(BeatProcess(queue, prefix, tmp, f"r{i}", every=EVERY, env=env).start())
+            sleep_until(start + EVERY - 0.5)
+            runs = {window_of(r[0]): r[2] for r in slot_runs(app)}
+            w = round(start / EVERY)
+            assert w in runs, f"window {w} not run: {sorted(runs)}"
+            delays.append(runs[w] - start)
+        last = math.floor(time.time() / EVERY)
+        time.sleep(EVERY)
+        outputs = [b.output() for b in beats]
+        for b in beats:
+            b.stop()
+    say(f"observed: delay of the windows after each kill (s): {[round(d, 2) for d in delays]}")
+    check_every_window_once(slot_runs(app), first, last)
+    assert max(delays) <= 3.0 + 1.0 + 1.5
+    assert any("is waiting: beat" in o for o in outputs)  # a follower says it waits, and for whom
+
+
+@pytest.mark.parametrize("mode", ["claim", "publish"])
+def test_a_leader_dying_between_claim_publish_and_confirm_loses_and_doubles_nothing(beat_env, mode):
+    """The leader SIGKILLs itself once, after claiming a slot but before publishing it ("claim"),
+    or after publishing it but before confirming it ("publish"). The next leader publishes the slot
+    again; the worker runs it once (both messages name the slot)."""
+    app, queue, prefix, tmp = beat_env
+    flag = tmp / "crash-once"
+    env = {**beat_conf(), "TG_TEST_CRASH_FLAG": str(flag), "TG_TEST_CRASH_MODE": mode}
+    with WorkerProcess(queue, prefix, pool="threads", concurrency=4):
+        beats = [BeatProcess(queue, prefix, tmp, n, every=EVERY, env=env,
+                             scheduler="tests.beat_schedulers:CrashingScheduler").start() for n in ("a", "b")]
+        leader_pid(app)
+        time.sleep(EVERY)
+        first = math.floor(time.time() / EVERY) + 1
+        flag.write_text("1")
+        say(f"injected: the leader SIGKILLs itself after the {mode} step of its next publish")
+        deadline = time.monotonic() + 20
+        while not (tmp / "crash-once.taken").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp / "crash-once.taken").exists()
+        time.sleep(3 * EVERY)
+        last = math.floor(time.time() / EVERY) - 1
+        time.sleep(1.0)
+        outputs = "".join(b.output() for b in beats)
+        for b in beats:
+            b.stop()
+    runs = slot_runs(app)
+    check_every_window_once(runs, first, last)
+    assert "publishing it again" in outputs
+
+
+def test_runs_queued_across_a_beat_restart_all_execute(beat_env):
+    """One beat, an entry every 2 s, no worker while runs queue up; the beat is stopped gracefully
+    and started again (a deploy), then a worker (-c 1) starts. Every published run executes once;
+    before, the runs published before the restart ended as Skipped(reason="stale_leader"). The
+    fresh beat's first run is at the first window start after it started (not an interval later)."""
+    app, queue, prefix, tmp = beat_env
+    env = beat_conf()
+    every = 2.0
+    started = time.time()
+    beat = BeatProcess(queue, prefix, tmp, "a", every=every, env=env).start()
+    time.sleep(7.0)
+    beat.stop()
+    out1 = beat.output()
+    beat2 = BeatProcess(queue, prefix, tmp, "a2", every=every, env=env).start()
+    time.sleep(4.0)
+    beat2.stop()
+    published = [line for line in (out1 + beat2.output()).splitlines() if "publishing tick slot" in line]
+    say(f"injected: a graceful beat restart with {len(published)} runs published and queued, no worker")
+    with WorkerProcess(queue, prefix, pool="solo", concurrency=1):
+        deadline = time.monotonic() + 30
+        while len(slot_runs(app)) < len(published) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+    runs = slot_runs(app)
+    slots = [r[0] for r in runs]
+    say(f"observed: {len(runs)} runs of {len(published)} published; slots {slots}")
+    assert len(published) >= 4 and len(runs) == len(published) and len(set(slots)) == len(slots)
+    first_window = min(window_of(s) for s in slots)
+    assert first_window * every >= started - 0.01  # not the window the beat started in
+    assert first_window * every <= started + every + 2.0  # the first window start after it started
+
+
+@pytest.mark.parametrize("value", [-5, float("nan"), float("inf"), 0, 0.5, "30"])
+def test_a_bad_leader_ttl_is_refused_when_the_scheduler_is_set_up(value, tmp_path):
+    app = Celery("badttl", set_as_current=False)
+    app.conf.taskguard_locks = MemoryLocks()
+    app.conf.taskguard_beat_leader_ttl = value
+    with pytest.raises(ConfigError, match="taskguard_beat_leader_ttl"):
+        TaskguardScheduler(app, schedule_filename=str(tmp_path / "s"))
+
+
+def test_beat_settings_defaults_and_catch_up(tmp_path):
+    from taskguard_celery.config import BEAT_SKEW, beat_settings
+
+    app = Celery("settings", set_as_current=False)
+    s = beat_settings(app, 1.0)
+    assert (s.leader_ttl, s.catch_up, s.name) == (30.0, 30.0 + 1.0 + BEAT_SKEW, "settings")
+    app.conf.taskguard_beat_catch_up = 0
+    assert beat_settings(app, 1.0).allowed_lateness == 1.0 + BEAT_SKEW  # 0 = no catch-up, a loop's lateness
+    app.conf.beat_max_loop_interval = 20
+    app.conf.taskguard_beat_leader_ttl = 30
+    with pytest.raises(ConfigError, match="beat_max_loop_interval"):
+        TaskguardScheduler(app, schedule_filename=str(tmp_path / "s"))
+    app.conf.taskguard_beat_catch_up = -1
+    app.conf.beat_max_loop_interval = 0
+    with pytest.raises(ConfigError, match="taskguard_beat_catch_up"):
+        TaskguardScheduler(app, schedule_filename=str(tmp_path / "s2"))
+
+
+def test_a_bad_setting_stops_celery_beat_at_start_naming_it(beat_env):
+    app, queue, prefix, tmp = beat_env
+    beat = BeatProcess(queue, prefix, tmp, "bad", env={"TG_TEST_CONF": json.dumps({"taskguard_beat_leader_ttl": -5})})
+    beat.start()
+    beat.proc.wait(30)
+    out = beat.output()
+    beat.stop()
+    say(f"observed: beat exited {beat.proc.returncode}")
+    assert beat.proc.returncode != 0 and "taskguard_beat_leader_ttl" in out

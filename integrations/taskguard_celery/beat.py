@@ -6,61 +6,73 @@ latter into any other scheduler class (``class MyScheduler(SingletonBeatMixin, R
 
 How it works:
 
-* **Leader lease.** Only the beat holding the leader lease (key ``beat-leader:<app name>``,
-  ``app.conf.taskguard_beat_leader_ttl`` seconds, default 30, renewed by the heartbeat thread while
-  beat sleeps) publishes. The others keep trying on every tick and take over within one leader
-  TTL when the leader dies. Every published message carries the leader's fencing token in a
-  ``taskguard_beat`` header; a :class:`~taskguard_celery.GuardedTask` drops (and reports as
-  skipped, reason ``"stale_leader"``) a message whose leader fence is older than the current
-  leader's. Plain (unguarded) tasks get only the publish-side checks.
-* **Slots.** A due run is identified by its entry and its scheduled instant: for interval
-  entries the epoch-aligned window ``floor(now / interval)`` (entries fire at window starts, so
-  beats started at different moments, or with clocks skewed by less than half the interval,
-  name the same slot); for crontab and other schedules the scheduled instant in UTC (to the
-  second). Before publishing, the leader claims the slot with a once-marker; a slot already
-  claimed is not published again. A slot claimed but never published (a crash or a broker error
-  between the two) is logged and counted (``scheduler.taskguard_stats``).
+* **Leader lease.** Only the beat holding the leader lease (key ``beat-leader:<name>``,
+  ``app.conf.taskguard_beat_leader_ttl`` seconds, default 30, renewed by the heartbeat thread
+  while beat sleeps) publishes. Every beat seeks it on every tick, so a standby takes over within
+  one leader TTL plus one loop after the leader dies. A follower says at INFO level that it waits
+  and which beat leads.
+* **Slots.** A due run is named by its entry and its scheduled instant, which the mixin computes
+  itself from the schedule and the clock, never from a beat's local ``last_run_at`` (a follower's
+  or an old schedule file's would be wrong): for interval entries the epoch-aligned window start
+  ``floor(now / interval) * interval`` (beats started at different moments name the same slot);
+  for crontab and solar entries the latest scheduled instant, in UTC to the second. An interval
+  entry first fires at the first window start after beat starts.
+* **Claims fenced by the leader lease.** Per entry, the leader keeps the latest slot it handled as
+  a *lease record* of its leader lease (:meth:`taskguard.Lease.put_record`: one single-key script
+  that writes only while that lease is held). It claims a slot (``claimed``), publishes, then
+  confirms it (``published``). A beat that lost the lease cannot claim, so no second beat
+  publishes a slot; a message a valid leader published is never dropped later. A slot claimed
+  but not confirmed (a crash or a broker error between the two) is published again by the next
+  tick or the next leader; the worker runs each slot at most once (the message names its slot,
+  and a guarded task refuses a slot whose run is live or finished: see :mod:`taskguard_celery.task`).
+* **Catch-up.** A slot is published while it is at most the catch-up window late
+  (``app.conf.taskguard_beat_catch_up``; default leader TTL + loop interval + 2 s; ``0`` = none,
+  which still allows one loop + 2 s): a new leader publishes the most recent slot that fell due
+  during the hand-over; older ones are logged and counted as missed.
 * **Per-entry options.** ``beat_schedule[name]["options"]["taskguard"] = {"key": ..., "ttl": ...}``
   gives the run of that entry its own lease key (a template over the task's arguments) and TTL;
   the scheduler removes it from the publish options and passes it in the ``taskguard_beat`` header.
 * **Outages.** A Redis outage or a lost leader lease never crashes beat: it stops publishing, says
-  so in its log, and resumes when it can (the slots that fell due meanwhile are not replayed).
+  so in its log, and resumes when it can (catching up the latest slot within the window).
+
+Settings are checked when the scheduler is set up (:func:`taskguard_celery.config.beat_settings`).
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import math
 import os
 import socket
 import time
 import uuid
-from datetime import timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from celery.beat import PersistentScheduler
+from celery.beat import PersistentScheduler, event_t
 from celery.schedules import schedule
 
-from taskguard import ConfigError, LeaseBackendError, Lease, Locks
+from taskguard import ConfigError, LeaseBackendError, LeaseLost, Lease
 from taskguard.keys import KeyTemplate
 from taskguard.validate import check_ttl
 
-from .config import locks_for
+from .config import beat_settings, locks_for
 from .headers import BEAT_HEADER
 
-__all__ = ["SingletonBeatMixin", "TaskguardScheduler", "slot_of", "BEAT_HEADER", "ENTRY_OPTION", "entry_guard",
-           "published_by_stale_leader"]
+__all__ = ["SingletonBeatMixin", "TaskguardScheduler", "latest_due", "slot_id", "BEAT_HEADER", "ENTRY_OPTION",
+           "entry_guard", "beat_run"]
 
 log = logging.getLogger("taskguard.beat")
 
 #: Key of the per-entry guard options inside ``beat_schedule[name]["options"]``.
 ENTRY_OPTION = "taskguard"
 ENTRY_OPTION_KEYS = ("key", "ttl")
-#: Name of the record that marks a schedule slot claimed, then published (under the slot's key).
-SLOT_RECORD = "slot"
-#: Seconds after which a slot claimed but not marked published is reported.
-UNPUBLISHED_GRACE = 5.0
+#: Lease record (on the leader lease) of an entry's latest handled slot: ``slot:<entry name>``.
+SLOT_RECORD = "slot:"
+#: Seconds a finished slot's run is remembered by the worker, at least (see :func:`beat_run`).
+SLOT_KEEP_MIN = 300.0
 
 
 def _is_interval(sched: Any) -> bool:
@@ -68,17 +80,47 @@ def _is_interval(sched: Any) -> bool:
     return isinstance(sched, schedule)
 
 
-def slot_of(entry: Any, now_ts: float | None = None) -> tuple[str, float]:
-    """``(slot id, seconds to keep its marker)`` of the run of ``entry`` due now."""
+def latest_due(entry: Any, lookback: float, now_ts: float | None = None) -> tuple[float | None, float]:
+    """``(instant, next_in)``: the latest instant (Unix seconds) at which ``entry`` fell due, at
+    most ``lookback`` seconds ago (``None`` when none did), and the seconds until its next one.
+
+    Interval entries: epoch-aligned window starts (``now_ts``, default ``time.time()``). Other
+    schedules (crontab, solar) walk their own ``remaining_estimate`` forward from ``now -
+    lookback`` at the schedule's clock (``schedule.now()``, in UTC instants), so a repeated local
+    hour at the autumn DST change yields each UTC instant once. Raises what the schedule raises
+    (``NotImplementedError`` for a schedule without ``remaining_estimate``)."""
     sched = entry.schedule
-    now_ts = time.time() if now_ts is None else now_ts
+    if _is_interval(sched):
+        now_ts = time.time() if now_ts is None else now_ts
+        secs = max(sched.run_every.total_seconds(), 0.001)
+        window = math.floor(now_ts / secs)
+        instant = window * secs
+        return (instant if now_ts - instant <= lookback else None), (window + 1) * secs - now_ts
+    now = sched.maybe_make_aware(sched.now())
+    t, latest, nxt = now - timedelta(seconds=lookback), None, None
+    for _ in range(10000):
+        nxt = now + sched.remaining_estimate(t)
+        if nxt > now or nxt <= t:
+            break
+        latest, t = nxt, nxt
+    next_in = max((nxt - now).total_seconds(), 0.0) if nxt is not None and nxt > now else 1.0
+    return (latest.astimezone(timezone.utc).timestamp() if latest is not None else None), next_in
+
+
+def slot_id(entry: Any, instant: float) -> str:
+    """The slot name of ``entry``'s run due at ``instant`` (Unix seconds)."""
+    sched = entry.schedule
     if _is_interval(sched):
         secs = max(sched.run_every.total_seconds(), 0.001)
-        return f"every{secs:g}s:{math.floor(now_ts / secs)}", max(2 * secs, 300.0)
-    rem = sched.remaining_estimate(entry.last_run_at)
-    now = sched.maybe_make_aware(sched.now())
-    instant = (now + rem).astimezone(timezone.utc)
-    return f"at:{int(round(instant.timestamp()))}", 90000.0
+        return f"every{secs:g}s:{round(instant / secs)}"
+    return f"at:{int(round(instant))}"
+
+
+def _slot_keep(entry: Any) -> float:
+    sched = entry.schedule
+    if _is_interval(sched):
+        return max(2 * sched.run_every.total_seconds(), SLOT_KEEP_MIN)
+    return 90000.0
 
 
 def validate_entry_options(name: str, options: Any) -> dict:
@@ -107,23 +149,41 @@ class _WithOptions:
         return getattr(self._entry, name)
 
 
+class _SlotState:
+    """An entry's slot record: ``"<instant> <claimed|published> <leader fence> <beat id>"``."""
+
+    __slots__ = ("instant", "state", "fence", "raw")
+
+    def __init__(self, raw: str | None) -> None:
+        self.raw, self.instant, self.state, self.fence = raw, -math.inf, "", 0
+        parts = (raw or "").split(" ")
+        if len(parts) >= 3:
+            try:
+                self.instant, self.state, self.fence = float(parts[0]), parts[1], int(parts[2])
+            except ValueError:
+                self.instant = -math.inf
+
+
 class SingletonBeatMixin:
     """Mix into a ``celery.beat.Scheduler`` subclass (before it in the bases) to publish each due
     run of each entry at most once across all beat processes. See the module docstring."""
 
-    #: Beat wakes at least this often (seconds), so interval entries fire near window starts.
+    #: Beat wakes at least this often (seconds) unless ``beat_max_loop_interval`` says otherwise.
     max_interval = 1.0
 
     def setup_schedule(self) -> None:
+        settings = beat_settings(self.app, float(self.max_interval))  # type: ignore[attr-defined]
         super().setup_schedule()  # type: ignore[misc]
-        conf = self.app.conf  # type: ignore[attr-defined]
+        self.taskguard_settings = settings
         self.taskguard_locks = locks_for(self.app)  # type: ignore[attr-defined]
-        self.taskguard_leader_ttl = float(conf.get("taskguard_beat_leader_ttl") or 30.0)
-        self.taskguard_leader_key = f"beat-leader:{conf.get('taskguard_beat_name') or self.app.main or 'celery'}"  # type: ignore[attr-defined]
+        self.taskguard_leader_ttl = settings.leader_ttl
+        self.taskguard_leader_key = f"beat-leader:{settings.name}"
         self.taskguard_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.taskguard_stats: collections.Counter = collections.Counter()
         self._tg_leader: Lease | None = None
-        self._tg_windows: dict[str, int] = {}
+        self._tg_leader_seen: str | None = None
+        self._tg_handled: dict[str, float] = {}  # entry name -> latest slot instant known handled
+        self._tg_started = time.time()
         self._tg_outage = False
         for name, entry in self.schedule.items():  # type: ignore[attr-defined]
             opts = entry.options.get(ENTRY_OPTION)
@@ -131,6 +191,15 @@ class SingletonBeatMixin:
                 validate_entry_options(name, opts)
 
     # -- leadership -------------------------------------------------------------------------------
+    def tick(self, *args: Any, **kwargs: Any) -> Any:
+        """Seek (or check) leadership on every tick, then run the scheduler's own tick."""
+        self.taskguard_leader()
+        return super().tick(*args, **kwargs)  # type: ignore[misc]
+
+    def _tg_is_leader(self) -> bool:
+        lease = self._tg_leader
+        return lease is not None and not lease.lost and not lease.released
+
     def taskguard_leader(self) -> Lease | None:
         """The leader lease if this beat holds it (acquiring it when free), else ``None``."""
         lease = self._tg_leader
@@ -143,15 +212,23 @@ class SingletonBeatMixin:
             self._tg_leader = None
         try:
             acq = self.taskguard_locks.acquire(self.taskguard_leader_key, ttl=self.taskguard_leader_ttl, renew=True,
-                                               holder={"beat": self.taskguard_id})
+                                               holder={"beat": self.taskguard_id}, run_id=self.taskguard_id)
         except LeaseBackendError as e:
             self._note_outage(e)
             return None
         self._note_recovered()
         if not acq.acquired:
+            leader = acq.holder_run or "unknown"
+            if leader != self._tg_leader_seen:
+                log.info("beat %s is waiting: beat %s leads (%s); it takes over within %gs if that one stops",
+                         self.taskguard_id, leader, self.taskguard_leader_key,
+                         self.taskguard_leader_ttl + self.max_interval)  # type: ignore[attr-defined]
+                self._tg_leader_seen = leader
             return None
-        self._tg_leader = acq.lease
+        self._tg_leader, self._tg_leader_seen = acq.lease, self.taskguard_id
         log.warning("beat %s is the leader (fencing token %s)", self.taskguard_id, acq.lease.fencing_token)
+        if getattr(self, "_heap", None) is not None:
+            self._heap = None  # every entry is looked at again now: catch-up of the hand-over
         return acq.lease
 
     def _note_outage(self, error: Exception) -> None:
@@ -166,16 +243,70 @@ class SingletonBeatMixin:
         self._tg_outage = False
 
     # -- when entries are due -----------------------------------------------------------------------
+    def _tg_due(self, entry: Any) -> tuple[float | None, float] | None:
+        """``(latest due instant within the allowed lateness, seconds to the next)``, or ``None``
+        for a schedule that cannot say (then Celery's own ``is_due`` decides)."""
+        try:
+            return latest_due(entry, self.taskguard_settings.allowed_lateness + self.max_interval)  # type: ignore[attr-defined]
+        except NotImplementedError:
+            return None
+
     def is_due(self, entry: Any) -> Any:
-        """Interval entries fire at epoch-aligned window starts (once per window per beat)."""
-        sched = entry.schedule
-        if not _is_interval(sched):
+        """Due when the latest instant the entry fell due at is one this beat has not handled,
+        is at most the allowed lateness ago, and this beat leads."""
+        due = self._tg_due(entry)
+        if due is None:
             return super().is_due(entry)  # type: ignore[misc]
-        secs = max(sched.run_every.total_seconds(), 0.001)
-        now = time.time()
-        window = math.floor(now / secs)
-        next_in = (window + 1) * secs - now
-        return (window > self._tg_windows.get(entry.name, -1), next_in)
+        instant, next_in = due
+        if not self._tg_is_leader():
+            # a follower looks again every loop, so that a take-over finds the entry due
+            return False, min(next_in, self.max_interval)  # type: ignore[attr-defined]
+        if instant is None or instant <= self._tg_handled.get(entry.name, -math.inf):
+            return False, next_in
+        late = time.time() - instant
+        if late > self.taskguard_settings.allowed_lateness:
+            self._tg_missed(entry, instant, late)
+            return False, next_in
+        return True, next_in
+
+    def _tg_missed(self, entry: Any, instant: float, late: float) -> None:
+        if instant > self._tg_handled.get(entry.name, -math.inf):
+            log.warning("beat %s: %s slot %s fell due %.1fs ago, beyond the catch-up window (%gs); not published",
+                        self.taskguard_id, entry.name, slot_id(entry, instant), late,
+                        self.taskguard_settings.allowed_lateness)
+            self.taskguard_stats["missed_slots"] += 1
+            self._tg_handled[entry.name] = instant
+
+    def populate_heap(self, event_t: Any = event_t, heapify: Any = heapq.heapify) -> None:
+        """Celery's heap, ordered by this mixin's ``is_due`` (not the entries' own)."""
+        self._heap = []
+        for entry in self.schedule.values():  # type: ignore[attr-defined]
+            try:
+                due, delay = self.is_due(entry)
+            except Exception:
+                due, delay = self._is_due_failed(entry)  # type: ignore[attr-defined]
+            self._heap.append(event_t(self._when(entry, 0 if due else delay) or 0, 5, entry))  # type: ignore[attr-defined]
+        heapify(self._heap)
+
+    def maybe_due(self, entry: Any, **kwargs: Any) -> Any:
+        """RedBeat's per-entry step (redbeat/schedulers.py ``maybe_due`` asks the entry's own
+        ``is_due``, from its ``last_run_at``): decided by this mixin's :meth:`is_due` instead."""
+        due, next_in = self.is_due(entry)
+        if due:
+            try:
+                self.apply_async(entry, **kwargs)
+            except Exception:
+                log.exception("beat %s: publishing %s failed", self.taskguard_id, entry.name)
+        return next_in
+
+    def _tg_reserve(self, entry: Any, instant: float | None) -> None:
+        """Move the entry on. RedBeat entries (kept in Redis, with ``reschedule``) record the
+        slot's instant as their ``last_run_at``, so that RedBeat's own due time (``last_run_at``
+        + interval) stays on the window starts instead of drifting by each publish's delay."""
+        if instant is not None and hasattr(entry, "reschedule") and hasattr(entry, "_next_instance"):
+            entry._next_instance(last_run_at=datetime.fromtimestamp(instant, timezone.utc))
+        else:
+            self.reserve(entry)  # type: ignore[attr-defined]
 
     def apply_entry(self, entry: Any, producer: Any = None) -> None:
         """Celery's ``Scheduler.tick`` path (the entry is already reserved)."""
@@ -187,68 +318,83 @@ class SingletonBeatMixin:
             return super().apply_async(entry, producer, advance, **kwargs)  # type: ignore[misc]
         return self._tg_publish(entry, producer, advance=advance, **kwargs)
 
+    # -- claim, publish, confirm ----------------------------------------------------------------------
     def _tg_publish(self, entry: Any, producer: Any, advance: bool, **kwargs: Any) -> Any:
-        slot, keep = slot_of(entry)
-        if _is_interval(entry.schedule):
-            self._tg_windows[entry.name] = int(slot.rsplit(":", 1)[1])
+        due = self._tg_due(entry)
+        now = time.time()
+        if due is None:
+            instant: float | None = float(round(now))  # a schedule that cannot name its instants
+        else:
+            instant = due[0]
         leader = self.taskguard_leader()
         if leader is None:
             # not ours to publish, nor to move on: a schedule shared through Redis (RedBeat)
             # would otherwise look already run to the leader
-            log.debug("beat %s is not the leader; %s slot %s left to the leader", self.taskguard_id, entry.name, slot)
+            log.debug("beat %s is not the leader; %s left to the leader", self.taskguard_id, entry.name)
             return None
         if advance:  # as Scheduler.apply_async does: move the entry on whatever happens below
-            self.reserve(entry)  # type: ignore[attr-defined]
-        slot_key = f"beat-slot:{entry.name}:{slot}"
+            self._tg_reserve(entry, instant)
+        if instant is None or instant <= self._tg_handled.get(entry.name, -math.inf):
+            return None
+        if now - instant > self.taskguard_settings.allowed_lateness:
+            self._tg_missed(entry, instant, now - instant)
+            return None
+        slot = slot_id(entry, instant)
+        record = SLOT_RECORD + entry.name
+        locks = self.taskguard_locks
         try:
-            claimed = self.taskguard_locks.put_record(slot_key, SLOT_RECORD,
-                                                      f"claimed {self.taskguard_id} {time.time():.3f}", ttl=keep,
-                                                      if_absent=True)
-            if not claimed:
-                self._report_if_unpublished(entry, slot, slot_key)
+            cur = _SlotState(locks.get_lease_record(self.taskguard_leader_key, record))
+            if cur.raw is None and instant < self._tg_started:
+                # never run anywhere (no record): the first run is the first slot after beat started
+                self._tg_handled[entry.name] = instant
                 return None
-            leader.ensure_held()
+            if cur.instant > instant or (cur.instant == instant and cur.state == "published"):
+                self._tg_handled[entry.name] = max(cur.instant, instant)
+                return None
+            if cur.instant == instant:
+                log.warning("beat %s: %s slot %s was claimed (leader fence %s) but not confirmed published; "
+                            "publishing it again (the worker runs a slot once)", self.taskguard_id, entry.name,
+                            slot, cur.fence)
+                self.taskguard_stats["republished_slots"] += 1
+            claim = f"{instant!r} claimed {leader.fencing_token} {self.taskguard_id}"
+            if not leader.put_record(record, claim, if_value=cur.raw, if_absent=cur.raw is None):
+                return None  # the record changed under us (another call of this beat): look again next tick
+        except LeaseLost as e:
+            log.warning("beat %s: lost the leader lease before claiming %s slot %s (%s)", self.taskguard_id,
+                        entry.name, slot, e)
+            return None
         except LeaseBackendError as e:
             self._note_outage(e)
-            return None
-        except Exception as e:  # LeaseLost between the claim and the publish
-            log.error("beat %s: slot %s of %s claimed but not published: %s", self.taskguard_id, slot, entry.name, e)
-            self.taskguard_stats["unpublished_slots"] += 1
             return None
         options = dict(entry.options)
         guard = options.pop(ENTRY_OPTION, None)
         header = {"leader_key": self.taskguard_leader_key, "leader_fence": leader.fencing_token,
-                  "entry": entry.name, "slot": slot}
+                  "entry": entry.name, "slot": slot, "keep": _slot_keep(entry)}
         if guard:
             header.update(guard)
         options["headers"] = {**(options.get("headers") or {}), BEAT_HEADER: header}
         publish = _WithOptions(entry, options)
-        log.info("beat %s: publishing %s slot %s", self.taskguard_id, entry.name, slot)
+        log.info("beat %s: publishing %s slot %s (%.1fs after it fell due)", self.taskguard_id, entry.name, slot,
+                 now - instant)
         self._tg_inside = True
         try:
             result = super().apply_async(publish, producer, False, **kwargs)  # type: ignore[misc]
         except Exception as e:
-            log.error("beat %s: slot %s of %s claimed but not published: %s", self.taskguard_id, slot, entry.name, e)
+            log.error("beat %s: slot %s of %s claimed but not published (tried again next tick): %s",
+                      self.taskguard_id, slot, entry.name, e)
             self.taskguard_stats["unpublished_slots"] += 1
             return None
         finally:
             self._tg_inside = False
         self.taskguard_stats["published"] += 1
+        self._tg_handled[entry.name] = instant
         try:
-            self.taskguard_locks.put_record(slot_key, SLOT_RECORD, f"published {getattr(result, 'id', '')}", ttl=keep)
-        except LeaseBackendError as e:
-            self._note_outage(e)
+            leader.put_record(record, f"{instant!r} published {leader.fencing_token} {self.taskguard_id}",
+                              if_value=claim)
+        except (LeaseLost, LeaseBackendError) as e:
+            # the next leader publishes it again; the worker runs the slot once
+            log.warning("beat %s: %s slot %s published but not confirmed: %s", self.taskguard_id, entry.name, slot, e)
         return result
-
-    def _report_if_unpublished(self, entry: Any, slot: str, slot_key: str) -> None:
-        mark = self.taskguard_locks.get_record(slot_key, SLOT_RECORD) or ""
-        parts = mark.split()
-        if len(parts) == 3 and parts[0] == "claimed" and time.time() - float(parts[2]) > UNPUBLISHED_GRACE:
-            if parts[1] != self.taskguard_id:
-                log.error("beat %s: slot %s of %s was claimed by beat %s but never published", self.taskguard_id,
-                          slot, entry.name, parts[1])
-                self.taskguard_stats["unpublished_slots"] += 1
-                self.taskguard_locks.put_record(slot_key, SLOT_RECORD, f"reported {mark}", ttl=300)
 
     def close(self) -> None:
         lease, self._tg_leader = self._tg_leader, None
@@ -290,10 +436,13 @@ def entry_guard(task: Any, opts: Any, header: dict) -> Any:
     return dataclasses.replace(opts, **changes) if changes else opts
 
 
-def published_by_stale_leader(locks: Locks, header: dict) -> bool:
-    """Was this message published by a beat that is no longer the leader?"""
-    fence, leader_key = header.get("leader_fence"), header.get("leader_key")
-    if not isinstance(fence, int) or isinstance(fence, bool) or not isinstance(leader_key, str) or not leader_key:
-        return False
-    current = locks.holder(leader_key)
-    return current is not None and current.fencing_token is not None and fence < current.fencing_token
+def beat_run(header: dict) -> tuple[str, float] | None:
+    """``(run id, seconds to remember it finished)`` of a beat message's slot, or ``None`` when
+    the header does not name one: every message published for one slot has the same run id, so a
+    slot published twice (claimed, then published again by the next leader) runs once."""
+    entry, slot, keep = header.get("entry"), header.get("slot"), header.get("keep")
+    if not isinstance(entry, str) or not entry or not isinstance(slot, str) or not slot:
+        return None
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not math.isfinite(keep) or keep <= 0:
+        keep = SLOT_KEEP_MIN
+    return f"beat:{entry}:{slot}", float(keep)

@@ -8,18 +8,29 @@ Precedence, first match wins:
 4. :func:`taskguard.from_env` (``TASKGUARD_REDIS_URL`` and friends).
 
 Resolved once per Celery app and cached, so two apps in one process may use different Redis.
+
+Also here: the beat scheduler's settings (:func:`beat_settings`), checked when the scheduler is set
+up, with the core's validators.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from typing import Any
 
 import taskguard
 from taskguard import ConfigError, Locks, RedisLocks
+from taskguard.validate import check_seconds, check_ttl
 
-__all__ = ["locks_for"]
+__all__ = ["locks_for", "beat_settings", "BeatSettings", "BEAT_LEADER_TTL", "BEAT_SKEW"]
+
+#: Default of ``app.conf.taskguard_beat_leader_ttl``, seconds.
+BEAT_LEADER_TTL = 30.0
+#: Seconds allowed for the clocks of beats to differ and for a tick to come late; part of the
+#: default catch-up window and the lateness every due slot is allowed.
+BEAT_SKEW = 2.0
 
 _cache: "weakref.WeakKeyDictionary[Any, Locks]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -50,3 +61,52 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
                                   "the task's locks= option, or the TASKGUARD_REDIS_URL variable)") from None
         _cache[app] = locks
         return locks
+
+
+@dataclasses.dataclass(frozen=True)
+class BeatSettings:
+    """The beat scheduler's settings, validated (see :func:`beat_settings`)."""
+
+    leader_ttl: float
+    catch_up: float
+    name: str
+    loop_interval: float
+
+    @property
+    def allowed_lateness(self) -> float:
+        """How late (seconds) a due slot may still be published: the catch-up window, and never
+        less than one beat loop plus the skew allowance (a slot due between two ticks)."""
+        return max(self.catch_up, self.loop_interval + BEAT_SKEW)
+
+
+def beat_settings(app: Any, loop_interval: float) -> BeatSettings:
+    """The beat settings of ``app``, checked. ``loop_interval`` (seconds) is the scheduler's
+    effective ``max_interval`` (``beat_max_loop_interval`` when set, celery/beat.py
+    ``Scheduler.__init__``).
+
+    * ``app.conf.taskguard_beat_leader_ttl``: seconds, default 30; at least :data:`~taskguard.validate.MIN_TTL`
+      and at least twice the loop interval (a leader looks at its lease once per loop).
+    * ``app.conf.taskguard_beat_catch_up``: seconds a new leader still publishes a slot that fell
+      due during the hand-over; default leader TTL + loop interval + :data:`BEAT_SKEW`; ``0`` = none.
+    * ``app.conf.taskguard_beat_name``: the leader lease's name (default: the app's ``main``).
+
+    Raises ConfigError naming the setting."""
+    conf = app.conf
+    raw = conf.get("taskguard_beat_leader_ttl")
+    try:
+        leader_ttl = BEAT_LEADER_TTL if raw is None else check_ttl(raw)
+    except ConfigError as e:
+        raise ConfigError(f"app.conf.taskguard_beat_leader_ttl: {e}") from None
+    if leader_ttl < 2 * loop_interval:
+        raise ConfigError(f"app.conf.taskguard_beat_leader_ttl must be at least twice the beat loop interval "
+                          f"({loop_interval:g} s, beat_max_loop_interval), got {leader_ttl:g}")
+    raw = conf.get("taskguard_beat_catch_up")
+    try:
+        catch_up = (leader_ttl + loop_interval + BEAT_SKEW if raw is None
+                    else check_seconds("catch-up window", raw, allow_zero=True))
+    except ConfigError as e:
+        raise ConfigError(f"app.conf.taskguard_beat_catch_up: {e}") from None
+    name = conf.get("taskguard_beat_name") or app.main or "celery"
+    if not isinstance(name, str):
+        raise ConfigError(f"app.conf.taskguard_beat_name must be a str, got {type(name).__name__}")
+    return BeatSettings(leader_ttl=leader_ttl, catch_up=catch_up, name=name, loop_interval=float(loop_interval))

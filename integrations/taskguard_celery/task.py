@@ -14,14 +14,14 @@ from celery import Task, shared_task
 from celery.exceptions import Reject, Retry
 from celery.utils.time import maybe_iso8601
 
-from taskguard import ConfigError, Locks, Skipped
+from taskguard import ConfigError, Locks
 from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions
 from taskguard.run import GuardedRun
 
 from . import identity, skipping
-from .beat import entry_guard, published_by_stale_leader
+from .beat import beat_run, entry_guard
 from .config import locks_for
 from .headers import BEAT_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, new_publish_stamp, read_header
 
@@ -116,13 +116,13 @@ class GuardedTask(Task):
                               "(the chord would never complete); use on_skip='result'")
         locks = self.taskguard_locks
         beat = read_header(req, BEAT_HEADER)
+        slot_run = None
         if isinstance(beat, dict):
             opts = entry_guard(self, opts, beat)
+            slot_run = beat_run(beat)
         key = opts.key.render(args, kwargs)
         header = read_header(req)
         skips = skipping.skip_count(self, header)
-        if isinstance(beat, dict) and published_by_stale_leader(locks, beat):
-            return skipping.skip(self, Skipped(key=key, reason="stale_leader", task=self.name), skips, locks)
         local = req.called_directly or req.is_eager
         outer = self._enclosing_run(key, locks) if local else None
         if outer is not None:
@@ -137,16 +137,21 @@ class GuardedTask(Task):
             return skipping.duplicate(self, key, locks)
         stamp = read_header(req, PUBLISH_HEADER)
         stamp = stamp if isinstance(stamp, str) and stamp and not local else None
+        run_id, finished_ttl = req.id or None, None if local else identity.finished_ttl(self, req)
+        if slot_run is not None and not local:
+            # a beat slot's messages share one run identity (the slot), whichever task id each
+            # has: a slot published again after a hand-over runs once
+            run_id, stamp = slot_run[0], None
+            finished_ttl = max(finished_ttl or 0.0, slot_run[1])
         run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
                          holder={"task": self.name, "task_id": req.id}, max_hold=opts.max_hold,
-                         run_id=req.id or None, task=self.name, on_lost=opts.on_lost,
-                         finished_ttl=None if local else identity.finished_ttl(self, req),
+                         run_id=run_id, task=self.name, on_lost=opts.on_lost, finished_ttl=finished_ttl,
                          on_lost_report=self._report_lost, tag=self, delivery=stamp)
         # with a publish stamp, finished runs are known per delivery: no copy of a delivery whose
         # run finished runs again, whichever copy the broker hands out first (an ETA message held
         # past the visibility timeout runs on two workers at once); unstamped (a client without
         # taskguard), only a redelivered copy is checked
-        if not run.begin(handle=handle, refuse_finished=redelivered or stamp is not None):
+        if not run.begin(handle=handle, refuse_finished=redelivered or stamp is not None or slot_run is not None):
             if run.reason == "duplicate":
                 identity.end_chain(self, run)
                 return skipping.duplicate(self, key, locks)
