@@ -277,20 +277,23 @@ def beat_conf(**conf):
     return {"TG_TEST_CONF": json.dumps({"taskguard_beat_leader_ttl": 3, **conf}), "TG_TEST_BEAT_TASK": "tg.slot_tick"}
 
 
-def test_killing_the_leader_around_window_starts_loses_no_window(beat_env):
-    """Two beats, an entry every 4 s, leader TTL 3 s. The leader is SIGKILLed 1.5 s before a window
-    starts, at its start and 0.3 s after it (a replacement standby started each time). Every window
-    runs exactly once, each late by at most the leader TTL + one loop + a margin. Before, the window
-    after a kill just before it was never published (the standby took over only at the next one)."""
+@pytest.mark.parametrize("every,leader_ttl,offsets", [(4.0, 3, (-1.5, 0.0, 0.3)), (10.0, 6, (-2.0,))],
+                         ids=["every4s-ttl3", "every10s-ttl6"])
+def test_killing_the_leader_around_window_starts_loses_no_window(beat_env, every, leader_ttl, offsets):
+    """Two beats; the leader is SIGKILLed before a window starts, at its start and just after it (a
+    replacement standby started each time). Every window runs exactly once, each late by at most
+    the leader TTL + one loop + a margin. Before, the window after a kill just before it was never
+    published: the standby took over only at the next one. (``every10s-ttl6``: the reported case.)"""
     app, queue, prefix, tmp = beat_env
-    env = beat_conf()
+    env = beat_conf(taskguard_beat_leader_ttl=leader_ttl)
+    EVERY = every
     delays = []
     with WorkerProcess(queue, prefix, pool="threads", concurrency=4):
         beats = [BeatProcess(queue, prefix, tmp, n, every=EVERY, env=env).start() for n in ("a", "b")]
         leader_pid(app)
         time.sleep(EVERY)  # both up, a window or so run
         first = math.floor(time.time() / EVERY) + 1
-        for i, offset in enumerate((-1.5, 0.0, 0.3)):
+        for i, offset in enumerate(offsets):
             start = (math.floor(time.time() / EVERY) + 2) * EVERY
             sleep_until(start + offset)
             pid = leader_pid(app)
@@ -309,7 +312,7 @@ def test_killing_the_leader_around_window_starts_loses_no_window(beat_env):
             b.stop()
     say(f"observed: delay of the windows after each kill (s): {[round(d, 2) for d in delays]}")
     check_every_window_once(slot_runs(app), first, last)
-    assert max(delays) <= 3.0 + 1.0 + 1.5
+    assert max(delays) <= leader_ttl + 1.0 + 1.5
     assert any("is waiting: beat" in o for o in outputs)  # a follower says it waits, and for whom
 
 
@@ -412,3 +415,83 @@ def test_a_bad_setting_stops_celery_beat_at_start_naming_it(beat_env):
     beat.stop()
     say(f"observed: beat exited {beat.proc.returncode}")
     assert beat.proc.returncode != 0 and "taskguard_beat_leader_ttl" in out
+
+
+class _Recorder:
+    """Below the mixin: records what would be published (entry, slot) instead of publishing."""
+
+    published: list
+
+    def apply_async(self, entry, producer=None, advance=True, **kwargs):
+        header = (entry.options.get("headers") or {}).get("taskguard_beat") or {}
+        self.published.append((entry.name, header.get("slot")))
+        return None
+
+
+class _FakeTime:
+    def __init__(self, now):
+        self.now = now
+
+    def time(self):
+        return self.now
+
+
+@pytest.mark.parametrize("catch_up", [None, 0])
+def test_the_catch_up_window_decides_what_a_new_leader_publishes(catch_up, tmp_path, monkeypatch):
+    """Two schedulers in-process on one simulated clock, an entry every 10 s, leader TTL 6 s. The
+    leader dies 1.5 s before window 102; the follower takes over about 4.5 s after that window
+    started. With the default window (6 + 1 + 2 = 9 s) it publishes window 102 late; with
+    ``taskguard_beat_catch_up = 0`` (a loop + 2 s of lateness only) it logs it as missed. Both
+    publish window 103 on time, and neither publishes the window the beats started in."""
+    import taskguard_celery.beat as beat_mod
+    from celery.beat import PersistentScheduler
+
+    from taskguard.heartbeat import get_heartbeat
+    from taskguard_celery.beat import SingletonBeatMixin
+
+    clock = _FakeTime(1000.5)
+    monkeypatch.setattr(beat_mod, "time", clock)
+    app = Celery("catchup", set_as_current=False, broker="memory://")
+    app.conf.taskguard_locks = MemoryLocks(clock=clock.time)
+    app.conf.taskguard_beat_leader_ttl = 6
+    if catch_up is not None:
+        app.conf.taskguard_beat_catch_up = catch_up
+    app.conf.beat_schedule = {"e": {"task": "t", "schedule": 10.0}}
+    published: list = []
+
+    class Sched(SingletonBeatMixin, _Recorder, PersistentScheduler):
+        pass
+
+    Sched.published = published
+    a = Sched(app, schedule_filename=str(tmp_path / "a"))
+    b = Sched(app, schedule_filename=str(tmp_path / "b"))
+
+    def step(s, at):
+        clock.now = at
+        if s._tg_leader is not None:
+            s._tg_leader.renew()  # what the heartbeat thread does on the real clock
+        s.taskguard_leader()
+        entry = s.schedule["e"]
+        due, _ = s.is_due(entry)
+        if due:
+            s.apply_entry(entry)
+
+    def run(beats, start, until):
+        t = start
+        while t < until:
+            for s in beats:
+                step(s, t)
+            t = round(t + 0.5, 3)
+
+    run([a, b], 1000.5, 1018.5)  # both tick (and renew) every 0.5 s
+    get_heartbeat().discard(a._tg_leader)  # the leader dies at 1018.5: its lease runs out at ~1024.5
+    run([b], 1018.5, 1031.0)
+    windows = [int(slot.split(":")[1]) for _, slot in published]
+    say(f"catch_up={catch_up}: published windows {windows}; b's stats {dict(b.taskguard_stats)}")
+    if catch_up is None:
+        assert windows == [101, 102, 103]
+        assert b.taskguard_stats["leadership_lost"] == 0
+    else:
+        assert windows == [101, 103] and b.taskguard_stats["missed_slots"] == 1
+    for s in (a, b):
+        s.close()

@@ -220,5 +220,5 @@ def test_torture_short(redis_url):
                          timeout=180)
     say(out.stdout.strip().replace("\n", "\n    "))
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    assert "overlaps: 0   fence regressions: 0" in out.stdout
+    assert "overlaps: 0 (interleaved entry/exit records: 0)   fence regressions: 0" in out.stdout
     assert "acquisitions 1," in out.stdout or "acquisitions 2," in out.stdout
