@@ -11,7 +11,7 @@ from .lease import Acquisition, HolderInfo, Lease
 from .locks import Health, Locks
 from .memory_locks import MemoryLocks
 from .redis_locks import RedisLocks
-from .skipped import Skipped, is_skipped
+from .skipped import Skipped, as_skipped, is_skipped
 
 __version__ = "0.1.0"
 
@@ -33,5 +33,6 @@ __all__ = [
     "add_listener",
     "from_env",
     "is_skipped",
+    "as_skipped",
     "remove_listener",
 ]

@@ -75,3 +75,11 @@ def _is_tagged(x: Any) -> bool:
 def is_skipped(value: Any) -> bool:
     """True for a :class:`Skipped` and for its tagged-dict form (see :meth:`Skipped.to_dict`)."""
     return isinstance(value, Skipped) or _is_tagged(value)
+
+
+def as_skipped(value: Any) -> Skipped | None:
+    """The :class:`Skipped` that ``value`` is or encodes (its tagged-dict form, e.g. a Celery
+    JSON result), else ``None``: ``s = as_skipped(result.get())`` then ``s.reason``."""
+    if isinstance(value, Skipped):
+        return value
+    return Skipped.from_dict(value) if _is_tagged(value) else None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -9,7 +12,7 @@ import redis
 from celery import chain, chord
 from celery.exceptions import Retry
 
-from taskguard import ConfigError, LeaseLost, Skipped, TaskSkipped, is_skipped
+from taskguard import ConfigError, LeaseLost, Skipped, TaskSkipped, as_skipped, is_skipped
 from taskguard_celery import GuardedTask, guarded_task
 
 from .celery_app import make_app
@@ -43,12 +46,41 @@ def test_two_concurrent_runs_one_skipped_json(app):
         first, second = concurrent(app.tasks["tg.slow"], 1)
         skipped = second.get(timeout=5)
         ran = first.get(timeout=5)
-    assert isinstance(skipped, Skipped), skipped
+    # JSON results carry the plain tagged dict: any client reads it, taskguard installed or not
+    assert isinstance(skipped, dict) and is_skipped(skipped), skipped
+    skipped = Skipped.from_dict(skipped)
     assert skipped.key == "slow:1" and skipped.reason == "held" and skipped.task == "tg.slow"
     assert 0 < skipped.holder_ttl <= 5
     assert ran["n"] == 1 and ran["same"] is True
     assert second.state == "SUCCESS"
     assert body_log(app).count("slow:1:end") == 1
+
+
+def test_a_client_without_taskguard_reads_a_skip_and_the_other_results(app, redis_url):
+    """A client process that imports only ``celery`` (never ``taskguard_celery``) sends a slow
+    guarded task twice by name over the Redis result backend: both ``.get()`` give plain values
+    (the skip: SUCCESS with the tagged dict). Before, a registered kombu type made both results
+    ``kombu.exceptions.DecodeError: Unsupported type`` (they come over one pub/sub subscription)."""
+    client = f"""
+import json, sys, time
+from celery import Celery
+app = Celery("client", broker={redis_url!r}, backend={redis_url!r})
+first = app.send_task("tg.slow", (7,), {{"seconds": 3}}, queue={app.conf.task_default_queue!r})
+time.sleep(1.0)
+second = app.send_task("tg.slow", (7,), {{"seconds": 0}}, queue={app.conf.task_default_queue!r})
+out = [second.get(timeout=20), second.state, first.get(timeout=20), first.state]
+assert not any(m.startswith("taskguard") for m in sys.modules), "the client imported taskguard"
+print(json.dumps(out))
+"""
+    with embedded_worker(app):
+        proc = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=60,
+                              cwd="/tmp")
+    assert proc.returncode == 0, proc.stderr[:3000]
+    skipped, skipped_state, ran, ran_state = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"    observed: a client without taskguard got {skipped!r} ({skipped_state}) and {ran!r} ({ran_state})")
+    assert skipped_state == ran_state == "SUCCESS"
+    assert is_skipped(skipped) and as_skipped(skipped).reason == "held" and as_skipped(skipped).key == "slow:7"
+    assert ran["n"] == 7
 
 
 @pytest.mark.parametrize("serializer", ["pickle", "msgpack"])
@@ -178,7 +210,7 @@ def test_on_skip_retry_is_bounded_and_does_not_consume_max_retries(app):
         out = waiting.get(timeout=10)
         holder.get(timeout=10)
         skips = events.wait_for("task-skipped", 3)
-    assert isinstance(out, Skipped) and out.reason == "retry_exhausted"
+    assert is_skipped(out) and out["reason"] == "retry_exhausted"
     assert [e["reason"] for e in skips if e["uuid"] == waiting.id] == ["held", "held", "retry_exhausted"]
     assert "retry:1:ran" not in body_log(app)
 
@@ -287,7 +319,7 @@ def test_retry_never_runs_beside_a_new_holder(app):
         squatter = locks.acquire("retry:d", ttl=10).lease  # someone else took it
         out = res.get(timeout=15)
         squatter.release()
-    assert is_skipped(out) and out.reason == "held"
+    assert is_skipped(out) and as_skipped(out).reason == "held"
     assert len([e for e in body_log(app) if e.startswith("retrying:d:")]) == 1
 
 

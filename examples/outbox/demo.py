@@ -23,11 +23,12 @@ ROWS = 40
 
 def describe(out) -> str:
     """One line, the same wording for every run of the demo."""
-    from taskguard import is_skipped
+    from taskguard import as_skipped
 
-    if is_skipped(out):
-        left = f", the holder had {out.holder_ttl:.1f}s left" if out.holder_ttl is not None else ""
-        return f"skipped (lease {out.key!r} {out.reason}{left})"
+    sk = as_skipped(out)  # a Celery JSON result carries the plain tagged dict
+    if sk is not None:
+        left = f", the holder had {sk.holder_ttl:.1f}s left" if sk.holder_ttl is not None else ""
+        return f"skipped (lease {sk.key!r} {sk.reason}{left})"
     return f"ran with fence {out['fence']}, moved {out['moved']} rows"
 
 
@@ -93,7 +94,7 @@ def main() -> int:
 
     import redis
 
-    from taskguard import is_skipped
+    from taskguard import as_skipped, is_skipped
     from taskguard.urls import check_url, redact_url
 
     try:  # fail fast, before starting a worker that would retry for a minute
@@ -174,7 +175,7 @@ def main() -> int:
         delivered, distinct = db.execute("SELECT COUNT(*), COUNT(DISTINCT outbox_id) FROM delivered").fetchone()
         left = db.execute("SELECT COUNT(*) FROM outbox").fetchone()[0]
         rejected = db.execute("SELECT COALESCE(SUM(rejected), 0) FROM runs").fetchone()[0]
-    reasons = sorted({s.reason for s in results["skipped"]})
+    reasons = sorted({as_skipped(s).reason for s in results["skipped"]})
     duplicates = delivered - distinct
     ok = (distinct == ROWS and left == 0 and duplicates == 0 and rejected >= 1 and len(results["retried"]) == 1
           and len(results["skipped"]) >= 3 and len(rq["skipped"]) == 1 and rq["retried"] == 1)
