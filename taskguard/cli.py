@@ -7,6 +7,7 @@ Every command takes ``--url`` (default: ``TASKGUARD_REDIS_URL``) and ``--prefix`
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -16,24 +17,37 @@ import click
 import redis
 
 from . import __version__
-from .config import from_env
+from .config import parse_prefix, read_env
 from .errors import ConfigError, LeaseBackendError
 from .redis_locks import RedisLocks
-from .urls import redact_url
+from .urls import check_url, redacted
 
 __all__ = ["main", "doctor_checks"]
 
 
-def _locks(url: str | None, prefix: str | None) -> RedisLocks:
-    overrides: dict[str, Any] = {}
-    if prefix:
-        overrides["prefix"] = prefix
-    env = {} if url is None else {"TASKGUARD_REDIS_URL": url}
-    try:
-        import os
+def _source(option: str, var: str) -> str:
+    """How to name an option's value in errors: ``--url`` when given on the command line, else
+    the environment variable it came from."""
+    ctx = click.get_current_context(silent=True)
+    src = ctx.get_parameter_source(option) if ctx is not None else None
+    return var if src is click.core.ParameterSource.ENVIRONMENT else f"--{option}"
 
-        merged = {**os.environ, **env}
-        return from_env(merged, connect_timeout=2.0, socket_timeout=2.0, retries=0, **overrides)
+
+def _locks(url: str | None, prefix: str | None) -> RedisLocks:
+    """The locks object for a command: ``--url`` / ``--prefix`` (or their variables) plus the
+    other ``TASKGUARD_*`` variables. A bad value is a usage error naming where it came from."""
+    try:
+        if url is None:
+            raise ConfigError("no Redis URL: pass --url redis://host:6379/0 or set TASKGUARD_REDIS_URL")
+        url = check_url(url, _source("url", "TASKGUARD_REDIS_URL"))
+        opts = read_env({k: v for k, v in os.environ.items() if k not in ("TASKGUARD_REDIS_URL", "TASKGUARD_PREFIX")})
+        if prefix is not None:
+            opts["prefix"] = parse_prefix(_source("prefix", "TASKGUARD_PREFIX"), prefix)
+        opts.update(connect_timeout=2.0, socket_timeout=2.0, retries=0)
+        try:
+            return RedisLocks.from_url(url, **opts)
+        except ConfigError as e:
+            raise ConfigError(f"{_source('url', 'TASKGUARD_REDIS_URL')}: {e}") from None
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
 
@@ -121,7 +135,7 @@ def doctor(url: str | None, prefix: str | None, as_json: bool, strict: bool) -> 
     checks = doctor_checks(locks)
     bad = [c for c in checks if c["status"] == "fail" or (strict and c["status"] == "warn")]
     if as_json:
-        click.echo(json.dumps({"url": redact_url(url or ""), "ok": not bad, "checks": checks}, indent=2))
+        click.echo(json.dumps({"url": redacted(url or ""), "ok": not bad, "checks": checks}, indent=2))
     else:
         for c in checks:
             mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}[c["status"]]

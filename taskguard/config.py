@@ -61,8 +61,9 @@ def _fraction(name: str, raw: str) -> float:
         raise ConfigError(f"{name} must be a number in (0, 0.5] (a fraction of the TTL), got {_show(raw)}") from None
 
 
-def _prefix(name: str, raw: str) -> str:
-    if not _PREFIX_RE.fullmatch(raw):
+def parse_prefix(name: str, raw: str) -> str:
+    """A key prefix: 1-64 characters of ``A-Z a-z 0-9 _ - . :``. Raises ConfigError naming ``name``."""
+    if not isinstance(raw, str) or not _PREFIX_RE.fullmatch(raw):
         raise ConfigError(f"{name} must be 1-64 characters of A-Z a-z 0-9 _ - . :, got {_show(raw)}")
     return raw
 
@@ -74,7 +75,7 @@ def _url(name: str, raw: str) -> str:
 #: variable -> (option name, parser)
 ENV_VARS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "TASKGUARD_REDIS_URL": ("url", _url),
-    "TASKGUARD_PREFIX": ("prefix", _prefix),
+    "TASKGUARD_PREFIX": ("prefix", parse_prefix),
     "TASKGUARD_DB": ("db", _int_range(0, 100000)),
     "TASKGUARD_CONNECT_TIMEOUT": ("connect_timeout", _seconds),
     "TASKGUARD_SOCKET_TIMEOUT": ("socket_timeout", _seconds),
@@ -123,7 +124,7 @@ def from_env(environ: Mapping[str, str] | None = None, *, client: Any = None, **
     if url is None:
         raise ConfigError(
             "TASKGUARD_REDIS_URL is not set: set it to a Redis URL (e.g. redis://127.0.0.1:6379/0) "
-            "or pass a client"
+            "or pass client= to from_env()"
         )
     try:
         return RedisLocks.from_url(url, **opts)

@@ -7,7 +7,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from .errors import ConfigError
 
-__all__ = ["check_url", "redact_url", "scrub"]
+__all__ = ["check_url", "redact_url", "redacted", "scrub"]
 
 SCHEMES = ("redis", "rediss", "unix")
 ACCEPTED = "redis://[user[:password]@]host[:port][/db], rediss://... or unix:///path/to.sock"
@@ -17,17 +17,22 @@ _USERINFO = re.compile(r"(?<=:)[^:@/?#]*(?=@)")
 
 
 def redact_url(url: object) -> str:
-    """``url`` with any password replaced by ``***``; safe for errors and logs.
-
-    Anything that does not parse is shown as ``'<unparseable URL>'`` (it may hold a secret)."""
+    """``url`` with any password replaced by ``***``, quoted, for messages: safe for errors and
+    logs. Anything that does not parse is shown as ``'<unparseable URL>'`` (it may hold a
+    secret); a non-string as ``<its type>``."""
     if not isinstance(url, str):
         return f"<{type(url).__name__}>"
+    return repr(redacted(url))
+
+
+def redacted(url: str) -> str:
+    """``url`` with any password replaced by ``***``, unquoted (for JSON output and tables)."""
     try:
         parts = urlsplit(url)
         host = parts.hostname or ""
         port = f":{parts.port}" if parts.port is not None else ""
     except ValueError:
-        return "'<unparseable URL>'"
+        return "<unparseable URL>"
     if parts.query:  # redis-py also reads ?password= (and friends) from the query string
         query = "&".join(
             f"{k}=***" if k.lower() in _SECRET_QUERY else f"{k}={v}"
@@ -35,12 +40,12 @@ def redact_url(url: object) -> str:
         )
         parts = parts._replace(query=query)
     if not parts.netloc:
-        return repr(_USERINFO.sub("***", parts.geturl()))
+        return _USERINFO.sub("***", parts.geturl())
     if parts.password is None and "@" not in parts.netloc:
-        return repr(parts.geturl())
+        return parts.geturl()
     user = parts.username or ""
     netloc = f"{user}:***@{host}{port}" if user else f":***@{host}{port}" if parts.password is not None else f"***@{host}{port}"
-    return repr(parts._replace(netloc=netloc).geturl())
+    return parts._replace(netloc=netloc).geturl()
 
 
 def scrub(text: str, url: str) -> str:

@@ -72,3 +72,21 @@ def test_task_protocol_1_reads_headers_from_request_headers(redis_url, prefix):
         assert len(runs) == 3 and {int(e.split(":")[3]) for e in runs} == {fence}
     finally:
         redis.Redis.from_url(redis_url).delete(app.tg_log, f"q-{prefix}")
+
+
+@pytest.mark.parametrize("conf, name", [
+    ({"taskguard_redis_url": "redis//host:6379"}, "app.conf.taskguard_redis_url"),
+    ({"taskguard_redis_url": "redis://:s3cr3t@host:6379/0?bogus=1"}, "app.conf.taskguard_redis_url"),
+    ({"taskguard_redis_url": "redis://127.0.0.1:6379/0", "taskguard_prefix": "bad prefix!"},
+     "app.conf.taskguard_prefix"),
+    ({"taskguard_locks": "not a locks object"}, "app.conf.taskguard_locks"),
+])
+def test_a_bad_redis_setting_stops_the_worker_at_start_naming_it(redis_url, prefix, conf, name):
+    """A bad ``taskguard_redis_url`` (or prefix, or locks object) is reported when the worker
+    starts (``worker_init``), naming the setting and never the password; before, the first task run
+    failed with an error that did not say which setting."""
+    app = make_app(f"q-{prefix}", prefix, **{"taskguard_locks": None, **conf})
+    with pytest.raises(SystemExit, match=name) as err:
+        app.WorkController(pool_cls="solo", concurrency=1, without_heartbeat=True, without_mingle=True,
+                           without_gossip=True)
+    assert "s3cr3t" not in str(err.value)

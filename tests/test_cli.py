@@ -95,3 +95,40 @@ def test_release_force_with_confirmation(redis_url, prefix):
     out = json.loads(taskguard("release", "stuck", "--force", "--yes", "--json", url=redis_url, prefix=prefix).stdout)
     assert out == {"key": "stuck", "released": True, "fencing_token": again.fencing_token}
     assert taskguard("release", "stuck", "--force", "--yes", url=redis_url, prefix=prefix).returncode == 1
+
+
+def test_leases_lists_only_held_leases_not_internal_records(redis_url, prefix):
+    """After an RQ skip (its counter), a beat slot claim (a lease record) and a released lease,
+    ``taskguard leases`` (and ``--json``) lists only the lease that is held."""
+    from taskguard_rq.job import record_skip
+
+    locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
+    held = locks.acquire("held:1", ttl=30).lease
+    record_skip(locks, "jobs.sync")
+    leader = locks.acquire("beat-leader:app", ttl=30).lease
+    leader.put_record("slot:tick", "1 claimed 1 b")
+    leader.release()
+    locks.put_record("defer-me", "defer:x", "n", ttl=30)
+    rows = json.loads(taskguard("leases", "--json", url=redis_url, prefix=prefix).stdout)
+    assert [r["key"] for r in rows] == ["held:1"]
+    out = taskguard("leases", url=redis_url, prefix=prefix).stdout
+    assert "held:1" in out and "rq-skips" not in out and "beat-leader" not in out and "defer" not in out
+    held.release()
+
+
+def test_cli_errors_name_the_option_given():
+    """A bad ``--prefix`` or ``--url`` is blamed on that option (not on TASKGUARD_REDIS_URL); a
+    missing URL says to pass ``--url`` or set the variable; ``doctor --json`` shows the URL
+    without quotes and without its password."""
+    out = taskguard("leases", "--prefix", "bad prefix!", "--url", "redis://127.0.0.1:6379/0")
+    assert out.returncode == 2 and "--prefix" in out.stderr and "TASKGUARD_REDIS_URL" not in out.stderr
+    out = taskguard("doctor", "--url", "redis//host")
+    assert out.returncode == 2 and "--url must be a Redis URL" in out.stderr, out.stderr
+    out = taskguard("leases", prefix="bad prefix!", url="redis://127.0.0.1:6379/0")
+    assert out.returncode == 2 and "TASKGUARD_PREFIX" in out.stderr
+    out = taskguard("doctor")
+    assert out.returncode == 2 and "--url" in out.stderr and "TASKGUARD_REDIS_URL" in out.stderr
+    assert "pass a client" not in out.stderr
+    url = f"redis://:Sup3rS3cret@127.0.0.1:{free_port()}/0"
+    doc = json.loads(taskguard("doctor", "--json", "--url", url).stdout)
+    assert doc["url"] == f"redis://:***@127.0.0.1:{url.rsplit(':', 1)[1]}", doc["url"]

@@ -22,6 +22,8 @@ from typing import Any
 
 import taskguard
 from taskguard import ConfigError, Locks, RedisLocks
+from taskguard.config import parse_prefix
+from taskguard.urls import check_url
 from taskguard.validate import check_seconds, check_ttl
 
 __all__ = ["locks_for", "beat_settings", "BeatSettings", "BEAT_LEADER_TTL", "BEAT_SKEW"]
@@ -52,7 +54,14 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
                 raise ConfigError(f"app.conf.taskguard_locks must be a taskguard.Locks, got {type(obj).__name__}")
             locks = obj
         elif url:
-            locks = RedisLocks.from_url(url, prefix=conf.get("taskguard_prefix") or "taskguard")
+            prefix = conf.get("taskguard_prefix") or "taskguard"
+            try:
+                url = check_url(url, "app.conf.taskguard_redis_url")
+                prefix = parse_prefix("app.conf.taskguard_prefix", prefix)
+                locks = RedisLocks.from_url(url, prefix=prefix)
+            except ConfigError as e:
+                msg = str(e)
+                raise ConfigError(msg if msg.startswith("app.conf.") else f"app.conf.taskguard_redis_url: {msg}") from None
         else:
             try:
                 locks = taskguard.from_env()

@@ -40,16 +40,22 @@ def check_pool(sender: Any = None, **_: Any) -> None:
 
 
 def check_settings(app: Any) -> None:
-    """Validate the settings the guard derives from (the broker's redelivery timeout), at worker
-    start, for an app with guarded tasks. Raises SystemExit naming the bad setting."""
+    """Validate the settings the guard uses — which Redis (``taskguard_redis_url``,
+    ``taskguard_prefix``, ``taskguard_locks``) and the broker's redelivery timeout — at worker
+    start, for an app with guarded tasks. Raises SystemExit naming the bad setting (no round trip
+    is made: an unreachable Redis is reported by the runs, which never run unguarded)."""
     from taskguard import ConfigError
 
+    from .config import locks_for
     from .identity import redelivery_timeout
     from .task import GuardedTask
 
-    if not any(isinstance(t, GuardedTask) for t in list(app.tasks.values())):
+    guarded = [t for t in list(app.tasks.values()) if isinstance(t, GuardedTask)]
+    if not guarded:
         return
     try:
         redelivery_timeout(app)
+        if any(getattr(t, "locks", None) is None for t in guarded):  # some task uses the app's Redis
+            locks_for(app)
     except ConfigError as e:
         raise SystemExit(f"taskguard: {e}") from None

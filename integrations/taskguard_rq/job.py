@@ -45,10 +45,21 @@ DEFAULT_JOB_TIMEOUT = 180.0
 #: A function's skip counter goes this many seconds after its last skip (it is a gauge for people,
 #: the Prometheus counter is the durable one).
 SKIP_COUNT_TTL = 7 * 86400.0
+#: The lease key whose records hold the skip counters, one record per job function.
+SKIP_RECORD_KEY = "rq-skips"
+
+def record_skip(locks: Locks, name: str) -> None:
+    """Count one skip of the job function ``name`` (read by :func:`skip_count`); a Redis error
+    is logged, never raised over the job's outcome."""
+    try:
+        locks.count_record(SKIP_RECORD_KEY, name, ttl=SKIP_COUNT_TTL)
+    except LeaseBackendError as e:
+        log.warning("could not count a skip of %s: %s", name, e)
+
 
 def skip_count(name: str, locks: Locks | None = None) -> int:
     """Skips counted so far for the job function labelled ``name`` (``guarded.taskguard_name``)."""
-    raw = locks_for(locks).get_record("rq-skips", name)
+    raw = locks_for(locks).get_record(SKIP_RECORD_KEY, name)
     return int(raw) if raw else 0
 
 
@@ -179,10 +190,7 @@ def _skip(job: Any, locks: Locks, name: str, opts: GuardOptions, run: GuardedRun
     if run.reason == "running":  # an earlier execution of this job id outlasted the wait
         raise TaskSkipped(run.key, "running", name, run.holder_ttl)
     skipped: Skipped = run.skip()
-    try:
-        locks.count_record("rq-skips", name, ttl=SKIP_COUNT_TTL)
-    except LeaseBackendError as e:
-        log.warning("could not count a skip of %s: %s", name, e)
+    record_skip(locks, name)
     log.info("%s", skipped.describe())
     _mirror(job, key=run.key, outcome="skipped", reason=skipped.reason, holder_ttl=skipped.holder_ttl)
     if opts.on_skip == "raise":
