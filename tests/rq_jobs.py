@@ -86,3 +86,11 @@ def stalls_once(name):
     if attempt == 1:
         time.sleep(60)  # the whole worker dies meanwhile
     return {"attempt": attempt, "fence": current_lease().fencing_token}
+
+
+@guarded_job(ttl=30, key="long:{name}")
+def long_running(name, seconds=20.0):
+    """Holds its lease for ``seconds`` (stopped or killed from outside by the tests)."""
+    _log(f"long:{name}:start:{current_lease().fencing_token}")
+    time.sleep(seconds)
+    return name

@@ -201,3 +201,52 @@ def test_bad_options_fail_at_declaration():
         @guarded_job(on_skip="ignore")  # RQ has no way to record nothing
         def g():
             pass
+
+
+def _wait_running(job: Job, key: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while locks().holder(key) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert locks().holder(key) is not None, f"job {job.id} never held {key}"
+
+
+@pytest.mark.parametrize("how", ["stop_job", "kill_horse", "cold_shutdown"])
+def test_every_outside_end_of_a_running_job_settles_its_lease_and_handle(rq_env, how):
+    """A guarded job (ttl=30) runs 20 s; then ``send_stop_job_command`` (the reported case),
+    ``send_kill_horse_command`` or a cold shutdown of its ``rq worker`` (two SIGTERMs). Its lease is
+    released and its stored handle (it holds the owner token) deleted at once, so the next job of
+    the key runs. Before, a stopped job's lease stayed for its TTL (the next call was skipped) and
+    its handle for a day."""
+    from rq.command import send_kill_horse_command, send_stop_job_command
+
+    from taskguard_rq.handles import load_handle
+
+    conn = rq_env.connection
+    with RQWorker(rq_env) as worker:
+        job = rq_env.enqueue(rq_jobs.long_running, how, seconds=20.0, job_timeout=60)
+        _wait_running(job, f"long:{how}")
+        assert load_handle(locks(), job.id) is not None
+        if how == "stop_job":
+            send_stop_job_command(conn, job.id)
+        elif how == "kill_horse":
+            workers = [w for w in rq_env.connection.smembers(f"rq:workers:{rq_env.name}")]
+            assert workers
+            send_kill_horse_command(conn, workers[0].decode().rsplit(":", 1)[-1])
+        else:
+            worker.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.5)  # RQ ignores a second signal within 1 s of the first
+            worker.proc.send_signal(signal.SIGTERM)
+            worker.proc.wait(20)
+        deadline = time.monotonic() + 5
+        while locks().holder(f"long:{how}") is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = locks().holder(f"long:{how}")
+        handle = load_handle(locks(), job.id)
+        output = worker.output()
+    print(f"    injected: {how} of a job holding long:{how} (ttl 30 s); lease held after: {held is not None}, "
+          f"handle kept: {handle is not None}")
+    assert held is None, output[-3000:]
+    assert handle is None
+    with RQWorker(rq_env):
+        nxt = rq_env.enqueue(rq_jobs.long_running, how, seconds=0)
+        assert wait_done(nxt) == JobStatus.FINISHED and nxt.return_value() == how

@@ -1,13 +1,24 @@
 """``GuardedWorker``: an RQ worker that settles the lease of a job whose work-horse was killed.
 
 A SIGKILLed (or OOM-killed) work-horse runs no ``finally``, so the job's lease would stay until
-its TTL runs out. The worker's main process notices the dead horse
-(``BaseWorker.handle_work_horse_killed``, rq/worker/base.py) before it records the failure and,
-with this class, settles the lease at once:
+its TTL runs out and its stored handle (which holds the owner token) until its own expiry. The
+worker's main process sees every way a horse is killed, and with this class settles the lease
+and deletes the handle at once:
 
-* the job has retries left (``Retry``): the lease is stretched over the retry interval plus its
-  TTL and its handle kept, so the retry claims the same lease (same fencing token);
-* otherwise: the lease is released (and the job marked done), so the next job of the key runs.
+* a horse that died (SIGKILL, OOM, ``send_kill_horse_command``; ``handle_work_horse_killed``,
+  rq/worker/base.py): with retries left (``Retry``) the lease is stretched over the retry
+  interval plus its TTL and its handle kept, so the retry claims the same lease (same fencing
+  token); otherwise the lease is released and the handle deleted;
+* ``send_stop_job_command`` (the job ends STOPPED and is never retried, rq/worker/base.py
+  ``handle_job_failure``): released, handle deleted;
+* a cold shutdown (a second SIGTERM/SIGINT: ``request_force_stop`` kills the horse and exits;
+  the job is failed later by the abandoned-job cleanup): released, handle deleted — a retry, if
+  RQ makes one, acquires afresh.
+
+Every other end is settled by the job itself, in the horse: success, an exception, ``Retry``,
+``job_timeout`` (raised inside the body, so its ``finally`` runs), a warm shutdown (the job runs
+to its end). A job cancelled or deleted while it waits for a retry keeps its stretched lease
+until the stretch ends (RQ has no hook for those).
 
 With a plain ``rq worker`` (or a whole worker killed) the TTL bounds the lease instead, and a
 retry that arrives after it expired acquires afresh (a larger fencing token).
@@ -31,9 +42,10 @@ __all__ = ["GuardedWorker", "settle_killed_job"]
 log = logging.getLogger("taskguard.rq")
 
 
-def settle_killed_job(job: Any) -> str | None:
-    """Settle the lease of ``job`` whose work-horse died. Returns ``"kept"``, ``"released"`` or
-    ``None`` (the job held no lease)."""
+def settle_killed_job(job: Any, retry: bool = True) -> str | None:
+    """Settle the lease of ``job`` whose work-horse died: kept for its retry when ``retry`` and
+    it has retries left, else released; its stored handle is deleted with the release. Returns
+    ``"kept"``, ``"released"`` or ``None`` (the job held no lease)."""
     func = getattr(job, "func", None)
     opts = getattr(func, "taskguard_options", None)
     if opts is None:
@@ -44,7 +56,7 @@ def settle_killed_job(job: Any) -> str | None:
         return None
     lease = locks.restore(handle["key"], handle["owner"], ttl=opts.ttl, fencing_token=handle["fence"])
     lease.run_id = job.id
-    if job.retries_left:
+    if retry and job.retries_left:
         stretch = job.get_retry_interval() + opts.ttl
         if lease.renew(stretch):
             save_handle(locks, job.id, {**handle, "expires": lease.expires_at, "running": False}, ttl=stretch)
@@ -61,7 +73,33 @@ class GuardedWorker(Worker):
 
     def handle_work_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         super().handle_work_horse_killed(job, retpid, ret_val, rusage)
+        _settle(job)
+
+    def handle_job_failure(self, job: Any, *args: Any, **kwargs: Any) -> None:
+        # a job stopped on request (``send_stop_job_command``): its horse was killed, it ends
+        # STOPPED and is never retried. ``_stopped_job_id`` is set only in this main process.
+        stopped = job is not None and getattr(self, "_stopped_job_id", None) == job.id
+        super().handle_job_failure(job, *args, **kwargs)
+        if stopped:
+            _settle(job, retry=False)
+
+    def request_force_stop(self, signum: int, frame: Any) -> None:
+        job = None
+        if self.horse_pid:
+            try:
+                job = self.get_current_job()
+            except Exception as e:  # the cold shutdown must go on
+                log.warning("could not read the current job before a cold shutdown: %s", e)
         try:
-            settle_killed_job(job)
-        except (LeaseBackendError, ConfigError) as e:
-            log.warning("job %s: could not settle its lease (its TTL bounds it): %s", job.id, e)
+            super().request_force_stop(signum, frame)
+        except SystemExit:  # the horse was taken down with the worker
+            if job is not None:
+                _settle(job, retry=False)
+            raise
+
+
+def _settle(job: Any, retry: bool = True) -> None:
+    try:
+        settle_killed_job(job, retry=retry)
+    except (LeaseBackendError, ConfigError) as e:
+        log.warning("job %s: could not settle its lease (its TTL bounds it): %s", job.id, e)
