@@ -23,6 +23,14 @@ class Flaky(Exception):
     pass
 
 
+def _gevent_patched() -> bool:
+    try:
+        from gevent import monkey
+    except ImportError:
+        return False
+    return bool(monkey.is_module_patched("threading"))
+
+
 def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> Celery:
     app = Celery(f"tg-{queue}", broker=broker or REDIS_URL, backend=REDIS_URL, set_as_current=False)
     app.conf.update(
@@ -181,6 +189,13 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     def tick(self):
         beat = (self.request.headers or {}).get("taskguard_beat") or getattr(self.request, "taskguard_beat", None) or {}
         note(f"tick:{beat.get('slot')}:{beat.get('leader_fence')}:{time.time():.3f}")
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.hold4", ttl=4, key="hold4")
+    def hold4(self, seconds=12.0):
+        """Holds a ttl=4 lease for ``seconds``; the heartbeat must renew it (the gevent test)."""
+        fence = self.lease.fencing_token
+        time.sleep(seconds)
+        return {"fence": fence, "lost": self.lease.lost, "pool_patched": _gevent_patched()}
 
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.slot_tick", ttl=30, key="slot-tick")
     def slot_tick(self, seconds=0.0):

@@ -1,4 +1,4 @@
-"""Worker pools (prefork subprocess, threads, solo; gevent/eventlet refused) and task protocol 1."""
+"""Worker pools (prefork subprocess, threads, solo, gevent; eventlet refused) and task protocol 1."""
 
 from __future__ import annotations
 
@@ -51,11 +51,47 @@ def test_solo_pool(app):
         assert app.tasks["tg.slow"].delay(2, seconds=0).get(timeout=5)["n"] == 2
 
 
-@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
-def test_greenlet_pools_are_refused_at_worker_start(app, pool):
-    with pytest.raises(SystemExit, match=f"'{pool}' worker pool is not supported"):
-        app.WorkController(pool_cls=pool, concurrency=1, without_heartbeat=True, without_mingle=True,
+def test_eventlet_is_refused_only_for_apps_with_guarded_tasks(app):
+    with pytest.raises(SystemExit, match="'eventlet' worker pool is not supported"):
+        app.WorkController(pool_cls="eventlet", concurrency=1, without_heartbeat=True, without_mingle=True,
                            without_gossip=True)
+    from celery import Celery
+
+    plain = Celery("plain", broker="memory://", set_as_current=False)  # taskguard_celery imported, not used
+
+    @plain.task(name="plain.add")
+    def add(a, b):
+        return a + b
+
+    from types import SimpleNamespace
+
+    from taskguard_celery.pools import check_pool
+
+    check_pool(sender=SimpleNamespace(app=plain, pool_cls="eventlet"))  # no SystemExit: not ours to refuse
+
+
+def test_gevent_pool_renews_while_the_body_yields(redis_url, prefix):
+    """``celery worker -P gevent -c 10``: a 12 s body with ttl=4 keeps its lease (the heartbeat
+    is a greenlet under gevent's monkey-patching), the calls made meanwhile are skipped, and it
+    returns its value. Before, the worker refused to start."""
+    queue = f"q-{prefix}"
+    app = make_app(queue, prefix)
+    with WorkerProcess(queue, prefix, pool="gevent", concurrency=10) as worker:
+        long = app.tasks["tg.hold4"].delay(seconds=12.0)
+        locks = app.conf.taskguard_locks
+        deadline = time.monotonic() + 10
+        while locks.holder("hold4") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        skipped = []
+        for _ in range(3):
+            time.sleep(3.0)
+            skipped.append(app.tasks["tg.hold4"].delay(seconds=0).get(timeout=10))
+        out = long.get(timeout=30)
+        output = worker.output()
+    print(f"    observed: -P gevent -c 10, a 12 s body with ttl=4: {out}; calls meanwhile: "
+          f"{[s['reason'] for s in skipped]}")
+    assert out["pool_patched"] is True and out["lost"] is False, output[-3000:]
+    assert all(is_skipped(s) and s["reason"] == "held" for s in skipped)
 
 
 def test_task_protocol_1_reads_headers_from_request_headers(redis_url, prefix):

@@ -1,9 +1,13 @@
-"""Refuse worker pools the guard does not support, and settings it cannot use, at worker start.
+"""Check the worker pool and the settings the guard uses, at worker start.
 
-The heartbeat that renews leases is an OS thread. Under the ``gevent`` and ``eventlet`` pools a
-task body that blocks the event loop would also stall lease renewal, and greenlet-local request
-state is not what the guard tracks, so those pools are refused with a clear error instead of
-being half supported. ``prefork``, ``threads`` and ``solo`` are supported.
+Supported pools: ``prefork``, ``threads``, ``solo`` and ``gevent``. Under ``-P gevent`` Celery
+monkey-patches the process before anything else runs (celery/__main__.py,
+``maybe_patch_concurrency``), so the heartbeat's thread, its condition and its Redis sockets are
+greenlets and cooperative sockets: renewals run whenever the task bodies yield (any I/O or
+``time.sleep``). A body that never yields (a CPU loop) starves every greenlet, the heartbeat
+too: its lease can expire, which ``on_lost`` reports. ``eventlet`` (deprecated by its own
+maintainers) is refused, and only for an app that has guarded tasks: importing
+``taskguard_celery`` changes nothing for apps that do not use it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from celery.signals import worker_init
 
 __all__ = ["UNSUPPORTED_POOLS", "check_pool", "check_settings"]
 
-UNSUPPORTED_POOLS = ("gevent", "eventlet")
+UNSUPPORTED_POOLS = ("eventlet",)
 
 
 def pool_name(pool_cls: Any) -> str:
@@ -29,14 +33,21 @@ def check_pool(sender: Any = None, **_: Any) -> None:
 
     Raises SystemExit for an unsupported pool: Celery's signal dispatch logs and swallows
     ordinary exceptions, which would let the worker start half working."""
+    app = getattr(sender, "app", None)
+    if app is None or not _guarded_tasks(app):
+        return
     name = pool_name(getattr(sender, "pool_cls", None) or "")
     if name in UNSUPPORTED_POOLS:
-        msg = (f"taskguard: the {name!r} worker pool is not supported (lease renewal runs in an OS "
-               "thread); start the worker with -P prefork, -P threads or -P solo")
+        msg = (f"taskguard: the {name!r} worker pool is not supported for guarded tasks; start the worker "
+               "with -P prefork, -P threads, -P solo or -P gevent")
         raise SystemExit(msg)
-    app = getattr(sender, "app", None)
-    if app is not None:
-        check_settings(app)
+    check_settings(app)
+
+
+def _guarded_tasks(app: Any) -> list:
+    from .task import GuardedTask
+
+    return [t for t in list(app.tasks.values()) if isinstance(t, GuardedTask)]
 
 
 def check_settings(app: Any) -> None:
@@ -48,9 +59,8 @@ def check_settings(app: Any) -> None:
 
     from .config import locks_for
     from .identity import redelivery_timeout
-    from .task import GuardedTask
 
-    guarded = [t for t in list(app.tasks.values()) if isinstance(t, GuardedTask)]
+    guarded = _guarded_tasks(app)
     if not guarded:
         return
     try:
