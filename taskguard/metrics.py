@@ -5,6 +5,7 @@ metric                                      type       labels
 ==========================================  =========  ====================================
 ``taskguard_skips_total``                   counter    ``task``, ``reason``
 ``taskguard_leases_acquired_total``         counter    ``task``
+``taskguard_leases_restored_total``         counter    ``task``
 ``taskguard_leases_lost_total``             counter    ``task``
 ``taskguard_lease_renewals_failed_total``   counter    (none)
 ``taskguard_acquire_duration_seconds``      histogram  (none)
@@ -50,7 +51,10 @@ class Metrics:
         registry = REGISTRY if registry is None else registry
         self.skips = Counter("taskguard_skips_total", "Runs skipped because their lease could not be had",
                              ["task", "reason"], registry=registry)
-        self.acquired = Counter("taskguard_leases_acquired_total", "Leases acquired (or claimed by a retry)",
+        self.restored = Counter("taskguard_leases_restored_total",
+                                "Leases claimed by a retry of the run that held them (same fencing token)", ["task"],
+                                registry=registry)
+        self.acquired = Counter("taskguard_leases_acquired_total", "Leases acquired afresh (a new fencing token)",
                                 ["task"], registry=registry)
         self.lost = Counter("taskguard_leases_lost_total", "Leases found lost while held", ["task"],
                             registry=registry)
@@ -70,7 +74,7 @@ class Metrics:
             if event.status == "acquired":
                 self.acquired.labels(task=task).inc()
         elif event.kind == "claim" and event.status == "claimed":
-            self.acquired.labels(task=task).inc()
+            self.restored.labels(task=task).inc()
         elif event.kind == "skip":
             self.skips.labels(task=task, reason=event.status).inc()
         elif event.kind == "lost":

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -107,7 +108,7 @@ class WorkerProcess:
 
             self.env["TG_TEST_CONF"] = json.dumps(conf)
         self.proc: subprocess.Popen | None = None
-        self.log_path = Path(f"/tmp/tg-worker-{queue}-{time.time_ns()}.log")
+        self.log_path = Path(tempfile.gettempdir()) / f"tg-worker-{queue}-{time.time_ns()}.log"
 
     def start(self, wait_ready: bool = True) -> "WorkerProcess":
         self.log = open(self.log_path, "wb")
@@ -157,7 +158,7 @@ class BeatProcess:
     def __init__(self, queue: str, prefix: str, schedule_dir: Path, name: str, every: float = 1.0,
                  env: dict | None = None, scheduler: str = "taskguard"):
         self.name = name
-        self.log_path = Path(f"/tmp/tg-beat-{queue}-{name}-{time.time_ns()}.log")
+        self.log_path = Path(tempfile.gettempdir()) / f"tg-beat-{queue}-{name}-{time.time_ns()}.log"
         self.args = [sys.executable, "-m", "celery", "-A", "tests.celery_app", "beat", "-S", scheduler,
                      "-s", str(schedule_dir / f"schedule-{name}"), "--loglevel", "INFO"]
         self.env = {**os.environ, "TG_TEST_QUEUE": queue, "TG_TEST_PREFIX": prefix, "TG_TEST_BEAT": str(every),

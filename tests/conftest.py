@@ -17,6 +17,44 @@ from .servers import RedisCluster, RedisServer
 SHARED_URL = os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
+#: Keys the suite's Celery and RQ runs create outside the tests' prefixes, without a TTL (kombu's
+#: bindings and unacked bookkeeping, RQ's registries of queues and workers): deleted at the end
+#: when the suite created them (they did not exist when it started).
+SHARED_BOOKKEEPING = ("_kombu.binding.*", "unacked*", "rq:queues", "rq:workers", "rq:workers:*",
+                      "rq:scheduler*", "rq:wip*", "rq:*:intermediate", "celery*")
+
+
+def _untimed(c, patterns):
+    return {k for pattern in patterns for k in c.scan_iter(match=pattern, count=1000) if c.ttl(k) == -1}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_untimed_keys_left_behind():
+    """After the session: no key without a TTL that the suite made stays in the shared Redis —
+    the tests' own keys (their prefixes, queues and workers all contain ``tgtest-``) and the
+    shared bookkeeping keys that did not exist before the suite ran."""
+    c = redis.Redis.from_url(SHARED_URL, socket_connect_timeout=2)
+    try:
+        before = _untimed(c, SHARED_BOOKKEEPING)
+    except redis.RedisError:
+        before = None  # the redis_url fixture reports it
+    yield
+    if before is None:
+        return
+    try:
+        ours = {k for k in c.scan_iter(match="*tgtest-*", count=1000) if c.ttl(k) == -1}
+        ours |= _untimed(c, SHARED_BOOKKEEPING) - before
+        for key in ("rq:queues", "rq:workers"):  # sets that existed before: drop the suite's members
+            if key in before:
+                members = [m for m in c.smembers(key) if b"tgtest-" in m or b"q-tg" in m]
+                if members:
+                    c.srem(key, *members)
+        if ours:
+            c.delete(*ours)
+    finally:
+        c.close()
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     c = redis.Redis.from_url(SHARED_URL, socket_connect_timeout=2)

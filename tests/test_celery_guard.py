@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -74,7 +75,7 @@ print(json.dumps(out))
 """
     with embedded_worker(app):
         proc = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=60,
-                              cwd="/tmp")
+                              cwd=tempfile.gettempdir())
     assert proc.returncode == 0, proc.stderr[:3000]
     skipped, skipped_state, ran, ran_state = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"    observed: a client without taskguard got {skipped!r} ({skipped_state}) and {ran!r} ({ran_state})")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -38,13 +39,17 @@ def test_metrics_count_acquires_skips_losses_and_failed_renewals(client, prefix)
         client.hset("{" + prefix + ":k}", "o", "thief")
         time.sleep(0.5)  # the heartbeat finds it lost
         assert held.lost and out.reason == "held"
+        # a claim (what a retry does with the lease its run kept) is counted apart from acquisitions
+        kept = locks.acquire("c", ttl=5, holder={"task": "reports.build"}).lease
+        assert locks.claim("c", kept.owner_token, ttl=5, holder={"task": "reports.build"}).lease.release()
     finally:
         remove_listener(metrics)
-    assert sample(registry, "taskguard_leases_acquired_total", task="reports.build") == 1
+    assert sample(registry, "taskguard_leases_acquired_total", task="reports.build") == 2
+    assert sample(registry, "taskguard_leases_restored_total", task="reports.build") == 1
     assert sample(registry, "taskguard_skips_total", task="reports.build", reason="held") == 1
     assert sample(registry, "taskguard_leases_lost_total", task="reports.build") == 1
     assert sample(registry, "taskguard_lease_renewals_failed_total") >= 1
-    assert sample(registry, "taskguard_acquire_duration_seconds_count") == 2
+    assert sample(registry, "taskguard_acquire_duration_seconds_count") == 3  # the claim is not an acquire
     exposition = "\n".join(str(m) for m in registry.collect())
     assert prefix not in exposition and held.owner_token not in exposition  # no keys, no tokens as labels
 
@@ -126,7 +131,7 @@ def test_flower_counts_task_skipped_events(redis_url, prefix, mode):
     app = make_app(queue, prefix)
     port = free_port()
     env = {**os.environ, "TG_TEST_QUEUE": queue, "TG_TEST_PREFIX": prefix, "FLOWER_UNAUTHENTICATED_API": "true"}
-    log = open(Path(f"/tmp/tg-flower-{prefix}.log"), "wb")
+    log = open(Path(tempfile.gettempdir()) / f"tg-flower-{prefix}.log", "wb")
     flower = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.celery_app", "flower",
                                f"--port={port}", "--address=127.0.0.1"], cwd=ROOT, env=env, stdout=log,
                               stderr=subprocess.STDOUT)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def rq_env(redis_url, prefix, monkeypatch):
 class RQWorker:
     def __init__(self, queue: Queue, *extra: str, worker_class: str = "taskguard_rq.GuardedWorker"):
         self.queue = queue
-        self.log_path = Path(f"/tmp/tg-rq-{queue.name}-{time.time_ns()}.log")
+        self.log_path = Path(tempfile.gettempdir()) / f"tg-rq-{queue.name}-{time.time_ns()}.log"
         self.args = [sys.executable, "-m", "rq.cli", "worker", "-u", os.environ["TASKGUARD_REDIS_URL"],
                      "-w", worker_class, "--with-scheduler", *extra, queue.name]
 

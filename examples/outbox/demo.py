@@ -32,13 +32,15 @@ def describe(out) -> str:
     return f"ran with fence {out['fence']}, moved {out['moved']} rows"
 
 
-def print_metrics(metrics_dir: Path) -> None:
-    """What Prometheus would scrape (`taskguard metrics` serves this directory)."""
+def print_metrics(metrics_dir: Path) -> dict:
+    """What Prometheus would scrape (`taskguard metrics` serves this directory). Returns
+    ``{(metric, task): value}`` of the counters labelled by task."""
     from prometheus_client import CollectorRegistry, multiprocess
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=str(metrics_dir))
     print("\nprometheus (taskguard_* from every worker process)")
+    by_task: dict = {}
     for family in sorted(registry.collect(), key=lambda f: f.name):
         if not family.name.startswith("taskguard_"):
             continue
@@ -47,6 +49,9 @@ def print_metrics(metrics_dir: Path) -> None:
                 continue
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             print(f"  {s.name}{{{labels}}} {s.value:g}")
+            if "task" in s.labels:
+                by_task[(s.name, s.labels["task"])] = by_task.get((s.name, s.labels["task"]), 0) + s.value
+    return by_task
 
 
 def print_doctor(url: str) -> None:
@@ -164,6 +169,12 @@ def main() -> int:
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(30)
+        # kombu's bindings of the demo's queue have no TTL: they go with the demo
+        conn = redis.Redis.from_url(outbox.REDIS_URL)
+        leftovers = [k for k in conn.scan_iter(match=f"*{env['OUTBOX_QUEUE']}*") if conn.ttl(k) == -1]
+        if leftovers:
+            conn.delete(*leftovers)
+        conn.close()
 
     sys.path.insert(0, str(HERE.parent / "rq_sync"))
     import demo as rq_demo  # noqa: E402
@@ -195,9 +206,21 @@ def main() -> int:
     for label, celery, rq_value in rows:
         print(f"  {label + (':' if label.strip() else ''):<34}{celery!s:<8}{rq_value}".rstrip())
     print(f"  (database and worker log kept in {tmp})")
-    print_metrics(metrics_dir)
+    by_task = print_metrics(metrics_dir)
+
+    def total(metric: str, prefix: str) -> int:
+        return int(sum(v for (m, t), v in by_task.items() if m == metric and t.startswith(prefix)))
+
+    # every run that held the lease acquired it afresh, once; a retry restores its run's lease
+    counted = {"Celery": (total("taskguard_leases_acquired_total", "outbox."),
+                          total("taskguard_leases_restored_total", "outbox.")),
+               "RQ": (total("taskguard_leases_acquired_total", "jobs."), total("taskguard_leases_restored_total", "jobs."))}
+    expected = {"Celery": (len(results["ran"]), len(results["retried"])), "RQ": (rq["ran"], rq["retried"])}
+    agree = counted == expected
+    print(f"  metrics vs summary: acquired afresh = ran, restored = retried and restored: "
+          f"{'agree' if agree else 'DISAGREE'} (Celery {counted['Celery']}, RQ {counted['RQ']})")
     print_doctor(outbox.REDIS_URL)
-    return 0 if ok else 1
+    return 0 if ok and agree else 1
 
 
 if __name__ == "__main__":

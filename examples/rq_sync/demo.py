@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -42,7 +43,7 @@ def run(redis_url: str, extra_env: dict | None = None) -> dict:
     queue = Queue(f"rq-demo-{tag}", connection=conn)
     workers = []
     for i in range(2):  # two worker processes, so two jobs can meet
-        log_path = Path(f"/tmp/taskguard-rq-demo-{tag}-{i}.log")
+        log_path = Path(tempfile.gettempdir()) / f"taskguard-rq-demo-{tag}-{i}.log"
         log = open(log_path, "wb")
         workers.append((subprocess.Popen(
             [sys.executable, "-m", "rq.cli", "worker", "-u", redis_url, "-w", "taskguard_rq.GuardedWorker",
@@ -83,3 +84,7 @@ def run(redis_url: str, extra_env: dict | None = None) -> dict:
             except subprocess.TimeoutExpired:
                 os.killpg(worker.pid, signal.SIGKILL)
         queue.delete(delete_jobs=True)
+        # RQ's registries of this queue (finished, failed, ...) have no TTL: the demo's go with it
+        leftovers = [k for k in conn.scan_iter(match=f"rq:*:rq-demo-{tag}*") if conn.ttl(k) == -1]
+        if leftovers:
+            conn.delete(*leftovers)
