@@ -16,6 +16,7 @@ from . import metrics as _metrics  # noqa: F401  (Prometheus in worker processes
 from . import pools as _pools  # noqa: F401  (connects the worker_init check)
 from . import supervision as _supervision  # noqa: F401  (main-process lease release)
 from .serialization import MARKER
+from .config import use_locks
 from .task import HEADER, GuardedTask, current_lease, guarded_task, release_retry_handle
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "guarded_task",
     "is_skipped",
     "release_retry_handle",
+    "use_locks",
 ]

@@ -26,7 +26,7 @@ from taskguard.config import parse_prefix
 from taskguard.urls import check_url
 from taskguard.validate import check_seconds, check_ttl
 
-__all__ = ["locks_for", "beat_settings", "BeatSettings", "BEAT_LEADER_TTL", "BEAT_SKEW"]
+__all__ = ["locks_for", "use_locks", "beat_settings", "BeatSettings", "BEAT_LEADER_TTL", "BEAT_SKEW"]
 
 #: Default of ``app.conf.taskguard_beat_leader_ttl``, seconds.
 BEAT_LEADER_TTL = 30.0
@@ -70,6 +70,23 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
                                   "the task's locks= option, or the TASKGUARD_REDIS_URL variable)") from None
         _cache[app] = locks
         return locks
+
+
+def use_locks(app: Any, locks: Locks) -> None:
+    """Make ``app``'s guarded tasks use ``locks`` from now on (``app.conf.taskguard_locks``),
+    forgetting what was resolved before: e.g. a test's ``MemoryLocks`` (the ``taskguard_locks``
+    pytest fixture). Tasks declared with their own ``locks=`` keep theirs. Raises ConfigError when
+    ``locks`` is not a :class:`taskguard.Locks`."""
+    if not isinstance(locks, Locks):
+        raise ConfigError(f"use_locks() needs a taskguard.Locks, got {type(locks).__name__}")
+    from .task import GuardedTask
+
+    with _lock:
+        app.conf.taskguard_locks = locks
+        _cache.pop(app, None)
+    for task in list(app.tasks.values()):
+        if isinstance(task, GuardedTask):
+            task._locks_cache = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from taskguard import Skipped, TaskSkipped, is_skipped, metrics as _metrics
 from taskguard.context import current_lease
 
 from .handles import load_handle
-from .config import locks_for
+from .config import locks_for, use_locks
 from .job import META_KEY, ON_SKIP, guarded_job, skip_count
 from .worker import GuardedWorker, settle_killed_job
 
@@ -33,4 +33,5 @@ __all__ = [
     "locks_for",
     "settle_killed_job",
     "skip_count",
+    "use_locks",
 ]

@@ -8,7 +8,7 @@ import threading
 import taskguard
 from taskguard import Locks
 
-__all__ = ["locks_for"]
+__all__ = ["locks_for", "use_locks"]
 
 _default: Locks | None = None
 _default_lock = threading.Lock()
@@ -23,3 +23,14 @@ def locks_for(explicit: Locks | None = None) -> Locks:
         if _default is None:
             _default = taskguard.from_env()
         return _default
+
+
+def use_locks(locks: Locks | None) -> None:
+    """Make jobs without their own ``locks=`` use ``locks`` from now on in this process (e.g. a
+    test's ``MemoryLocks``, the ``taskguard_locks`` pytest fixture); ``None`` goes back to
+    :func:`taskguard.from_env`. Raises ConfigError when ``locks`` is not a :class:`taskguard.Locks`."""
+    global _default
+    if locks is not None and not isinstance(locks, Locks):
+        raise taskguard.ConfigError(f"use_locks() needs a taskguard.Locks, got {type(locks).__name__}")
+    with _default_lock:
+        _default = locks
