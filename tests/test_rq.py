@@ -33,6 +33,16 @@ def rq_env(redis_url, prefix, monkeypatch):
     conn = redis.Redis.from_url(redis_url)
     queue = Queue(f"q-{prefix}", connection=conn)
     yield queue
+    # the jobs RQ keeps in its registries (finished, failed, ...) and their results have no TTL
+    # of their own for a long while (failure_ttl: a year): they go with the test
+    registries = (queue.finished_job_registry, queue.failed_job_registry, queue.started_job_registry,
+                  queue.deferred_job_registry, queue.scheduled_job_registry, queue.canceled_job_registry)
+    for registry in registries:
+        for job_id in registry.get_job_ids():
+            try:
+                Job.fetch(job_id, connection=conn).delete()
+            except Exception:  # already gone
+                conn.delete(f"rq:job:{job_id}", f"rq:results:{job_id}")
     queue.delete(delete_jobs=True)
     for key in conn.scan_iter(match="{" + prefix + ":*"):
         conn.delete(key)
