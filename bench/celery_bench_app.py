@@ -32,7 +32,10 @@ app.conf.update(
     task_default_queue=QUEUE,
     taskguard_redis_url=REDIS_URL,
     taskguard_prefix=PREFIX,
-    result_expires=3600,  # the benchmark deletes its results itself; this is the safety net
+    # the benchmark deletes its results itself; this is the safety net. Longer than the redelivery
+    # window (visibility timeout + 60 s), as Celery's default (1 day) is: the result backend then tells
+    # finished runs and no finished marker is written (identity.py, _stores_outcome)
+    result_expires=7200,
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
 )
