@@ -261,3 +261,43 @@ def test_every_outside_end_of_a_running_job_settles_its_lease_and_handle(rq_env,
     with RQWorker(rq_env):
         nxt = rq_env.enqueue(rq_jobs.long_running, how, seconds=0)
         assert wait_done(nxt) == JobStatus.FINISHED and nxt.return_value() == how
+
+
+def test_a_warm_shutdown_lets_the_job_end_and_settle_itself(rq_env):
+    """One SIGTERM while a guarded job runs: RQ lets it finish; its lease is released and its
+    handle deleted by the job itself."""
+    from taskguard_rq.handles import load_handle
+
+    with RQWorker(rq_env) as worker:
+        job = rq_env.enqueue(rq_jobs.long_running, "warm", seconds=2.0)
+        _wait_running(job, "long:warm")
+        worker.proc.send_signal(signal.SIGTERM)
+        worker.proc.wait(20)
+    assert job.get_status(refresh=True) == JobStatus.FINISHED and job.return_value() == "warm"
+    assert locks().holder("long:warm") is None and load_handle(locks(), job.id) is None
+
+
+def test_the_abandoned_job_cleanup_settles_a_dead_workers_lease_and_handle(rq_env):
+    """A whole worker (main process and work-horse) is SIGKILLed while a guarded job runs; later
+    another GuardedWorker's maintenance finds the job abandoned (``StartedJobRegistry.cleanup``)
+    and the job's lease is released and its handle deleted then, not left to their TTLs."""
+    from rq.registry import StartedJobRegistry
+
+    from taskguard_rq import GuardedWorker
+    from taskguard_rq.handles import load_handle
+
+    conn = rq_env.connection
+    with RQWorker(rq_env) as worker:
+        job = rq_env.enqueue(rq_jobs.long_running, "abandoned", seconds=20.0, job_timeout=60)
+        _wait_running(job, "long:abandoned")
+        os.killpg(worker.proc.pid, signal.SIGKILL)
+        worker.proc.wait(10)
+    assert locks().holder("long:abandoned") is not None and load_handle(locks(), job.id) is not None
+    registry = StartedJobRegistry(queue=rq_env)
+    members = conn.zrange(registry.key, 0, -1)
+    assert members
+    conn.zadd(registry.key, {m: 1 for m in members})  # its time is up (RQ waits for the heartbeat TTL)
+    GuardedWorker([rq_env], connection=conn).clean_registries()
+    assert job.get_status(refresh=True) == JobStatus.FAILED
+    assert locks().holder("long:abandoned") is None
+    assert load_handle(locks(), job.id) is None

@@ -13,7 +13,10 @@ and deletes the handle at once:
   ``handle_job_failure``): released, handle deleted;
 * a cold shutdown (a second SIGTERM/SIGINT: ``request_force_stop`` kills the horse and exits;
   the job is failed later by the abandoned-job cleanup): released, handle deleted — a retry, if
-  RQ makes one, acquires afresh.
+  RQ makes one, acquires afresh;
+* the abandoned-job cleanup (a whole worker died: another worker's maintenance finds the job in
+  its ``StartedJobRegistry`` and fails or retries it, calling the worker's exception handlers
+  with ``AbandonedJobError``, rq/registry.py): released if still held, handle deleted.
 
 Every other end is settled by the job itself, in the horse: success, an exception, ``Retry``,
 ``job_timeout`` (raised inside the body, so its ``finally`` runs), a warm shutdown (the job runs
@@ -71,6 +74,10 @@ def settle_killed_job(job: Any, retry: bool = True) -> str | None:
 class GuardedWorker(Worker):
     """An RQ ``Worker`` that settles guarded jobs' leases when their work-horse is killed."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.push_exc_handler(_settle_abandoned)
+
     def handle_work_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         super().handle_work_horse_killed(job, retpid, ret_val, rusage)
         _settle(job)
@@ -96,6 +103,14 @@ class GuardedWorker(Worker):
             if job is not None:
                 _settle(job, retry=False)
             raise
+
+
+def _settle_abandoned(job: Any, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+    """Exception handler: a job the abandoned-job cleanup found (its worker died). Other
+    exceptions (raised by job bodies in the work-horse) were settled by the job itself."""
+    if exc_type is not None and exc_type.__name__ == "AbandonedJobError" and job is not None:
+        _settle(job, retry=False)
+    return None  # the next handler runs too
 
 
 def _settle(job: Any, retry: bool = True) -> None:
