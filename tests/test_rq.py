@@ -301,3 +301,24 @@ def test_the_abandoned_job_cleanup_settles_a_dead_workers_lease_and_handle(rq_en
     assert job.get_status(refresh=True) == JobStatus.FAILED
     assert locks().holder("long:abandoned") is None
     assert load_handle(locks(), job.id) is None
+
+
+def test_a_job_cancelled_while_waiting_for_its_retry_releases_the_kept_lease(rq_env):
+    """A job fails, its retry (interval 30 s) keeps the lease; the job is cancelled meanwhile. The
+    next GuardedWorker maintenance releases the kept lease and deletes the handle, so the key is
+    free long before the 30 s stretch would have ended."""
+    from taskguard_rq import GuardedWorker
+    from taskguard_rq.handles import load_handle
+
+    conn = rq_env.connection
+    with RQWorker(rq_env):
+        job = rq_env.enqueue(rq_jobs.flaky, "c", fail_times=1, retry=Retry(max=1, interval=30))
+        deadline = time.monotonic() + 15
+        while load_handle(locks(), job.id) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+    assert locks().holder("flaky:c") is not None and load_handle(locks(), job.id) is not None  # kept
+    job.cancel()
+    GuardedWorker([rq_env], connection=conn).clean_registries()
+    assert locks().holder("flaky:c") is None
+    assert load_handle(locks(), job.id) is None

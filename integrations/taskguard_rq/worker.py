@@ -16,7 +16,12 @@ and deletes the handle at once:
   RQ makes one, acquires afresh;
 * the abandoned-job cleanup (a whole worker died: another worker's maintenance finds the job in
   its ``StartedJobRegistry`` and fails or retries it, calling the worker's exception handlers
-  with ``AbandonedJobError``, rq/registry.py): released if still held, handle deleted.
+  with ``AbandonedJobError``, rq/registry.py): released if still held, handle deleted;
+* a job cancelled (``job.cancel()``, ``rq cancel``) while it waits for a retry that kept its
+  lease: the next maintenance of a ``GuardedWorker`` (``clean_registries``, every
+  ``maintenance_interval``) finds it in the queue's ``CanceledJobRegistry`` and releases the lease.
+  A job *deleted* meanwhile leaves no trace to find: its kept lease and handle last until the
+  retry stretch (interval + TTL) ends.
 
 Every other end is settled by the job itself, in the horse: success, an exception, ``Retry``,
 ``job_timeout`` (raised inside the body, so its ``finally`` runs), a warm shutdown (the job runs
@@ -40,12 +45,12 @@ from taskguard import ConfigError, LeaseBackendError
 from .handles import drop_handle, load_handle, save_handle
 from .config import locks_for
 
-__all__ = ["GuardedWorker", "settle_killed_job"]
+__all__ = ["GuardedWorker", "settle_killed_job", "settle_canceled_jobs"]
 
 log = logging.getLogger("taskguard.rq")
 
 
-def settle_killed_job(job: Any, retry: bool = True) -> str | None:
+def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse killed") -> str | None:
     """Settle the lease of ``job`` whose work-horse died: kept for its retry when ``retry`` and
     it has retries left, else released; its stored handle is deleted with the release. Returns
     ``"kept"``, ``"released"`` or ``None`` (the job held no lease)."""
@@ -67,7 +72,7 @@ def settle_killed_job(job: Any, retry: bool = True) -> str | None:
             return "kept"
     lease.release()
     drop_handle(locks, job.id)
-    log.warning("job %s: work-horse killed; lease %r released", job.id, handle["key"])
+    log.warning("job %s: %s; lease %r released", job.id, why, handle["key"])
     return "released"
 
 
@@ -77,6 +82,16 @@ class GuardedWorker(Worker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.push_exc_handler(_settle_abandoned)
+
+    def clean_registries(self) -> None:
+        """RQ's maintenance, after settling the kept leases of jobs cancelled while they waited
+        for a retry (before the cleanup can drop them from the ``CanceledJobRegistry``)."""
+        for queue in self.queues:
+            try:
+                settle_canceled_jobs(queue)
+            except Exception as e:  # maintenance must go on
+                log.warning("could not settle the leases of cancelled jobs of %s: %s", queue.name, e)
+        super().clean_registries()
 
     def handle_work_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         super().handle_work_horse_killed(job, retpid, ret_val, rusage)
@@ -88,7 +103,7 @@ class GuardedWorker(Worker):
         stopped = job is not None and getattr(self, "_stopped_job_id", None) == job.id
         super().handle_job_failure(job, *args, **kwargs)
         if stopped:
-            _settle(job, retry=False)
+            _settle(job, retry=False, why="stopped (send_stop_job_command)")
 
     def request_force_stop(self, signum: int, frame: Any) -> None:
         job = None
@@ -101,20 +116,36 @@ class GuardedWorker(Worker):
             super().request_force_stop(signum, frame)
         except SystemExit:  # the horse was taken down with the worker
             if job is not None:
-                _settle(job, retry=False)
+                _settle(job, retry=False, why="cold shutdown of its worker")
             raise
+
+
+def settle_canceled_jobs(queue: Any) -> int:
+    """Release the kept leases (and delete the handles) of ``queue``'s cancelled jobs. Returns how
+    many were settled."""
+    from rq.registry import CanceledJobRegistry
+
+    settled = 0
+    for job_id in CanceledJobRegistry(queue=queue).get_job_ids():
+        try:
+            job = queue.fetch_job(job_id)
+        except Exception:
+            job = None
+        if job is not None and settle_killed_job(job, retry=False, why="cancelled") == "released":
+            settled += 1
+    return settled
 
 
 def _settle_abandoned(job: Any, exc_type: Any, exc_value: Any, traceback: Any) -> None:
     """Exception handler: a job the abandoned-job cleanup found (its worker died). Other
     exceptions (raised by job bodies in the work-horse) were settled by the job itself."""
     if exc_type is not None and exc_type.__name__ == "AbandonedJobError" and job is not None:
-        _settle(job, retry=False)
+        _settle(job, retry=False, why="abandoned (its worker died)")
     return None  # the next handler runs too
 
 
-def _settle(job: Any, retry: bool = True) -> None:
+def _settle(job: Any, retry: bool = True, why: str = "work-horse killed") -> None:
     try:
-        settle_killed_job(job, retry=retry)
+        settle_killed_job(job, retry=retry, why=why)
     except (LeaseBackendError, ConfigError) as e:
         log.warning("job %s: could not settle its lease (its TTL bounds it): %s", job.id, e)
