@@ -99,12 +99,15 @@ def locks():
 
 
 def test_two_concurrent_jobs_of_one_key_one_runs_one_skipped(rq_env):
-    with RQWorker(rq_env), RQWorker(rq_env):  # two worker processes
+    with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2:  # two worker processes
         first = rq_env.enqueue(rq_jobs.slow, 1)
         time.sleep(0.5)
         second = rq_env.enqueue(rq_jobs.slow, 1, meta={"team": "billing"})
         assert wait_done(second) == JobStatus.FINISHED
         assert wait_done(first) == JobStatus.FINISHED
+        outputs = w1.output() + w2.output()
+    # the skip's log line shows with `rq worker`'s default logging
+    assert "skipped, lease 'slow:1' held" in outputs, outputs[-2000:]
     out = second.return_value()
     assert isinstance(out, Skipped) and out.reason == "held" and out.key == "slow:1"
     assert 0 < out.holder_ttl <= 5

@@ -15,7 +15,8 @@ from taskguard.handoff import parse_handle
 
 __all__ = ["load_handle", "save_handle", "drop_handle"]
 
-log = logging.getLogger("taskguard.rq")
+# a child of RQ's worker logger: `rq worker`'s own logging (INFO by default) shows these lines
+log = logging.getLogger("rq.worker.taskguard")
 
 _HANDLE = "handle"
 

@@ -33,7 +33,8 @@ from .handles import drop_handle, load_handle, save_handle
 
 __all__ = ["guarded_job", "skip_count", "META_KEY", "ON_SKIP"]
 
-log = logging.getLogger("taskguard.rq")
+# a child of RQ's worker logger: `rq worker`'s own logging (INFO by default) shows these lines
+log = logging.getLogger("rq.worker.taskguard")
 
 META_KEY = "taskguard"
 #: RQ's JobStatus is a closed enum and RQ has no "ignore this run" outcome, so an RQ skip either

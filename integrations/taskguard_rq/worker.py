@@ -47,7 +47,8 @@ from .config import locks_for
 
 __all__ = ["GuardedWorker", "settle_killed_job", "settle_canceled_jobs"]
 
-log = logging.getLogger("taskguard.rq")
+# a child of RQ's worker logger: `rq worker`'s own logging (INFO by default) shows these lines
+log = logging.getLogger("rq.worker.taskguard")
 
 
 def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse killed") -> str | None:
