@@ -12,6 +12,7 @@ from .locks import Health, Locks
 from .memory_locks import MemoryLocks
 from .redis_locks import RedisLocks
 from .skipped import Skipped, as_skipped, is_skipped
+from .throttle import Throttle
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "Skipped",
     "TaskSkipped",
     "TaskguardError",
+    "Throttle",
     "add_listener",
     "from_env",
     "is_skipped",

@@ -21,6 +21,8 @@ from .heartbeat import get_heartbeat
 from .lease import Acquisition, HolderInfo, Lease
 from .liveness import process_identity
 from .skipped import Skipped
+from .throttle import Throttle
+from .validate import check_burst, check_rate
 from .validate import (MAX_SECONDS, MIN_TTL, check_fraction, check_key, check_name, check_run_id, check_seconds,  # noqa: F401
                        check_token, check_ttl, check_value, encodable)
 
@@ -426,6 +428,32 @@ class Locks:
         """The lease record ``name`` of ``key`` (written by a holder with
         :meth:`Lease.put_record`), or ``None``. Anyone may read it. Raises LeaseBackendError."""
         return self._get_lease_record(check_key(key), check_name(name))
+
+    # -- rates ----------------------------------------------------------------------------------
+    def throttle(self, key: str, *, rate: Any, burst: int | None = None, book_within: float = 0.0) -> Throttle:
+        """One call under a cluster-wide rate for ``key``: ``rate`` is ``"N/s"``, ``"N/m"``,
+        ``"N/h"``, ``"N/d"`` or ``(count, seconds)``; ``burst`` (default 1: evenly spaced) calls
+        may pass at once. Over any window of ``t`` seconds at most ``burst + t x count / period``
+        calls pass, across every process (GCRA, :mod:`taskguard.throttle`; one key, O(1)
+        memory, one round trip, the Redis server's clock).
+
+        A denied call gets ``retry_after`` seconds. With ``book_within`` (seconds, default 0: never)
+        a denied call whose turn is at most that far away *books* it (``booked=True``): that
+        turn is reserved for it, so come back at ``retry_after`` and go ahead without asking
+        again; denied callers then get distinct turns instead of stampeding at the same instant.
+
+        Returns a :class:`~taskguard.throttle.Throttle`. Raises ConfigError for a bad rate,
+        burst or key, LeaseBackendError when Redis fails."""
+        count, period = check_rate(rate)
+        burst = 1 if burst is None else check_burst(burst)
+        book = check_seconds("book_within", book_within, allow_zero=True)
+        interval_us = max(int(round(period / count * 1e6)), 1)
+        code, wait_us, remaining = self._throttle_one(check_key(key), interval_us, (burst - 1) * interval_us,
+                                                      int(book * 1e6))
+        return Throttle(allowed=code == 1, retry_after=wait_us / 1e6, remaining=remaining, booked=code == 2)
+
+    def _throttle_one(self, key: str, interval_us: int, tau_us: int, book_us: int) -> tuple[int, int, int]:
+        raise NotImplementedError
 
     def _put_lease_record(self, lease: Lease, name: str, value: str, if_absent: bool, if_value: str | None) -> bool:
         if if_value is not None and not isinstance(if_value, str):

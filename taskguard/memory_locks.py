@@ -54,6 +54,7 @@ class MemoryLocks(Locks):
         self._seen = threading.local()
         self._records: dict[tuple[str, str], tuple[str, float | None]] = {}
         self._lease_records: dict[tuple[str, str], str] = {}  # (key, name) -> value, kept like the fence
+        self._tats: dict[str, int] = {}  # throttles: key -> theoretical arrival time, µs
         self._clock = clock
         self._cond = threading.Condition()
         self._leases: dict[str, _Entry] = {}
@@ -162,6 +163,16 @@ class MemoryLocks(Locks):
             del self._records[(key, name)]
             return None
         return value
+
+    def _throttle_one(self, key: str, interval_us: int, tau_us: int, book_us: int) -> tuple[int, int, int]:
+        from .throttle import gcra
+
+        with self._cond:
+            now_us = int(self._clock() * 1e6)
+            code, wait, remaining, new_tat = gcra(self._tats.get(key), now_us, interval_us, tau_us, book_us)
+            if new_tat is not None:
+                self._tats[key] = new_tat
+            return code, wait, remaining
 
     def _put_lease_record_one(self, key: str, owner: str, name: str, value: str, cond: str, expect: str) -> int:
         with self._cond:

@@ -404,6 +404,12 @@ class RedisLocks(Locks):
     def _owns_one(self, key: str, owner: str) -> bool:
         return int(self._run("renew", key, scripts.OWNS, (self._lease_key(key),), (owner,))) != -2
 
+    # -- rates -----------------------------------------------------------------------------------
+    def _throttle_one(self, key: str, interval_us: int, tau_us: int, book_us: int) -> tuple[int, int, int]:
+        res = self._run("throttle", key, scripts.THROTTLE, (self._lease_key(key) + ":t",),
+                        (interval_us, tau_us, book_us))
+        return int(res[0]), int(res[1]), int(res[2])
+
     # -- records ---------------------------------------------------------------------------------
     def _put_lease_record_one(self, key: str, owner: str, name: str, value: str, cond: str, expect: str) -> int:
         return int(self._run("record", key, scripts.PUT_LEASE_RECORD, (self._lease_key(key),),

@@ -21,6 +21,8 @@ everything that is not a key goes in ARGV):
                    written on release only when the caller asks for one (``finished_ttl``): an
                    acquire that refuses finished runs is then refused for that long.
 * ``{P:K}:r:NAME`` a record kept for the caller under ``K``'s hash tag (:meth:`Locks.put_record`).
+* ``{P:K}:t``      a throttle's theoretical arrival time (server µs, :meth:`Locks.throttle`), expiring
+                   once it is in the past.
 
 **One key per script, wherever the protocol allows.** On Redis Cluster, while a hash slot
 migrates (``MIGRATING``/``IMPORTING``), a script that declares several keys gets ``TRYAGAIN`` as long
@@ -59,7 +61,7 @@ from typing import Any, Sequence
 from redis.exceptions import NoScriptError
 
 __all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_WITHOUT_TOKEN", "CLAIM", "HOLDER", "OWNS", "SIGNAL",
-           "PUT_RECORD", "DELETE_RECORD", "PUT_LEASE_RECORD"]
+           "PUT_RECORD", "DELETE_RECORD", "PUT_LEASE_RECORD", "THROTTLE"]
 
 
 class Script:
@@ -350,5 +352,37 @@ if cond == 'eq' and cur ~= ARGV[5] then return 0 end
 if cond == 'absent_or_eq' and cur and cur ~= ARGV[5] then return 0 end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 return 1
+""",
+)
+
+
+# A cluster-wide rate, by the generic cell rate algorithm (GCRA): one key holding the theoretical
+# arrival time (TAT) of the next call, in server microseconds; a call at ``now`` passes when
+# ``max(TAT, now) - tau <= now``, and moves TAT on by one emission interval.
+# KEYS[1] throttle; ARGV[1] emission interval µs (period / count), ARGV[2] tau µs ((burst - 1) x
+# interval), ARGV[3] booking horizon µs (0: never book)
+# -> {1, 0, remaining} passed; {0, wait µs, 0} denied; {2, wait µs, 0} denied and booked: the
+#    caller's turn is reserved ``wait`` from now (TAT moved on for it), so denied callers get
+#    distinct turns instead of all coming back at once.
+# Not idempotent under a client retry (a re-sent call counts twice, erring on the strict side).
+THROTTLE = Script(
+    "throttle",
+    _NOW + """
+local interval = tonumber(ARGV[1])
+local tau = tonumber(ARGV[2])
+local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now_us)
+local wait = tat - tau - now_us
+local new_tat = tat + interval
+if wait <= 0 then
+  redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.floor((new_tat - now_us) / 1000) + 1)
+  local remaining = math.floor((now_us + tau - new_tat) / interval) + 1
+  if remaining < 0 then remaining = 0 end
+  return {1, 0, remaining}
+end
+if tonumber(ARGV[3]) > 0 and wait <= tonumber(ARGV[3]) then
+  redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.floor((new_tat - now_us) / 1000) + 1)
+  return {2, wait, 0}
+end
+return {0, wait, 0}
 """,
 )

@@ -13,7 +13,7 @@ from typing import Any
 from .errors import ConfigError
 
 __all__ = ["MAX_SECONDS", "MIN_TTL", "check_seconds", "check_ttl", "check_fraction", "check_key", "check_token",
-           "check_name", "check_value", "check_run_id", "encodable"]
+           "check_name", "check_value", "check_run_id", "check_rate", "check_burst", "encodable"]
 
 #: Longest duration accepted anywhere, seconds (about 31 years; far inside Redis's PEXPIRE range).
 MAX_SECONDS = 1e9
@@ -101,3 +101,34 @@ def check_run_id(run_id: Any) -> str | None:
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise ConfigError(f"run_id must be a non-empty str or None, got {run_id!r}")
     return run_id if run_id is None else encodable("run_id", run_id)
+
+
+_PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def check_rate(rate: Any) -> tuple[int, float]:
+    """A rate: ``"N/s"``, ``"N/m"``, ``"N/h"``, ``"N/d"`` (N a positive integer) or ``(count,
+    seconds)``. Returns ``(count, period seconds)``; the emission interval (period / count) must be
+    at least 1 microsecond and the period at most :data:`MAX_SECONDS`."""
+    shown = rate if isinstance(rate, (str, tuple, list)) else type(rate).__name__
+    count: Any = None
+    period: Any = None
+    if isinstance(rate, str):
+        n, sep, unit = rate.strip().partition("/")
+        if sep and unit.strip() in _PERIODS and n.strip().isdigit():
+            count, period = int(n), _PERIODS[unit.strip()]
+    elif isinstance(rate, (tuple, list)) and len(rate) == 2:
+        count, period = rate
+    if (isinstance(count, bool) or not isinstance(count, int) or count < 1
+            or isinstance(period, bool) or not isinstance(period, (int, float))
+            or not math.isfinite(period) or period <= 0 or period > MAX_SECONDS or period / count < 1e-6):
+        raise ConfigError(f"rate must be 'N/s', 'N/m', 'N/h', 'N/d' or (count, seconds) with count >= 1 and at "
+                          f"most one event per microsecond, got {shown!r}")
+    return count, float(period)
+
+
+def check_burst(burst: Any) -> int:
+    """A throttle's burst: a positive integer (how many calls may pass at once)."""
+    if isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= 10**9:
+        raise ConfigError(f"burst must be an int from 1 to 10**9, got {burst!r}")
+    return burst
