@@ -119,7 +119,7 @@ def main() -> None:
 
 
 _url = click.option("--url", envvar="TASKGUARD_REDIS_URL", help="Redis URL (default: $TASKGUARD_REDIS_URL).")
-_prefix = click.option("--prefix", envvar="TASKGUARD_PREFIX", help="Key prefix (default: taskguard).")
+_prefix = click.option("--prefix", envvar="TASKGUARD_PREFIX", help="Key prefix (default: $TASKGUARD_PREFIX or taskguard).")
 _json = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 

@@ -93,8 +93,10 @@ class GuardOptions:
         except ConfigError as e:
             raise bad(str(e)) from None
         if wait > 0 and not blocking_wait:
-            raise bad(f"wait={wait} blocks a worker pool slot while it waits; pass blocking_wait=True to "
-                      "accept that, or use on_skip='retry' to try again later without blocking")
+            retry_hint = (", or use on_skip='retry' to try again later without blocking"
+                          if "retry" in allowed_on_skip else "")
+            raise bad(f"wait={wait} blocks a worker slot while it waits; pass blocking_wait=True to accept "
+                      f"that{retry_hint}")
         if on_skip not in allowed_on_skip:
             raise bad(f"on_skip must be one of {allowed_on_skip}, got {on_skip!r}")
         if on_lost not in ON_LOST:

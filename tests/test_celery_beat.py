@@ -493,5 +493,15 @@ def test_the_catch_up_window_decides_what_a_new_leader_publishes(catch_up, tmp_p
         assert b.taskguard_stats["leadership_lost"] == 0
     else:
         assert windows == [101, 103] and b.taskguard_stats["missed_slots"] == 1
+    # a longer gap: nobody leads from 1031 to 1066 (b dies, a comes back late); a publishes the
+    # latest slot only if it is within the window, and counts the ones that fell due meanwhile
+    get_heartbeat().discard(b._tg_leader)
+    run([a], 1066.0, 1071.0)
+    windows = [int(slot.split(":")[1]) for _, slot in published]
+    say(f"after a gap: published windows {windows}; a's stats {dict(a.taskguard_stats)}")
+    if catch_up is None:
+        assert windows[-2:] == [106, 107] and a.taskguard_stats["missed_slots"] == 2  # 104, 105
+    else:
+        assert windows[-1] == 107 and 106 not in windows and a.taskguard_stats["missed_slots"] == 3
     for s in (a, b):
         s.close()

@@ -171,6 +171,9 @@ def test_sigkilled_work_horse_without_retry_releases_promptly(rq_env):
         again = rq_env.enqueue(rq_jobs.slow, 3, seconds=0)
         assert wait_done(again) == JobStatus.FINISHED
         assert "lease 'kill:n' released" in worker.output()
+    job.refresh()
+    mirrored = job.meta["taskguard"]
+    assert mirrored["outcome"] == "ended" and mirrored["ended"] == "work-horse killed" and "fence" in mirrored
 
 
 def test_job_timeout_releases_the_lease(rq_env):

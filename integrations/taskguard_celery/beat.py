@@ -116,6 +116,26 @@ def slot_id(entry: Any, instant: float) -> str:
     return f"at:{int(round(instant))}"
 
 
+def instants_between(entry: Any, after: float, before: float, cap: int = 10000) -> int:
+    """How many instants ``entry`` fell due at strictly between ``after`` and ``before`` (Unix
+    seconds), at most ``cap``."""
+    sched = entry.schedule
+    if before <= after:
+        return 0
+    if _is_interval(sched):
+        secs = max(sched.run_every.total_seconds(), 0.001)
+        return max(min(round((before - after) / secs) - 1, cap), 0)
+    now = sched.maybe_make_aware(sched.now())
+    t = datetime.fromtimestamp(after, timezone.utc)
+    n = 0
+    while n < cap:
+        nxt = now + sched.remaining_estimate(t)
+        if nxt <= t or nxt.timestamp() >= before - 0.5:
+            break
+        n, t = n + 1, nxt
+    return n
+
+
 def _slot_keep(entry: Any) -> float:
     sched = entry.schedule
     if _is_interval(sched):
@@ -172,7 +192,13 @@ class SingletonBeatMixin:
     max_interval = 1.0
 
     def setup_schedule(self) -> None:
-        settings = beat_settings(self.app, float(self.max_interval))  # type: ignore[attr-defined]
+        try:
+            settings = beat_settings(self.app, float(self.max_interval))  # type: ignore[attr-defined]
+        except ConfigError as e:
+            # said once, readably, before Celery prints the traceback (beat redirects stderr to
+            # its logger, one character per line)
+            log.critical("taskguard beat cannot start: %s", e)
+            raise
         super().setup_schedule()  # type: ignore[misc]
         self.taskguard_settings = settings
         self.taskguard_locks = locks_for(self.app)  # type: ignore[attr-defined]
@@ -270,11 +296,13 @@ class SingletonBeatMixin:
         return True, next_in
 
     def _tg_missed(self, entry: Any, instant: float, late: float) -> None:
+        """Log a slot found beyond the catch-up window. It is counted in ``missed_slots`` (with
+        any others since the entry's last handled slot) when the entry's next slot is published:
+        the slot record tells how many fell due meanwhile."""
         if instant > self._tg_handled.get(entry.name, -math.inf):
             log.warning("beat %s: %s slot %s fell due %.1fs ago, beyond the catch-up window (%gs); not published",
                         self.taskguard_id, entry.name, slot_id(entry, instant), late,
                         self.taskguard_settings.allowed_lateness)
-            self.taskguard_stats["missed_slots"] += 1
             self._tg_handled[entry.name] = instant
 
     def populate_heap(self, event_t: Any = event_t, heapify: Any = heapq.heapify) -> None:
@@ -351,6 +379,14 @@ class SingletonBeatMixin:
             if cur.instant > instant or (cur.instant == instant and cur.state == "published"):
                 self._tg_handled[entry.name] = max(cur.instant, instant)
                 return None
+            if cur.raw is not None and cur.instant < instant:
+                skipped = instants_between(entry, cur.instant, instant)
+                if skipped:
+                    log.warning("beat %s: %d slot(s) of %s fell due after its last handled one and are beyond the "
+                                "catch-up window (%gs): not published; publishing the latest, %s",
+                                self.taskguard_id, skipped, entry.name, self.taskguard_settings.allowed_lateness,
+                                slot)
+                    self.taskguard_stats["missed_slots"] += skipped
             if cur.instant == instant:
                 log.warning("beat %s: %s slot %s was claimed (leader fence %s) but not confirmed published; "
                             "publishing it again (the worker runs a slot once)", self.taskguard_id, entry.name,

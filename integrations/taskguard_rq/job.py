@@ -64,11 +64,15 @@ def skip_count(name: str, locks: Locks | None = None) -> int:
     return int(raw) if raw else 0
 
 
-def _mirror(job: Any, **fields: Any) -> None:
-    """Record the guard's view in ``job.meta["taskguard"]`` (merged with the user's meta)."""
+def mirror_meta(job: Any, refresh: bool = False, **fields: Any) -> None:
+    """Record the guard's view in ``job.meta["taskguard"]`` (merged with the user's meta; with
+    ``refresh``, with the meta stored now, e.g. from the worker's main process, whose copy of
+    the job predates what its work-horse wrote)."""
     if job is None:
         return
     try:
+        if refresh:
+            job.meta = job.get_meta(refresh=True)
         job.meta.setdefault(META_KEY, {}).update(fields)
         job.save_meta()
     except Exception as e:  # visibility only: never fail the job over it
@@ -138,7 +142,7 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
         except BaseException:
             run.hand_back()  # the body never ran: nothing is left locked
             raise
-    _mirror(job, key=key, fence=lease.fencing_token, outcome="running")
+    mirror_meta(job, key=key, fence=lease.fencing_token, outcome="running")
     with run:
         try:
             result = fn(*args, **kwargs)
@@ -156,7 +160,7 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
     finally:
         if job is not None:
             _quietly(drop_handle, locks, job.id, saved)
-    _mirror(job, outcome="ran")
+    mirror_meta(job, outcome="ran")
     return result
 
 
@@ -169,13 +173,13 @@ def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcom
             handle = run.keep(retry_in + run.ttl)
             if handle is not None:
                 save_handle(locks, job.id, handle, ttl=retry_in + run.ttl)
-                _mirror(job, outcome="retrying")
+                mirror_meta(job, outcome="retrying")
                 return
         else:
             run.fail()
         if job is not None:
             drop_handle(locks, job.id, saved)
-        _mirror(job, outcome=outcome)
+        mirror_meta(job, outcome=outcome)
     except LeaseBackendError as e:
         log.warning("lease %r: could not hand over or release after the body ended: %s", run.key, e)
 
@@ -193,7 +197,7 @@ def _skip(job: Any, locks: Locks, name: str, opts: GuardOptions, run: GuardedRun
     skipped: Skipped = run.skip()
     record_skip(locks, name)
     log.info("%s", skipped.describe())
-    _mirror(job, key=run.key, outcome="skipped", reason=skipped.reason, holder_ttl=skipped.holder_ttl)
+    mirror_meta(job, key=run.key, outcome="skipped", reason=skipped.reason, holder_ttl=skipped.holder_ttl)
     if opts.on_skip == "raise":
         raise TaskSkipped(run.key, skipped.reason, name, skipped.holder_ttl)
     return skipped

@@ -43,6 +43,7 @@ from rq import Worker
 
 from taskguard import ConfigError, LeaseBackendError
 from .handles import drop_handle, load_handle, save_handle
+from .job import mirror_meta
 from .config import locks_for
 
 __all__ = ["GuardedWorker", "settle_killed_job", "settle_canceled_jobs"]
@@ -70,10 +71,12 @@ def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse kille
         if lease.renew(stretch):
             save_handle(locks, job.id, {**handle, "expires": lease.expires_at, "running": False}, ttl=stretch)
             log.warning("job %s: work-horse killed; lease %r kept %.0fs for its retry", job.id, handle["key"], stretch)
+            mirror_meta(job, refresh=True, outcome="retrying")
             return "kept"
     lease.release()
     drop_handle(locks, job.id)
     log.warning("job %s: %s; lease %r released", job.id, why, handle["key"])
+    mirror_meta(job, refresh=True, outcome="ended", ended=why)
     return "released"
 
 
