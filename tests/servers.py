@@ -155,22 +155,6 @@ class RedisCluster:
     def node_clients(self) -> list[redis.Redis]:
         return [redis.Redis(port=p) for p in self.ports]
 
-    def wait_converged(self, timeout: float = 60.0) -> None:
-        """Wait until ``redis-cli --cluster check`` finds every node agreeing on the slot map, all
-        slots covered and no slot open (MIGRATING/IMPORTING) — a reshard returns before the other
-        nodes have learnt the new owners, and clients then chase MOVED until they do."""
-        deadline = time.monotonic() + timeout
-        out = None
-        while time.monotonic() < deadline:
-            out = subprocess.run(["redis-cli", "--cluster", "check", f"127.0.0.1:{self.ports[0]}"],
-                                 capture_output=True, text=True, timeout=30)
-            text = out.stdout + out.stderr
-            if (out.returncode == 0 and "All nodes agree about slots configuration" in text
-                    and "All 16384 slots covered" in text and "open slot" not in text.lower()):
-                return
-            time.sleep(0.3)
-        raise RuntimeError(f"the cluster did not converge: {out.stdout[-2000:] if out else ''}")
-
     def close(self) -> None:
         for p in self.procs:
             p.terminate()

@@ -505,3 +505,57 @@ def test_the_catch_up_window_decides_what_a_new_leader_publishes(catch_up, tmp_p
         assert windows[-1] == 107 and 106 not in windows and a.taskguard_stats["missed_slots"] == 3
     for s in (a, b):
         s.close()
+
+
+_DRIFTING: dict = {"now": 0.0, "rng": __import__("random").Random(7)}
+
+
+class _DriftingClock:
+    @staticmethod
+    def time():
+        _DRIFTING["now"] += _DRIFTING["rng"].uniform(1e-6, 5e-5)  # every read moves on, by a varying bit
+        return _DRIFTING["now"]
+
+
+def _drifting_now():
+    return datetime.fromtimestamp(_DriftingClock.time(), timezone.utc)
+
+
+def test_a_crontab_entry_is_published_once_per_instant_by_a_ticking_leader(tmp_path, monkeypatch):
+    """One leader ticking every second through five minutes of an every-minute crontab on a
+    simulated clock that moves on at every read: each minute is published exactly once. Before, the instant
+    drifted by microseconds between calls (``remaining_estimate`` reads the clock again), so a
+    minute could be published twice."""
+    import taskguard_celery.beat as beat_mod
+    from celery.beat import PersistentScheduler
+
+    from taskguard_celery.beat import SingletonBeatMixin
+
+    start = datetime(2026, 12, 1, 9, 0, 30, tzinfo=timezone.utc)
+    clock = _DRIFTING
+    clock["now"] = start.timestamp()
+    Clock = _DriftingClock
+    monkeypatch.setattr(beat_mod, "time", Clock)
+    app = Celery("cron1", set_as_current=False, broker="memory://")
+    app.conf.taskguard_locks = MemoryLocks(clock=Clock.time)
+    app.conf.taskguard_beat_leader_ttl = 30
+    app.conf.beat_schedule = {"m": {"task": "t", "schedule": crontab(minute="*", nowfun=_drifting_now)}}
+    published: list = []
+
+    class Sched(SingletonBeatMixin, _Recorder, PersistentScheduler):
+        pass
+
+    Sched.published = published
+    s = Sched(app, schedule_filename=str(tmp_path / "c"))
+    for _ in range(300):
+        clock["now"] += 1.0
+        s.taskguard_leader()
+        entry = s.schedule["m"]
+        due, _ = s.is_due(entry)
+        if due:
+            s.apply_entry(entry)
+    s.close()
+    slots = [slot for _, slot in published]
+    say(f"published: {slots}")
+    assert len(slots) == len(set(slots)) == 5
+    assert all(int(x.split(":")[1]) % 60 == 0 for x in slots)

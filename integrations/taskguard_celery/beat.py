@@ -71,6 +71,8 @@ ENTRY_OPTION = "taskguard"
 ENTRY_OPTION_KEYS = ("key", "ttl")
 #: Lease record (on the leader lease) of an entry's latest handled slot: ``slot:<entry name>``.
 SLOT_RECORD = "slot:"
+#: Most schedule instants walked to find the latest due one (a week of an every-minute crontab).
+MAX_WALK = 20000
 #: Seconds a finished slot's run is remembered by the worker, at least (see :func:`beat_run`).
 SLOT_KEEP_MIN = 300.0
 
@@ -97,14 +99,18 @@ def latest_due(entry: Any, lookback: float, now_ts: float | None = None) -> tupl
         instant = window * secs
         return (instant if now_ts - instant <= lookback else None), (window + 1) * secs - now_ts
     now = sched.maybe_make_aware(sched.now())
-    t, latest, nxt = now - timedelta(seconds=lookback), None, None
-    for _ in range(10000):
-        nxt = now + sched.remaining_estimate(t)
-        if nxt > now or nxt <= t:
+    now_ts = now.timestamp()
+    # whole seconds: remaining_estimate reads the clock again, so ``now + remaining`` drifts by
+    # microseconds from call to call; instants compared or recorded must not
+    t_ts, latest, nxt_ts = now_ts - lookback, None, None
+    for _ in range(MAX_WALK):
+        t = datetime.fromtimestamp(t_ts, timezone.utc).astimezone(now.tzinfo)  # the schedule's own zone
+        nxt_ts = float(round((now + sched.remaining_estimate(t)).timestamp()))
+        if nxt_ts > now_ts or nxt_ts <= t_ts:
             break
-        latest, t = nxt, nxt
-    next_in = max((nxt - now).total_seconds(), 0.0) if nxt is not None and nxt > now else 1.0
-    return (latest.astimezone(timezone.utc).timestamp() if latest is not None else None), next_in
+        latest, t_ts = nxt_ts, nxt_ts
+    next_in = max(nxt_ts - now_ts, 0.0) if nxt_ts is not None and nxt_ts > now_ts else 1.0
+    return latest, next_in
 
 
 def slot_id(entry: Any, instant: float) -> str:
@@ -126,13 +132,13 @@ def instants_between(entry: Any, after: float, before: float, cap: int = 10000) 
         secs = max(sched.run_every.total_seconds(), 0.001)
         return max(min(round((before - after) / secs) - 1, cap), 0)
     now = sched.maybe_make_aware(sched.now())
-    t = datetime.fromtimestamp(after, timezone.utc)
-    n = 0
+    t_ts, n = after, 0
     while n < cap:
-        nxt = now + sched.remaining_estimate(t)
-        if nxt <= t or nxt.timestamp() >= before - 0.5:
+        t = datetime.fromtimestamp(t_ts, timezone.utc).astimezone(now.tzinfo)
+        nxt_ts = float(round((now + sched.remaining_estimate(t)).timestamp()))
+        if nxt_ts <= t_ts or nxt_ts >= before - 0.5:
             break
-        n, t = n + 1, nxt
+        n, t_ts = n + 1, nxt_ts
     return n
 
 
