@@ -283,10 +283,13 @@ def test_a_warm_shutdown_lets_the_job_end_and_settle_itself(rq_env):
     assert locks().holder("long:warm") is None and load_handle(locks(), job.id) is None
 
 
-def test_the_abandoned_job_cleanup_settles_a_dead_workers_lease_and_handle(rq_env):
-    """A whole worker (main process and work-horse) is SIGKILLed while a guarded job runs; later
-    another GuardedWorker's maintenance finds the job abandoned (``StartedJobRegistry.cleanup``)
-    and the job's lease is released and its handle deleted then, not left to their TTLs."""
+@pytest.mark.parametrize("horse", ["dead", "orphaned"])
+def test_the_abandoned_job_cleanup_settles_a_dead_workers_lease_and_handle(rq_env, horse):
+    """A worker's main process is SIGKILLed while a guarded job runs; later another GuardedWorker's
+    maintenance finds the job abandoned (``StartedJobRegistry.cleanup``). If its work-horse died
+    too, the lease is released and the handle deleted then, not left to their TTLs; if the
+    work-horse lives on (orphaned: RQ's horse has a process group of its own), its body still
+    runs and keeps its lease."""
     from rq.registry import StartedJobRegistry
 
     from taskguard_rq import GuardedWorker
@@ -294,19 +297,32 @@ def test_the_abandoned_job_cleanup_settles_a_dead_workers_lease_and_handle(rq_en
 
     conn = rq_env.connection
     with RQWorker(rq_env) as worker:
-        job = rq_env.enqueue(rq_jobs.long_running, "abandoned", seconds=20.0, job_timeout=60)
-        _wait_running(job, "long:abandoned")
+        job = rq_env.enqueue(rq_jobs.long_running, f"abandoned-{horse}", seconds=20.0, job_timeout=60)
+        _wait_running(job, f"long:abandoned-{horse}")
+        horse_pid = locks().holder(f"long:abandoned-{horse}").holder["pid"]
         os.killpg(worker.proc.pid, signal.SIGKILL)
         worker.proc.wait(10)
-    assert locks().holder("long:abandoned") is not None and load_handle(locks(), job.id) is not None
-    registry = StartedJobRegistry(queue=rq_env)
-    members = conn.zrange(registry.key, 0, -1)
-    assert members
-    conn.zadd(registry.key, {m: 1 for m in members})  # its time is up (RQ waits for the heartbeat TTL)
-    GuardedWorker([rq_env], connection=conn).clean_registries()
-    assert job.get_status(refresh=True) == JobStatus.FAILED
-    assert locks().holder("long:abandoned") is None
-    assert load_handle(locks(), job.id) is None
+        if horse == "dead":
+            os.kill(horse_pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while os.path.exists(f"/proc/{horse_pid}") and time.monotonic() < deadline:
+                time.sleep(0.05)
+    try:
+        assert locks().holder(f"long:abandoned-{horse}") is not None and load_handle(locks(), job.id) is not None
+        registry = StartedJobRegistry(queue=rq_env)
+        members = conn.zrange(registry.key, 0, -1)
+        assert members
+        conn.zadd(registry.key, {m: 1 for m in members})  # its time is up (RQ waits for the heartbeat TTL)
+        GuardedWorker([rq_env], connection=conn).clean_registries()
+        assert job.get_status(refresh=True) == JobStatus.FAILED
+        held = locks().holder(f"long:abandoned-{horse}")
+        if horse == "dead":
+            assert held is None and load_handle(locks(), job.id) is None
+        else:
+            assert held is not None and held.holder["pid"] == horse_pid  # the live body keeps it
+    finally:
+        if horse == "orphaned":
+            os.kill(horse_pid, signal.SIGKILL)
 
 
 def test_a_job_cancelled_while_waiting_for_its_retry_releases_the_kept_lease(rq_env):
@@ -328,3 +344,23 @@ def test_a_job_cancelled_while_waiting_for_its_retry_releases_the_kept_lease(rq_
     GuardedWorker([rq_env], connection=conn).clean_registries()
     assert locks().holder("flaky:c") is None
     assert load_handle(locks(), job.id) is None
+
+
+def test_maintenance_never_releases_a_lease_whose_body_may_still_run(rq_env):
+    """Cancelling a job while its body runs (RQ allows it; the work-horse goes on) does not let
+    GuardedWorker's maintenance release the lease that body holds; a cancelled job whose function
+    cannot be imported any more does not stop the maintenance."""
+    from taskguard_rq import GuardedWorker
+
+    conn = rq_env.connection
+    with RQWorker(rq_env):
+        job = rq_env.enqueue(rq_jobs.long_running, "live", seconds=4.0, job_timeout=60)
+        _wait_running(job, "long:live")
+        job.cancel()
+        ghost = rq_env.enqueue("no_such_module.sync", 1)
+        ghost.cancel()
+        GuardedWorker([rq_env], connection=conn).clean_registries()  # no exception
+        held = locks().holder("long:live")
+        assert held is not None and held.run_id == job.id  # the running body keeps its lease
+        time.sleep(4.5)
+    assert locks().holder("long:live") is None  # released by the body itself when it ended

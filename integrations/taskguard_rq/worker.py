@@ -14,12 +14,15 @@ and deletes the handle at once:
 * a cold shutdown (a second SIGTERM/SIGINT: ``request_force_stop`` kills the horse and exits;
   the job is failed later by the abandoned-job cleanup): released, handle deleted — a retry, if
   RQ makes one, acquires afresh;
-* the abandoned-job cleanup (a whole worker died: another worker's maintenance finds the job in
-  its ``StartedJobRegistry`` and fails or retries it, calling the worker's exception handlers
-  with ``AbandonedJobError``, rq/registry.py): released if still held, handle deleted;
+* the abandoned-job cleanup (a worker died: another worker's maintenance finds the job in its
+  ``StartedJobRegistry`` and fails or retries it, calling the worker's exception handlers with
+  ``AbandonedJobError``, rq/registry.py): released and handle deleted when the work-horse is
+  known dead (on this host); a work-horse that lives on (it has a process group of its own, so
+  it can outlive its worker) still runs the body, which keeps its lease;
 * a job cancelled (``job.cancel()``, ``rq cancel``) while it waits for a retry that kept its
   lease: the next maintenance of a ``GuardedWorker`` (``clean_registries``, every
-  ``maintenance_interval``) finds it in the queue's ``CanceledJobRegistry`` and releases the lease.
+  ``maintenance_interval``) finds it in the queue's ``CanceledJobRegistry`` and releases the lease
+  (a job cancelled while its body runs keeps its lease until the body ends).
   A job *deleted* meanwhile leaves no trace to find: its kept lease and handle last until the
   retry stretch (interval + TTL) ends.
 
@@ -41,7 +44,7 @@ from typing import Any
 
 from rq import Worker
 
-from taskguard import ConfigError, LeaseBackendError
+from taskguard.liveness import holder_is_dead
 from .handles import drop_handle, load_handle, save_handle
 from .job import mirror_meta
 from .config import locks_for
@@ -52,10 +55,14 @@ __all__ = ["GuardedWorker", "settle_killed_job", "settle_canceled_jobs"]
 log = logging.getLogger("rq.worker.taskguard")
 
 
-def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse killed") -> str | None:
+def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse killed",
+                      horse_dead: bool = True) -> str | None:
     """Settle the lease of ``job`` whose work-horse died: kept for its retry when ``retry`` and
     it has retries left, else released; its stored handle is deleted with the release. Returns
-    ``"kept"``, ``"released"`` or ``None`` (the job held no lease)."""
+    ``"kept"``, ``"released"`` or ``None`` (the job held no lease, or — ``horse_dead=False``,
+    when nobody saw the work-horse end — its body may still be running: an execution still
+    marked running is settled only when its holder process is known dead on this host, else its
+    lease is left to its TTL, which that work-horse renews while it lives)."""
     func = getattr(job, "func", None)
     opts = getattr(func, "taskguard_options", None)
     if opts is None:
@@ -64,6 +71,12 @@ def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse kille
     handle = load_handle(locks, job.id)
     if handle is None:
         return None
+    if not horse_dead and handle.get("running"):
+        info = locks.holder(handle["key"])
+        if info is not None and info.run_id == job.id and not holder_is_dead(info.holder):
+            log.warning("job %s: %s, but its work-horse may still run (%s); its lease %r is left to its TTL",
+                        job.id, why, info.holder.get("host"), handle["key"])
+            return None
     lease = locks.restore(handle["key"], handle["owner"], ttl=opts.ttl, fencing_token=handle["fence"])
     lease.run_id = job.id
     if retry and job.retries_left:
@@ -135,8 +148,11 @@ def settle_canceled_jobs(queue: Any) -> int:
             job = queue.fetch_job(job_id)
         except Exception:
             job = None
-        if job is not None and settle_killed_job(job, retry=False, why="cancelled") == "released":
-            settled += 1
+        try:
+            if job is not None and settle_killed_job(job, retry=False, why="cancelled", horse_dead=False) == "released":
+                settled += 1
+        except Exception as e:  # one job's trouble (an unimportable function...) must not stop the others
+            log.warning("job %s: could not settle its lease (its TTL bounds it): %s", job_id, e)
     return settled
 
 
@@ -144,12 +160,14 @@ def _settle_abandoned(job: Any, exc_type: Any, exc_value: Any, traceback: Any) -
     """Exception handler: a job the abandoned-job cleanup found (its worker died). Other
     exceptions (raised by job bodies in the work-horse) were settled by the job itself."""
     if exc_type is not None and exc_type.__name__ == "AbandonedJobError" and job is not None:
-        _settle(job, retry=False, why="abandoned (its worker died)")
+        _settle(job, retry=False, why="abandoned (its worker died)", horse_dead=False)
     return None  # the next handler runs too
 
 
-def _settle(job: Any, retry: bool = True, why: str = "work-horse killed") -> None:
+def _settle(job: Any, retry: bool = True, why: str = "work-horse killed", horse_dead: bool = True) -> None:
+    """Settle, never raising into RQ's worker loop: a job whose function cannot be imported, a
+    Redis error... are logged, and the lease's TTL bounds it."""
     try:
-        settle_killed_job(job, retry=retry, why=why)
-    except (LeaseBackendError, ConfigError) as e:
-        log.warning("job %s: could not settle its lease (its TTL bounds it): %s", job.id, e)
+        settle_killed_job(job, retry=retry, why=why, horse_dead=horse_dead)
+    except Exception as e:
+        log.warning("job %s: could not settle its lease (its TTL bounds it): %s", getattr(job, "id", "?"), e)
