@@ -559,3 +559,44 @@ def test_a_crontab_entry_is_published_once_per_instant_by_a_ticking_leader(tmp_p
     say(f"published: {slots}")
     assert len(slots) == len(set(slots)) == 5
     assert all(int(x.split(":")[1]) % 60 == 0 for x in slots)
+
+
+class _FailFirstPublish(_Recorder):
+    failures = 1
+
+    def apply_async(self, entry, producer=None, advance=True, **kwargs):
+        if type(self).failures > 0:
+            type(self).failures -= 1
+            raise ConnectionError("broker unreachable (injected)")
+        return super().apply_async(entry, producer, advance, **kwargs)
+
+
+def test_a_failed_publish_is_tried_again_within_a_second_not_at_the_next_slot(tmp_path):
+    """Celery's own tick loop, an entry every 4 s; the first publish raises (a broker blip). The
+    slot is published a second later. Before, Celery re-heaped the entry at its next slot, and
+    the failed slot was never published."""
+    from celery.beat import PersistentScheduler
+
+    from taskguard_celery.beat import SingletonBeatMixin
+
+    app = Celery("blip", set_as_current=False, broker="memory://")
+    app.conf.taskguard_locks = MemoryLocks()
+    app.conf.taskguard_beat_leader_ttl = 5
+    app.conf.beat_schedule = {"e": {"task": "t", "schedule": 4.0}}
+    published: list = []
+
+    class Sched(SingletonBeatMixin, _FailFirstPublish, PersistentScheduler):
+        pass
+
+    Sched.published = published
+    Sched.failures = 1
+    sleep_until(math.floor(time.time() / 4.0) * 4.0 + 4.0 - 0.3)  # just before a window starts
+    s = Sched(app, schedule_filename=str(tmp_path / "b"))
+    window = round(time.time() / 4.0)
+    end = time.time() + 3.0
+    while time.time() < end:
+        time.sleep(min(max(s.tick(), 0.0), 0.2))
+    s.close()
+    slots = [slot for _, slot in published]
+    say(f"published after a failed first publish: {slots}; stats {dict(s.taskguard_stats)}")
+    assert slots == [f"every4s:{window}"] and s.taskguard_stats["unpublished_slots"] == 1

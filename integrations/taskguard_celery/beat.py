@@ -216,6 +216,7 @@ class SingletonBeatMixin:
         self._tg_leader_seen: str | None = None
         self._tg_handled: dict[str, float] = {}  # entry name -> latest slot instant known handled
         self._tg_started = time.time()
+        self._tg_retry_at: dict[str, float] = {}  # entry name -> when a failed claim/publish is tried again
         self._tg_outage = False
         for name, entry in self.schedule.items():  # type: ignore[attr-defined]
             opts = entry.options.get(ENTRY_OPTION)
@@ -295,11 +296,22 @@ class SingletonBeatMixin:
             return False, min(next_in, self.max_interval)  # type: ignore[attr-defined]
         if instant is None or instant <= self._tg_handled.get(entry.name, -math.inf):
             return False, next_in
-        late = time.time() - instant
+        now = time.time()
+        late = now - instant
         if late > self.taskguard_settings.allowed_lateness:
             self._tg_missed(entry, instant, late)
             return False, next_in
+        retry_at = self._tg_retry_at.get(entry.name, 0.0)
+        if now < retry_at:  # its claim or publish just failed: try again soon, not at the next slot
+            return False, retry_at - now
         return True, next_in
+
+    def _tg_try_again(self, entry: Any) -> None:
+        """A claim or publish failed (Redis, the broker): look at the entry again in a second
+        (while the slot is within the allowed lateness) instead of at its next slot."""
+        self._tg_retry_at[entry.name] = time.time() + min(1.0, float(self.max_interval))  # type: ignore[attr-defined]
+        if getattr(self, "_heap", None) is not None:
+            self._heap = None  # Celery re-heaped the entry at its next slot: rebuild with is_due
 
     def _tg_missed(self, entry: Any, instant: float, late: float) -> None:
         """Log a slot found beyond the catch-up window. It is counted in ``missed_slots`` (with
@@ -407,6 +419,7 @@ class SingletonBeatMixin:
             return None
         except LeaseBackendError as e:
             self._note_outage(e)
+            self._tg_try_again(entry)
             return None
         options = dict(entry.options)
         guard = options.pop(ENTRY_OPTION, None)
@@ -422,14 +435,16 @@ class SingletonBeatMixin:
         try:
             result = super().apply_async(publish, producer, False, **kwargs)  # type: ignore[misc]
         except Exception as e:
-            log.error("beat %s: slot %s of %s claimed but not published (tried again next tick): %s",
+            log.error("beat %s: slot %s of %s claimed but not published (tried again in a second): %s",
                       self.taskguard_id, slot, entry.name, e)
             self.taskguard_stats["unpublished_slots"] += 1
+            self._tg_try_again(entry)
             return None
         finally:
             self._tg_inside = False
         self.taskguard_stats["published"] += 1
         self._tg_handled[entry.name] = instant
+        self._tg_retry_at.pop(entry.name, None)
         try:
             leader.put_record(record, f"{instant!r} published {leader.fencing_token} {self.taskguard_id}",
                               if_value=claim)
