@@ -243,7 +243,8 @@ class RedisLocks(Locks):
             raise
 
     def _renew_one(self, key: str, owner: str, ttl: float) -> bool:
-        return int(self._run("renew", key, scripts.RENEW, (self._lease_key(key),), (owner, _ms(ttl)))) == 1
+        return int(self._run("renew", key, scripts.RENEW, (self._lease_key(key),),
+                             (owner, _ms(ttl), _ms(self.fence_idle_ttl)))) == 1
 
     def _renew_many(self, items: Sequence[tuple[str, str, float]]) -> list[Any]:
         """Renewals pipelined, :data:`RENEW_BATCH` per round trip (plus one more only after a
@@ -277,9 +278,10 @@ class RedisLocks(Locks):
         if self._cluster:
             return self._pipeline_renew_by_node(items, use_eval)
         pipe = self.client.pipeline(transaction=False)
+        idle = _ms(self.fence_idle_ttl)
         for key, owner, ttl in items:
             queue = scripts.RENEW.queue_eval if use_eval else scripts.RENEW.queue
-            queue(pipe, (self._lease_key(key),), (owner, _ms(ttl)))
+            queue(pipe, (self._lease_key(key),), (owner, _ms(ttl), idle))
         return list(pipe.execute(raise_on_error=False))
 
     def _pipeline_renew_by_node(self, items: Sequence[tuple[str, str, float]], use_eval: bool) -> list[Any]:
@@ -296,6 +298,7 @@ class RedisLocks(Locks):
             node = client.nodes_manager.get_node_from_slot(client.keyslot(self._lease_key(key)))
             by_node.setdefault(node.name, []).append(i)
         results: list[Any] = [None] * len(items)
+        idle = _ms(self.fence_idle_ttl)
         queue = scripts.RENEW.queue_eval if use_eval else scripts.RENEW.queue
         for name, node_idx in by_node.items():
             node = client.get_node(node_name=name)
@@ -307,7 +310,7 @@ class RedisLocks(Locks):
                 pipe = conn.pipeline(transaction=False)
                 for i in idx:
                     key, owner, ttl = items[i]
-                    queue(pipe, (self._lease_key(key),), (owner, _ms(ttl)))
+                    queue(pipe, (self._lease_key(key),), (owner, _ms(ttl), idle))
                 try:
                     replies = pipe.execute(raise_on_error=False)
                 except RedisError as e:  # this node unreachable: its leases fall back one by one below
@@ -318,7 +321,7 @@ class RedisLocks(Locks):
             if isinstance(r, RedisError) and not isinstance(r, NoScriptError):
                 key, owner, ttl = items[i]
                 try:  # through the cluster client: it follows MOVED / ASK and refreshes its slot map
-                    results[i] = scripts.RENEW(client, (self._lease_key(key),), (owner, _ms(ttl)))
+                    results[i] = scripts.RENEW(client, (self._lease_key(key),), (owner, _ms(ttl), idle))
                 except RedisError as e:
                     results[i] = e
         return results
@@ -343,7 +346,7 @@ class RedisLocks(Locks):
     def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
                    run_id: str | None = None) -> tuple[bool, int | None, float | None]:
         res = self._run("claim", key, scripts.CLAIM, (self._lease_key(key),),
-                        (owner, new_owner, _ms(ttl), holder_json, run_id or ""))
+                        (owner, new_owner, _ms(ttl), holder_json, run_id or "", _ms(self.fence_idle_ttl)))
         if int(res[0]) == 1:
             return True, (int(res[1]) if res[1] is not None else None), None
         pttl = int(res[1])

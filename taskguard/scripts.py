@@ -147,9 +147,12 @@ return {1, fence, ttl}
 """,
 )
 
-# KEYS[1] lease; ARGV[1] owner token, ARGV[2] TTL ms -> 1 renewed, 0 not the owner (or expired).
-# An expired lease is never revived, and a renewal only ever extends: a late renewal with a short
-# TTL (a heartbeat round racing a retry's stretch) cannot cut a longer expiry back.
+# KEYS[1] lease; ARGV[1] owner token, ARGV[2] TTL ms, ARGV[3] idle TTL ms of the key -> 1 renewed,
+# 0 not the owner (or expired). An expired lease is never revived, and a renewal only ever extends:
+# a late renewal with a short TTL (a heartbeat round racing a retry's stretch) cannot cut a longer
+# expiry back. When the key's own life runs shorter than the lease, it is given the idle TTL again
+# (once per idle period, not per renewal), so the fence and the lease records outlive a holder that
+# held the lease for longer than the idle TTL and then died.
 RENEW = Script(
     "renew",
     _NOW + """
@@ -162,7 +165,7 @@ local ttl = tonumber(ARGV[2])
 if now + ttl > exp then
   redis.call('HSET', KEYS[1], 'x', string.format('%.0f', now + ttl))
   if redis.call('PTTL', KEYS[1]) < ttl then
-    redis.call('PEXPIRE', KEYS[1], ttl)
+    redis.call('PEXPIRE', KEYS[1], math.max(ttl, tonumber(ARGV[3])))
   end
 end
 return 1
@@ -225,7 +228,7 @@ return 1
 
 # One-shot claim of a persisted handle: swap the owner token, keep the fence, record the holder.
 # KEYS[1] lease; ARGV[1] persisted owner token, ARGV[2] new owner token, ARGV[3] TTL ms,
-# ARGV[4] holder JSON, ARGV[5] run id ('' if none)
+# ARGV[4] holder JSON, ARGV[5] run id ('' if none), ARGV[6] idle TTL ms of the key (as for RENEW)
 # -> {1, fence} claimed; {0, ms left} another owner holds it; {0, -2} no live lease.
 CLAIM = Script(
     "claim",
@@ -239,7 +242,7 @@ if v[1] == ARGV[1] then
   local ttl = tonumber(ARGV[3])
   redis.call('HSET', KEYS[1], 'o', ARGV[2], 'h', ARGV[4], 'r', ARGV[5], 'x', string.format('%.0f', now + ttl))
   if redis.call('PTTL', KEYS[1]) < ttl then
-    redis.call('PEXPIRE', KEYS[1], ttl)
+    redis.call('PEXPIRE', KEYS[1], math.max(ttl, tonumber(ARGV[6])))
   end
   return {1, tonumber(v[3])}
 end

@@ -31,7 +31,7 @@ def test_scripts_are_idempotent_under_client_retries(client, prefix):
     first = scripts.ACQUIRE(client, (lk,), args)
     again = scripts.ACQUIRE(client, (lk,), args)
     assert int(first[0]) == 1 and int(again[0]) == 1 and int(first[1]) == int(again[1])
-    claim_args = ("owner-1", "owner-2", 5000, "{}", "run")
+    claim_args = ("owner-1", "owner-2", 5000, "{}", "run", 60000)
     assert int(scripts.CLAIM(client, (lk,), claim_args)[0]) == 1
     assert int(scripts.CLAIM(client, (lk,), claim_args)[0]) == 1  # re-sent: still claimed
     assert int(scripts.RELEASE(client, (lk,), ("owner-2", 60000, 0, "call-1", ""))) == 1

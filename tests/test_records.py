@@ -91,3 +91,24 @@ def test_lease_records_are_written_only_by_the_holder(any_locks):
     assert third.put_record("slot", "d", if_value="c") and third.release()
     with pytest.raises(ConfigError):
         lk.get_lease_record("L", "")
+
+
+def test_lease_records_and_the_fence_outlive_a_lease_held_past_the_idle_ttl(redis_url, prefix):
+    """A lease renewed for longer than ``fence_idle_ttl`` whose holder then dies: its key (fence and
+    lease records) lives on for the idle TTL, not only the lease's TTL. Before, renewals kept the
+    key alive just as long as the lease, so it vanished with it (and beat, finding no slot
+    record, published the slot again)."""
+    client = redis.Redis.from_url(redis_url)
+    locks = RedisLocks(client, prefix=prefix, fence_idle_ttl=3)
+    lease = locks.acquire("long", ttl=1).lease
+    assert lease.put_record("slot", "published")
+    deadline = time.monotonic() + 4.5
+    while time.monotonic() < deadline:  # held past the 3 s idle TTL by renewals
+        assert lease.renew()
+        time.sleep(0.3)
+    fence = lease.fencing_token
+    time.sleep(1.5)  # the holder died: nobody renews; the lease is gone
+    assert locks.holder("long") is None
+    assert locks.get_lease_record("long", "slot") == "published"
+    assert locks.acquire("long", ttl=5).lease.fencing_token > fence
+    client.close()
