@@ -183,7 +183,12 @@ def release(url: str | None, prefix: str | None, as_json: bool, key: str, force:
     """Release the lease on KEY whoever holds it (--force is required). Its holder finds the lease
     lost at its next renewal or release; the next holder gets a larger fencing token."""
     locks = _locks(url, prefix)
-    info = locks.holder(key)
+    try:
+        info = locks.holder(key)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    except LeaseBackendError as e:
+        raise click.ClickException(str(e)) from None
     if info is None:
         if as_json:
             click.echo(json.dumps({"key": key, "released": False, "reason": "no lease"}))
@@ -193,7 +198,10 @@ def release(url: str | None, prefix: str | None, as_json: bool, key: str, force:
     if not yes:
         click.confirm(f"release {key!r} held by {info.holder} (fence {info.fencing_token}, {info.ttl}s left)?",
                       abort=True)
-    ok = locks.force_release(key)
+    try:
+        ok = locks.force_release(key)
+    except LeaseBackendError as e:
+        raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(json.dumps({"key": key, "released": ok, "fencing_token": info.fencing_token}))
     else:

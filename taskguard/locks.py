@@ -344,6 +344,19 @@ class Locks:
     def _release_run(self, key: str, run_id: str) -> bool:
         raise NotImplementedError
 
+    def force_release(self, key: str) -> bool:
+        """Delete the lease on ``key`` whoever holds it (an operator's tool, e.g. ``taskguard
+        release KEY --force``): the holder finds it lost at its next renewal or release, and its
+        fenced writes still carry the old, now lower, fencing token. Returns ``True`` when a lease
+        was there. Raises ConfigError for a bad key, LeaseBackendError when Redis fails."""
+        key = check_key(key)
+        ok = self._force_release_one(key)
+        self._emit("release", key, "forced" if ok else "no_lease")
+        return ok
+
+    def _force_release_one(self, key: str) -> bool:
+        raise NotImplementedError
+
     def holder(self, key: str) -> HolderInfo | None:
         """Who holds ``key``: holder metadata, fencing token and remaining TTL (seconds), or
         ``None`` when no lease is held. Never returns the owner token.

@@ -134,6 +134,15 @@ class MemoryLocks(Locks):
             e.owner, e.holder, e.expires, e.run = new_owner, holder_json, self._clock() + ttl, run_id
             return True, e.fence, None
 
+    def _force_release_one(self, key: str) -> bool:
+        with self._cond:
+            if self._live_entry(key) is None:
+                return False
+            del self._leases[key]
+            self._releases += 1
+            self._cond.notify_all()
+            return True
+
     def _release_run(self, key: str, run_id: str) -> bool:
         with self._cond:
             e = self._live_entry(key)

@@ -43,16 +43,25 @@ def taskguard_locks(request: Any) -> Iterator[Locks]:
         yield locks
         locks.close(timeout=1)
         return
+    from .errors import ConfigError
     from .redis_locks import RedisLocks
+    from .urls import check_url
 
-    redis_locks = RedisLocks.from_url(url, prefix=prefix)
+    try:
+        redis_locks = RedisLocks.from_url(check_url(url, "--taskguard-redis-url / taskguard_redis_url"),
+                                          prefix=prefix)
+    except ConfigError as e:  # no traceback: its frames would show the URL, password included
+        pytest.fail(str(e), pytrace=False)
     try:
         yield redis_locks
     finally:
-        client = redis_locks.client
-        keys = list(client.scan_iter(match="{" + prefix + ":*", count=1000))
-        if keys:
-            client.delete(*keys)
+        try:
+            client = redis_locks.client
+            keys = list(client.scan_iter(match="{" + prefix + ":*", count=1000))
+            if keys:
+                client.delete(*keys)
+        except Exception:  # an unreachable Redis was already reported by the test itself
+            pass
         redis_locks.close(timeout=1)
 
 

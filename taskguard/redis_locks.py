@@ -356,15 +356,9 @@ class RedisLocks(Locks):
         code = int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (self._lease_key(key),), (run_id,)))
         return self._signalled(key, code)
 
-    def force_release(self, key: str) -> bool:
-        """Delete the lease on ``key`` whoever holds it (an operator's tool, e.g. ``taskguard
-        release KEY --force``): the holder finds it lost at its next renewal or release, and its
-        fenced writes still carry the old, now lower, fencing token. Returns ``True`` when a lease
-        was there. Raises LeaseBackendError."""
-        ok = self._signalled(key, int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN,
-                                                (self._lease_key(key),), ("",))))
-        self._emit("release", key, "forced" if ok else "no_lease")
-        return ok
+    def _force_release_one(self, key: str) -> bool:
+        return self._signalled(key, int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN,
+                                                  (self._lease_key(key),), ("",))))
 
     def leases(self, pattern: str = "*", count: int = 1000) -> list[HolderInfo]:
         """Held leases whose key matches the glob ``pattern`` (SCAN; at most ``count`` results).

@@ -41,6 +41,10 @@ def redacted(url: str) -> str:
         parts = parts._replace(query=query)
     if not parts.netloc:
         return _USERINFO.sub("***", parts.geturl())
+    if "@" not in parts.netloc and "@" in url:
+        # an "@" the parser did not take for user info (after a "/" or "#" in it): whatever lies
+        # between the scheme and the last "@" may be a secret
+        return re.sub(r"(?<=://).*@", "***@", url, count=1)
     if parts.password is None and "@" not in parts.netloc:
         return parts.geturl()
     user = parts.username or ""

@@ -379,7 +379,7 @@ def test_runs_queued_across_a_beat_restart_all_execute(beat_env):
     assert first_window * every <= started + every + 2.0  # the first window start after it started
 
 
-@pytest.mark.parametrize("value", [-5, float("nan"), float("inf"), 0, 0.5, "30"])
+@pytest.mark.parametrize("value", [-5, float("nan"), float("inf"), 0, 0.5, "30", 1e9, True])
 def test_a_bad_leader_ttl_is_refused_when_the_scheduler_is_set_up(value, tmp_path):
     app = Celery("badttl", set_as_current=False)
     app.conf.taskguard_locks = MemoryLocks()
@@ -404,6 +404,11 @@ def test_beat_settings_defaults_and_catch_up(tmp_path):
     app.conf.beat_max_loop_interval = 0
     with pytest.raises(ConfigError, match="taskguard_beat_catch_up"):
         TaskguardScheduler(app, schedule_filename=str(tmp_path / "s2"))
+    app.conf.taskguard_beat_catch_up = None
+    for name in ("", 0, False, "  "):
+        app.conf.taskguard_beat_name = name
+        with pytest.raises(ConfigError, match="taskguard_beat_name"):
+            beat_settings(app, 1.0)
 
 
 def test_a_bad_setting_stops_celery_beat_at_start_naming_it(beat_env):

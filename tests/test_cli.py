@@ -132,3 +132,15 @@ def test_cli_errors_name_the_option_given():
     url = f"redis://:Sup3rS3cret@127.0.0.1:{free_port()}/0"
     doc = json.loads(taskguard("doctor", "--json", "--url", url).stdout)
     assert doc["url"] == f"redis://:***@127.0.0.1:{url.rsplit(':', 1)[1]}", doc["url"]
+
+
+def test_release_errors_are_clean_and_never_show_a_password():
+    url = f"redis://:S3cretPW@127.0.0.1:{free_port()}/0"
+    out = taskguard("release", "k", "--force", "--yes", "--url", url)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "S3cretPW" not in out.stdout + out.stderr
+    assert "Redis failed" in out.stderr
+    out = taskguard("release", "", "--force", "--yes", url="redis://127.0.0.1:6379/0")
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "lease key" in out.stderr
+    # an "@" the URL parser does not take for user info is still masked
+    out = taskguard("doctor", "--json", "--url", f"redis://default:{free_port()}#s3cretPW@127.0.0.1:6379/0")
+    assert "s3cretPW" not in out.stdout + out.stderr

@@ -59,3 +59,10 @@ def test_assert_skipped_and_captured_events():
     assert [e.status for e in events.of("acquire")] == ["acquired", "held"] and events.skips[0].status == "held"
     assert isinstance(out, Skipped)
     held.release()
+
+
+def test_a_bad_redis_url_for_the_fixture_is_named_and_never_shown(tmp_path):
+    (tmp_path / "test_x.py").write_text("def test_x(taskguard_locks):\n    pass\n")
+    out = _pytest(["test_x.py", "--taskguard-redis-url=http://:S3cretPW@h/0"], tmp_path)
+    assert out.returncode != 0
+    assert "--taskguard-redis-url" in out.stdout and "S3cretPW" not in out.stdout + out.stderr

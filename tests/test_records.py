@@ -112,3 +112,12 @@ def test_lease_records_and_the_fence_outlive_a_lease_held_past_the_idle_ttl(redi
     assert locks.get_lease_record("long", "slot") == "published"
     assert locks.acquire("long", ttl=5).lease.fencing_token > fence
     client.close()
+
+
+def test_force_release_on_every_backend(any_locks):
+    held = any_locks.acquire("f", ttl=30).lease
+    assert any_locks.force_release("f") is True and any_locks.holder("f") is None
+    assert any_locks.force_release("f") is False
+    assert held.release() is False and held.lost
+    with pytest.raises(ConfigError):
+        any_locks.force_release("")

@@ -26,10 +26,13 @@ from taskguard.config import parse_prefix
 from taskguard.urls import check_url
 from taskguard.validate import check_seconds, check_ttl
 
-__all__ = ["locks_for", "use_locks", "beat_settings", "BeatSettings", "BEAT_LEADER_TTL", "BEAT_SKEW"]
+__all__ = ["locks_for", "use_locks", "beat_settings", "BeatSettings", "BEAT_LEADER_TTL", "BEAT_LEADER_TTL_MAX",
+           "BEAT_SKEW"]
 
 #: Default of ``app.conf.taskguard_beat_leader_ttl``, seconds.
 BEAT_LEADER_TTL = 30.0
+#: Longest leader TTL accepted, seconds: how long a crashed leader can keep every beat waiting.
+BEAT_LEADER_TTL_MAX = 3600.0
 #: Seconds allowed for the clocks of beats to differ and for a tick to come late; part of the
 #: default catch-up window and the lateness every due slot is allowed.
 BEAT_SKEW = 2.0
@@ -123,6 +126,9 @@ def beat_settings(app: Any, loop_interval: float) -> BeatSettings:
         leader_ttl = BEAT_LEADER_TTL if raw is None else check_ttl(raw)
     except ConfigError as e:
         raise ConfigError(f"app.conf.taskguard_beat_leader_ttl: {e}") from None
+    if leader_ttl > BEAT_LEADER_TTL_MAX:
+        raise ConfigError(f"app.conf.taskguard_beat_leader_ttl must be at most {BEAT_LEADER_TTL_MAX:g} s (a crashed "
+                          f"leader holds every beat off for that long), got {leader_ttl:g}")
     if leader_ttl < 2 * loop_interval:
         raise ConfigError(f"app.conf.taskguard_beat_leader_ttl must be at least twice the beat loop interval "
                           f"({loop_interval:g} s, beat_max_loop_interval), got {leader_ttl:g}")
@@ -132,7 +138,9 @@ def beat_settings(app: Any, loop_interval: float) -> BeatSettings:
                     else check_seconds("catch-up window", raw, allow_zero=True))
     except ConfigError as e:
         raise ConfigError(f"app.conf.taskguard_beat_catch_up: {e}") from None
-    name = conf.get("taskguard_beat_name") or app.main or "celery"
-    if not isinstance(name, str):
-        raise ConfigError(f"app.conf.taskguard_beat_name must be a str, got {type(name).__name__}")
+    name = conf.get("taskguard_beat_name")
+    if name is None:
+        name = app.main or "celery"
+    elif not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"app.conf.taskguard_beat_name must be a non-empty str, got {name!r}")
     return BeatSettings(leader_ttl=leader_ttl, catch_up=catch_up, name=name, loop_interval=float(loop_interval))
