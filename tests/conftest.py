@@ -10,7 +10,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster as ClusterClient
 
-from taskguard import RedisLocks
+from taskguard import MemoryLocks, RedisLocks
 
 from .servers import RedisCluster, RedisServer
 
@@ -105,6 +105,21 @@ def backend(request, redis_url, prefix):
         c = ClusterClient(host="127.0.0.1", port=cl.ports[0])
     yield request.param, c
     c.close()
+
+
+@pytest.fixture(params=["standalone", "cluster", "memory"])
+def any_locks(request, redis_url, prefix):
+    """The same API on three backends: RedisLocks on the shared Redis and on the suite's Redis
+    Cluster, and MemoryLocks; the test's own prefix."""
+    if request.param == "memory":
+        yield MemoryLocks(prefix=prefix)
+        return
+    if request.param == "standalone":
+        client = redis.Redis.from_url(redis_url)
+    else:
+        client = ClusterClient(host="127.0.0.1", port=request.getfixturevalue("cluster").ports[0])
+    yield RedisLocks(client, prefix=prefix)
+    client.close()
 
 
 @pytest.fixture

@@ -7,24 +7,8 @@ import multiprocessing
 import time
 
 import pytest
-import redis
 
 from taskguard import ConfigError, MemoryLocks, RedisLocks, Throttle
-
-
-@pytest.fixture(params=["standalone", "cluster", "memory"])
-def any_locks(request, redis_url, prefix):
-    if request.param == "memory":
-        yield MemoryLocks(prefix=prefix)
-        return
-    if request.param == "standalone":
-        client = redis.Redis.from_url(redis_url)
-    else:
-        from redis.cluster import RedisCluster
-
-        client = RedisCluster(host="127.0.0.1", port=request.getfixturevalue("cluster").ports[0])
-    yield RedisLocks(client, prefix=prefix)
-    client.close()
 
 
 def test_evenly_spaced_by_default(any_locks):
