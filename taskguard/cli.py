@@ -150,13 +150,14 @@ def doctor(url: str | None, prefix: str | None, as_json: bool, strict: bool) -> 
 @_json
 @click.argument("pattern", default="*")
 def leases(url: str | None, prefix: str | None, as_json: bool, pattern: str) -> None:
-    """List held leases whose key matches PATTERN (a glob, default *)."""
+    """List held leases whose key matches PATTERN (a glob, default *): one line per holder (a key
+    under a limit has up to N, by SLOT)."""
     locks = _locks(url, prefix)
     try:
         found = locks.leases(pattern)
     except LeaseBackendError as e:
         raise click.ClickException(str(e)) from None
-    rows = [{"key": i.key, "ttl": i.ttl, "fencing_token": i.fencing_token,
+    rows = [{"key": i.key, "slot": i.slot, "ttl": i.ttl, "fencing_token": i.fencing_token,
              "task": i.holder.get("task") or i.holder.get("job"), "task_id": i.holder.get("task_id") or i.holder.get("job_id"),
              "host": i.holder.get("host"), "pid": i.holder.get("pid"), "since": i.since} for i in found]
     if as_json:
@@ -165,11 +166,11 @@ def leases(url: str | None, prefix: str | None, as_json: bool, pattern: str) -> 
     if not rows:
         click.echo("no leases held")
         return
-    click.echo(f"{'KEY':40} {'TTL':>8} {'FENCE':>17}  HOLDER")
+    click.echo(f"{'KEY':40} {'SLOT':>4} {'TTL':>8} {'FENCE':>17}  HOLDER")
     for r in rows:
         ttl = "-" if r["ttl"] is None else f"{r['ttl']:.1f}s"
         who = " ".join(f"{k}={r[k]}" for k in ("task", "task_id", "host", "pid") if r[k] is not None)
-        click.echo(f"{r['key']:40} {ttl:>8} {r['fencing_token'] or '-':>17}  {who}")
+        click.echo(f"{r['key']:40} {r['slot']:>4} {ttl:>8} {r['fencing_token'] or '-':>17}  {who}")
 
 
 @main.command()
@@ -180,8 +181,9 @@ def leases(url: str | None, prefix: str | None, as_json: bool, pattern: str) -> 
 @click.option("--force", is_flag=True, required=True, help="Required: release whoever holds it.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def release(url: str | None, prefix: str | None, as_json: bool, key: str, force: bool, yes: bool) -> None:
-    """Release the lease on KEY whoever holds it (--force is required). Its holder finds the lease
-    lost at its next renewal or release; the next holder gets a larger fencing token."""
+    """Release the lease on KEY whoever holds it (--force is required; under a limit, every
+    holder). Its holder finds the lease lost at its next renewal or release; the next holder gets a
+    larger fencing token."""
     locks = _locks(url, prefix)
     try:
         info = locks.holder(key)

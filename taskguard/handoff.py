@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from .errors import ConfigError
 from .heartbeat import get_heartbeat
-from .lease import Acquisition, Lease
+from .lease import Acquisition, Lease, slot_of
 from .locks import Locks
 
 __all__ = ["persist", "parse_handle", "resume", "release_handle"]
@@ -78,6 +78,7 @@ def resume(
     refuse_finished: bool = False,
     delivery: str | None = None,
     markers: bool = True,
+    limit: int = 1,
 ) -> Acquisition:
     """Take over the persisted ``handle`` for ``key``, else acquire ``key`` afresh when free.
 
@@ -86,22 +87,25 @@ def resume(
     another owner holds ``key``, ``holder_run`` says which run; the caller must not run). A handle for a different key (the retry's
     arguments changed the key) is released and ``key`` acquired.
 
-    ``refuse_finished``, ``delivery`` and ``markers`` are passed on (see :meth:`Locks.acquire`).
+    ``refuse_finished``, ``delivery``, ``markers`` and ``limit`` are passed on (see
+    :meth:`Locks.acquire`). Under ``limit > 1``, a handle whose slot another holder took meanwhile
+    falls back to acquiring any free slot (a larger fence), as an expired one does.
 
     Raises ConfigError for a malformed handle, LeaseBackendError when Redis fails."""
     h = parse_handle(handle)
     if h["key"] != key:
         release_handle(locks, h, ttl=ttl)
         return locks.acquire(key, ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id,
-                             refuse_finished=refuse_finished, delivery=delivery, markers=markers)
+                             refuse_finished=refuse_finished, delivery=delivery, markers=markers, limit=limit)
     acq = locks.claim(key, h["owner"], ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id,
                       delivery=delivery)
     if acq.acquired:
         return acq
-    if acq.reason == "expired":  # (or already claimed and released by another copy of the handle)
+    if acq.reason == "expired" or limit > 1:  # (or already claimed and released by another copy of the handle)
         return locks.acquire(key, ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id,
-                             refuse_finished=refuse_finished, delivery=delivery, markers=markers)
-    info = locks.holder(key)  # who took it: another execution of this run, or another run?
+                             refuse_finished=refuse_finished, delivery=delivery, markers=markers, limit=limit)
+    slot = slot_of(h["owner"])  # who took it: another execution of this run, or another run?
+    info = next((i for i in locks.holders(key) if i.slot == slot), None)
     return Acquisition(False, None, "held", acq.holder_ttl, info.run_id if info is not None else None)
 
 

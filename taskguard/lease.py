@@ -14,9 +14,21 @@ from .events import LeaseEvent
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["Lease", "Acquisition", "HolderInfo"]
+__all__ = ["Lease", "Acquisition", "HolderInfo", "slot_of", "slot_suffix"]
 
 _STATE_LOCK = threading.Lock()  # guards lost/released transitions of every handle (rare, brief)
+
+
+def slot_of(owner_token: str) -> int:
+    """The holder slot an owner token belongs to: ``i`` for a token ending in ``#i``, else 0
+    (see :mod:`taskguard.scripts`)."""
+    head, sep, tail = owner_token.rpartition("#")
+    return int(tail) if sep and tail.isdigit() else 0
+
+
+def slot_suffix(slot: int) -> str:
+    """What a slot's owner tokens end with: ``""`` for slot 0, ``"#i"`` for slot ``i``."""
+    return "#%d" % slot if slot else ""
 
 
 class Lease:
@@ -33,6 +45,8 @@ class Lease:
             restored without it.
         ttl: the TTL in seconds (float) renewals use by default.
         run_id: the run identity given at acquire/claim (e.g. a task id), or ``None``.
+        slot: which of the key's holder slots this lease is (``int``, 0 for a plain lease; 0..N-1
+            under ``acquire(limit=N)``). Fencing tokens grow per (key, slot).
 
     A handle belongs to the process that made it: in a process forked from it, ``renew`` and
     ``release`` do nothing and return ``False`` (the parent still owns the lease).
@@ -71,6 +85,10 @@ class Lease:
     @property
     def owner_token(self) -> str:
         return self._owner_token
+
+    @property
+    def slot(self) -> int:
+        return slot_of(self._owner_token)
 
     @property
     def task(self) -> str | None:
@@ -210,7 +228,8 @@ class Acquisition:
     Attributes:
         acquired: ``True`` when ``lease`` is held.
         lease: the :class:`Lease`, or ``None``.
-        reason: ``None`` when acquired; else ``"held"`` (another owner holds it),
+        reason: ``None`` when acquired; else ``"held"`` (another owner holds it), ``"limit"``
+            (``limit=N`` > 1 and N holders are in),
             ``"wait_timeout"`` (``wait`` seconds passed), ``"duplicate"`` (the ``run_id`` already
             finished under this key, with ``refuse_finished``) or, for a claim, ``"not_owner"``
             (another owner holds it) / ``"expired"`` (no lease exists any more).
@@ -243,6 +262,7 @@ class HolderInfo:
         ttl: seconds (float) left before the lease expires; ``None`` when it has no expiry.
         since: Unix epoch seconds (float) when the lease was acquired, per the server clock.
         run_id: the holder's run id (given at acquire/claim), or ``None``.
+        slot: the holder's slot (``int``; 0 for a plain lease, 0..N-1 under a limit).
     """
 
     key: str
@@ -251,3 +271,4 @@ class HolderInfo:
     ttl: float | None
     since: float | None
     run_id: str | None = None
+    slot: int = 0

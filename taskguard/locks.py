@@ -18,11 +18,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 from .errors import ConfigError, LeaseBackendError, LeaseLost
 from .events import Emitter, LeaseEvent, Listener
 from .heartbeat import get_heartbeat
-from .lease import Acquisition, HolderInfo, Lease
+from .lease import Acquisition, HolderInfo, Lease, slot_of, slot_suffix
 from .liveness import process_identity
 from .skipped import Skipped
 from .throttle import Throttle
-from .validate import check_burst, check_rate
+from .validate import check_burst, check_limit, check_rate
 from .validate import (MAX_SECONDS, MIN_TTL, check_fraction, check_key, check_name, check_run_id, check_seconds,  # noqa: F401
                        check_token, check_ttl, check_value, encodable)
 
@@ -97,10 +97,12 @@ class Locks:
 
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str, run_id: str | None,
                      wait: float = 0.0, refuse_finished: bool = False, finished_id: str | None = None,
-                     markers: bool = True) -> tuple[int, int | None, float | None, str | None]:
+                     markers: bool = True, limit: int = 1) -> tuple[int, int | None, float | None, str | None, int]:
         """-> (1 acquired | 0 held | 2 run already finished, fencing token, holder's TTL seconds or
-        None, holder's run id or None). ``wait``: seconds the caller will wait if the lease is held
-        (0: it will not)."""
+        None, holder's run id or None, the slot taken). ``wait``: seconds the caller will wait if
+        the lease is held (0: it will not). ``limit``: holders admitted at once; when held, the
+        holder reported is another execution of ``run_id`` if one holds a slot, else the holder
+        whose lease ends first. Slot ``i``'s owner token is ``owner + slot_suffix(i)``."""
         raise NotImplementedError
 
     def _wait_signal(self, key: str, timeout: float) -> None:
@@ -129,7 +131,7 @@ class Locks:
         """-> (claimed, fencing token, PTTL seconds of the key when not claimed; -2.0 if absent)."""
         raise NotImplementedError
 
-    def _holder_one(self, key: str) -> HolderInfo | None:
+    def _holders_one(self, key: str) -> list[HolderInfo]:
         raise NotImplementedError
 
     def _owns_one(self, key: str, owner: str) -> bool:
@@ -160,12 +162,22 @@ class Locks:
         refuse_finished: bool = False,
         delivery: str | None = None,
         markers: bool = True,
+        limit: int = 1,
     ) -> Acquisition:
         """Try to take the lease on ``key`` for ``ttl`` seconds, waiting up to ``wait`` seconds.
 
         The lease and its next fencing token are set in one atomic step. While waiting, the
         caller wakes when the holder releases (a release signal) or when the holder's lease
         expires, not by tight polling.
+
+        With ``limit=N`` up to N holders hold ``key`` at once (a fenced semaphore): each is a
+        full lease in one of N slots (:attr:`Lease.slot`), with its own owner token, expiry and
+        fencing token, which grows per (key, slot) — so storage fences per slot, e.g. a row per
+        slot, where one per-key token would reject the older of two legitimate holders. A
+        crashed holder's slot comes back when its TTL runs out; renew, release, claim and the
+        heartbeat work per holder as for a plain lease. Another execution of the same
+        ``run_id`` never takes a second slot (reported as holding). Lowering N later never
+        admits more than N new holders beside those still in higher slots.
 
         Args:
             key: the user's lease key (non-empty ``str``).
@@ -190,14 +202,20 @@ class Locks:
                 more key in the script; see :mod:`taskguard.scripts`). ``False`` when the caller
                 never writes markers (``release(finished_ttl=None)``): the key's last finished
                 run is still checked.
+            limit: how many holders may hold ``key`` at once (``int``, 1 to
+                :data:`~taskguard.validate.MAX_LIMIT`; default 1, a plain lease). Every caller
+                of one key should pass the same limit.
 
         Returns:
             :class:`~taskguard.Acquisition`; when not acquired, ``reason`` is ``"held"``
-            (``wait == 0``), ``"wait_timeout"`` or ``"duplicate"``, ``holder_ttl`` the holder's
-            time left and ``holder_run`` the holder's run id.
+            (``wait == 0``, limit 1), ``"limit"`` (``wait == 0``, limit > 1: N holders are in),
+            ``"wait_timeout"`` or ``"duplicate"``, ``holder_ttl`` the time left on the holder
+            whose lease ends first and ``holder_run`` the holder's run id (when one holder is
+            in; under a limit, another execution of ``run_id`` if one holds a slot, else
+            ``None``).
 
         Raises:
-            ConfigError: invalid ``key``, ``ttl``, ``wait``, ``max_hold`` or ``holder``.
+            ConfigError: invalid ``key``, ``ttl``, ``wait``, ``max_hold``, ``limit`` or ``holder``.
             LeaseBackendError: Redis unreachable or failing. Never reported as "held".
         """
         key = check_key(key)
@@ -205,6 +223,7 @@ class Locks:
         wait = check_seconds("wait", wait, allow_zero=True)
         max_hold = self.max_hold if max_hold is None else check_seconds("max_hold", max_hold)
         run_id = check_run_id(run_id)
+        limit = check_limit(limit)
         finished_id = _finished_id(run_id, delivery)
         meta, meta_json = self._holder_meta(holder)
         owner = new_owner_token()
@@ -214,9 +233,9 @@ class Locks:
             sent_at = self._now()
             try:
                 remaining = max(0.0, deadline - time.monotonic())
-                code, fence, holder_ttl, holder_run = self._try_acquire(key, owner, ttl, meta_json, run_id, remaining,
-                                                                        refuse_finished and run_id is not None,
-                                                                        finished_id, markers)
+                code, fence, holder_ttl, holder_run, slot = self._try_acquire(
+                    key, owner, ttl, meta_json, run_id, remaining, refuse_finished and run_id is not None,
+                    finished_id, markers, limit)
             except LeaseBackendError as e:
                 self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e),
                            task=_task_of(meta))
@@ -226,8 +245,8 @@ class Locks:
                            task=_task_of(meta))
                 return Acquisition(False, None, "duplicate")
             if code == 1:
-                lease = Lease(self, key, owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta,
-                              run_id=run_id)
+                lease = Lease(self, key, owner + slot_suffix(slot), ttl=ttl, fencing_token=fence,
+                              expires_at=sent_at + ttl, holder=meta, run_id=run_id)
                 lease.finished_id = finished_id
                 self._track(lease, renew, max_hold)
                 if self._emitter.active:
@@ -236,7 +255,7 @@ class Locks:
                 return Acquisition(True, lease)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                reason = "wait_timeout" if wait > 0 else "held"
+                reason = "wait_timeout" if wait > 0 else ("limit" if limit > 1 else "held")
                 self._emit("acquire", key, reason, duration=time.monotonic() - started, ttl=ttl, task=_task_of(meta))
                 return Acquisition(False, None, reason, holder_ttl, holder_run)
             pause = remaining if holder_ttl is None or holder_ttl < 0 else min(remaining, holder_ttl + 0.001)
@@ -307,7 +326,7 @@ class Locks:
         max_hold = self.max_hold if max_hold is None else check_seconds("max_hold", max_hold)
         run_id = check_run_id(run_id)
         meta, meta_json = self._holder_meta(holder)
-        new_owner = new_owner_token()
+        new_owner = new_owner_token() + slot_suffix(slot_of(owner_token))  # the claim keeps the slot
         started = time.monotonic()
         sent_at = self._now()
         try:
@@ -359,9 +378,17 @@ class Locks:
 
     def holder(self, key: str) -> HolderInfo | None:
         """Who holds ``key``: holder metadata, fencing token and remaining TTL (seconds), or
-        ``None`` when no lease is held. Never returns the owner token.
+        ``None`` when no lease is held (under a limit: the holder in the lowest slot; see
+        :meth:`holders`). Never returns the owner token.
         Raises LeaseBackendError when Redis fails."""
-        return self._holder_one(check_key(key))
+        held = self._holders_one(check_key(key))
+        return held[0] if held else None
+
+    def holders(self, key: str) -> list[HolderInfo]:
+        """Every holder of ``key`` (one for a plain lease, up to N under ``limit=N``), by slot:
+        a list of :class:`~taskguard.lease.HolderInfo` (never an owner token); empty when none.
+        Raises ConfigError for a bad key, LeaseBackendError when Redis fails."""
+        return self._holders_one(check_key(key))
 
     def with_lease(
         self,
@@ -375,11 +402,12 @@ class Locks:
         max_hold: float | None = None,
         on_lost: str = "raise",
         task: str | None = None,
+        limit: int = 1,
     ) -> T | Skipped:
         """Run ``fn(lease)`` under the lease on ``key`` and return its value.
 
-        Returns a :class:`~taskguard.Skipped` (reason ``"held"`` or ``"wait_timeout"``) when the
-        lease could not be had, and emits a ``skip`` event. With ``renew=True`` the heartbeat
+        Returns a :class:`~taskguard.Skipped` (reason ``"held"``, ``"limit"`` or
+        ``"wait_timeout"``) when the lease could not be had (``limit``: as for :meth:`acquire`), and emits a ``skip`` event. With ``renew=True`` the heartbeat
         keeps the lease alive while ``fn`` runs. After ``fn`` returns, the release itself checks
         that this owner still held the lease; if it did not (or the heartbeat found it lost),
         ``on_lost="raise"`` raises :class:`~taskguard.LeaseLost` and ``on_lost="warn"`` logs,
@@ -391,7 +419,7 @@ class Locks:
         from .run import GuardedRun
 
         run = GuardedRun(self, key, ttl=ttl, wait=wait, renew=renew, holder=holder, max_hold=max_hold,
-                         on_lost=on_lost, task=task)
+                         on_lost=on_lost, task=task, limit=limit)
         if not run.begin():
             return run.skip()
         with run:

@@ -13,7 +13,7 @@ import time
 from typing import Callable, Iterable
 
 from .events import Listener
-from .lease import HolderInfo
+from .lease import HolderInfo, slot_of, slot_suffix
 from .locks import Health, Locks
 
 __all__ = ["MemoryLocks"]
@@ -57,8 +57,9 @@ class MemoryLocks(Locks):
         self._tats: dict[str, int] = {}  # throttles: key -> theoretical arrival time, µs
         self._clock = clock
         self._cond = threading.Condition()
-        self._leases: dict[str, _Entry] = {}
-        self._fences: dict[str, int] = {}
+        self._leases: dict[tuple[str, int], _Entry] = {}  # (key, slot) -> its holder
+        self._fences: dict[tuple[str, int], int] = {}  # (key, slot) -> its last fencing token
+        self._slots: dict[str, int] = {}  # key -> slots in use, when more than one
 
     def __repr__(self) -> str:
         return f"<MemoryLocks prefix={self.prefix!r}>"
@@ -66,34 +67,52 @@ class MemoryLocks(Locks):
     def _now(self) -> float:
         return self._clock()
 
-    def _live_entry(self, key: str) -> _Entry | None:
-        e = self._leases.get(key)
+    def _live_entry(self, key: str, slot: int = 0) -> _Entry | None:
+        e = self._leases.get((key, slot))
         if e is not None and self._clock() >= e.expires:
-            del self._leases[key]
+            del self._leases[(key, slot)]
             return None
         return e
 
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str, run_id: str | None,
                      wait: float = 0.0, refuse_finished: bool = False, finished_id: str | None = None,
-                     markers: bool = True) -> tuple[int, int | None, float | None, str | None]:
+                     markers: bool = True, limit: int = 1) -> tuple[int, int | None, float | None, str | None, int]:
         finished_id = finished_id or run_id
         with self._cond:
             self._seen.releases = self._releases
             if refuse_finished and finished_id is not None:
                 if (markers and self._done.get((key, finished_id), 0) > self._clock()) or \
                         self._last_finished.get(key) == finished_id:
-                    return 2, None, None, None
-            e = self._live_entry(key)
-            if e is not None:
-                return 0, None, max(0.0, e.expires - self._clock()), e.run
-            fence = self._fences.get(key, 0) + 1
-            self._fences[key] = fence
+                    return 2, None, None, None, 0
+            slots = self._slots.get(key, 1)
+            live: list[tuple[int, _Entry]] = []
+            free = None
+            for i in range(max(limit, slots)):
+                e = self._live_entry(key, i)
+                if e is not None:
+                    if e.owner == owner + slot_suffix(i):
+                        return 1, e.fence, None, None, i
+                    live.append((i, e))
+                elif free is None and i < limit:
+                    free = i
+            same = [e for _, e in live if run_id is not None and e.run == run_id]
+            if same or len(live) >= limit or free is None:
+                e = same[0] if same else min((e for _, e in live), key=lambda e: e.expires)
+                run = e.run if same or len(live) == 1 else None
+                return 0, None, max(0.0, e.expires - self._clock()), run, 0
+            fence = self._fences.get((key, free), 0) + 1
+            self._fences[(key, free)] = fence
             self._last_finished.pop(key, None)
             if finished_id is not None and not refuse_finished and markers:
                 self._done.pop((key, finished_id), None)
             now = self._clock()
-            self._leases[key] = _Entry(owner, fence, holder_json, now, now + ttl, run_id)
-            return 1, fence, None, None
+            self._leases[(key, free)] = _Entry(owner + slot_suffix(free), fence, holder_json, now, now + ttl, run_id)
+            m = max([limit, free + 1] + [i + 1 for i, _ in live])
+            if m > 1:
+                self._slots[key] = m
+            else:
+                self._slots.pop(key, None)
+            return 1, fence, None, None, free
 
     def _wait_signal(self, key: str, timeout: float) -> None:
         with self._cond:
@@ -102,7 +121,7 @@ class MemoryLocks(Locks):
 
     def _renew_one(self, key: str, owner: str, ttl: float) -> bool:
         with self._cond:
-            e = self._live_entry(key)
+            e = self._live_entry(key, slot_of(owner))
             if e is None or e.owner != owner:
                 return False
             e.expires = max(e.expires, self._clock() + ttl)  # renewals only extend, as in Redis
@@ -113,10 +132,10 @@ class MemoryLocks(Locks):
         with self._cond:
             if finished_run is not None and finished_ttl is not None:
                 self._done[(key, finished_run)] = self._clock() + finished_ttl
-            e = self._live_entry(key)
+            e = self._live_entry(key, slot_of(owner))
             if e is None or e.owner != owner:
                 return False
-            del self._leases[key]
+            del self._leases[(key, slot_of(owner))]
             if finished_run is not None:
                 self._last_finished[key] = finished_run
             self._releases += 1
@@ -126,7 +145,7 @@ class MemoryLocks(Locks):
     def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
                    run_id: str | None = None) -> tuple[bool, int | None, float | None]:
         with self._cond:
-            e = self._live_entry(key)
+            e = self._live_entry(key, slot_of(owner))
             if e is None:
                 return False, None, -2.0
             if e.owner != owner:
@@ -135,35 +154,41 @@ class MemoryLocks(Locks):
             return True, e.fence, None
 
     def _force_release_one(self, key: str) -> bool:
-        with self._cond:
-            if self._live_entry(key) is None:
-                return False
-            del self._leases[key]
-            self._releases += 1
-            self._cond.notify_all()
-            return True
+        return self._release_slots(key, None)
 
     def _release_run(self, key: str, run_id: str) -> bool:
-        with self._cond:
-            e = self._live_entry(key)
-            if e is None or e.run != run_id:
-                return False
-            del self._leases[key]
-            self._releases += 1
-            self._cond.notify_all()
-            return True
+        return self._release_slots(key, run_id)
 
-    def _holder_one(self, key: str) -> HolderInfo | None:
+    def _release_slots(self, key: str, run_id: str | None) -> bool:
+        """Release the slot held by ``run_id`` (the first found), or every slot (``None``)."""
         with self._cond:
-            e = self._live_entry(key)
-            if e is None:
-                return None
-            return HolderInfo(key=key, holder=json.loads(e.holder), fencing_token=e.fence,
-                              ttl=max(0.0, e.expires - self._clock()), since=e.since, run_id=e.run)
+            done = False
+            for i in range(self._slots.get(key, 1)):
+                e = self._live_entry(key, i)
+                if e is not None and (run_id is None or e.run == run_id):
+                    del self._leases[(key, i)]
+                    done = True
+                    if run_id is not None:
+                        break
+            if done:
+                self._releases += 1
+                self._cond.notify_all()
+            return done
+
+    def _holders_one(self, key: str) -> list[HolderInfo]:
+        with self._cond:
+            out = []
+            for i in range(self._slots.get(key, 1)):
+                e = self._live_entry(key, i)
+                if e is not None:
+                    out.append(HolderInfo(key=key, holder=json.loads(e.holder), fencing_token=e.fence,
+                                          ttl=max(0.0, e.expires - self._clock()), since=e.since, run_id=e.run,
+                                          slot=i))
+            return out
 
     def _owns_one(self, key: str, owner: str) -> bool:
         with self._cond:
-            e = self._live_entry(key)
+            e = self._live_entry(key, slot_of(owner))
             return e is not None and e.owner == owner
 
     def _live_record(self, key: str, name: str) -> str | None:
@@ -185,7 +210,7 @@ class MemoryLocks(Locks):
 
     def _put_lease_record_one(self, key: str, owner: str, name: str, value: str, cond: str, expect: str) -> int:
         with self._cond:
-            e = self._live_entry(key)
+            e = self._live_entry(key, slot_of(owner))
             if e is None or e.owner != owner:
                 return -1
             cur = self._lease_records.get((key, name))

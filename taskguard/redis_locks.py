@@ -215,7 +215,7 @@ class RedisLocks(Locks):
 
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str, run_id: str | None,
                      wait: float = 0.0, refuse_finished: bool = False, finished_id: str | None = None,
-                     markers: bool = True) -> tuple[int, int | None, float | None, str | None]:
+                     markers: bool = True, limit: int = 1) -> tuple[int, int | None, float | None, str | None, int]:
         finished_id = finished_id or run_id
         keys: tuple[str, ...] = (self._lease_key(key),)
         if finished_id is not None and markers and refuse_finished:
@@ -223,14 +223,14 @@ class RedisLocks(Locks):
         wait_ms = _ms(wait + 1.0) if wait > 0 else 0  # the waiting mark outlives the wait by a second
         res = self._run("acquire", key, scripts.ACQUIRE, keys,
                         (owner, _ms(ttl), holder_json, _ms(self.fence_idle_ttl), wait_ms, run_id or "",
-                         "1" if refuse_finished else "0", finished_id or ""))
+                         "1" if refuse_finished else "0", finished_id or "", limit))
         code = int(res[0])
         if code == 1:
-            return 1, int(res[1]), None, None  # (a retried acquire that ran: its expiry may be a bit older)
+            return 1, int(res[1]), None, None, int(res[3])  # (a retried acquire that ran: its expiry may be older)
         if code == 2:
-            return 2, None, None, None
+            return 2, None, None, None, 0
         run = res[2].decode() if isinstance(res[2], bytes) else res[2]
-        return 0, None, int(res[1]) / 1000.0, (run or None)
+        return 0, None, int(res[1]) / 1000.0, (run or None), 0
 
     def _wait_signal(self, key: str, timeout: float) -> None:
         timeout = max(0.01, min(timeout, self._slice))  # never 0: BLPOP 0 blocks forever
@@ -361,42 +361,43 @@ class RedisLocks(Locks):
                                                   (self._lease_key(key),), ("",))))
 
     def leases(self, pattern: str = "*", count: int = 1000) -> list[HolderInfo]:
-        """Held leases whose key matches the glob ``pattern`` (SCAN; at most ``count`` results).
-        Never returns owner tokens. Raises LeaseBackendError."""
+        """Held leases whose key matches the glob ``pattern`` (SCAN; at most ``count`` results),
+        one entry per holder (a key under a limit may have several, by slot). Never returns
+        owner tokens. Raises LeaseBackendError."""
         match = "{" + self.prefix + ":" + pattern + "}"
         out: list[HolderInfo] = []
         try:
             for raw in self.client.scan_iter(match=match, _type="hash", count=500):
                 name = raw.decode() if isinstance(raw, bytes) else raw
                 key = name[len(self.prefix) + 2:-1]
-                info = self._holder_one(key)
-                if info is not None:
-                    out.append(info)
+                out.extend(self._holders_one(key))
                 if len(out) >= count:
                     break
         except RedisError as e:
             raise LeaseBackendError("scan", None, _detail(e)) from e
-        return sorted(out, key=lambda i: i.key)
+        return sorted(out, key=lambda i: (i.key, i.slot))[:count]
 
-    def _holder_one(self, key: str) -> HolderInfo | None:
-        holder_raw, fence, pttl, since, run = self._run("holder", key, scripts.HOLDER, (self._lease_key(key),), ())
-        pttl = int(pttl)
-        if pttl == -2:
-            return None
-        if isinstance(holder_raw, bytes):
-            holder_raw = holder_raw.decode()
-        try:
-            holder = json.loads(holder_raw) if holder_raw else {}
-        except ValueError:
-            holder = {}
-        return HolderInfo(
-            key=key,
-            holder=holder,
-            fencing_token=int(fence) if fence is not None else None,
-            ttl=pttl / 1000.0 if pttl >= 0 else None,
-            since=int(since) / 1000.0 if since is not None else None,
-            run_id=(run.decode() if isinstance(run, bytes) else run) or None,
-        )
+    def _holders_one(self, key: str) -> list[HolderInfo]:
+        flat = self._run("holder", key, scripts.HOLDERS, (self._lease_key(key),), ())
+        out = []
+        for i in range(0, len(flat), 6):
+            slot, holder_raw, fence, pttl, since, run = flat[i:i + 6]
+            if isinstance(holder_raw, bytes):
+                holder_raw = holder_raw.decode()
+            try:
+                holder = json.loads(holder_raw) if holder_raw else {}
+            except ValueError:
+                holder = {}
+            out.append(HolderInfo(
+                key=key,
+                holder=holder,
+                fencing_token=int(fence) if fence else None,
+                ttl=int(pttl) / 1000.0,
+                since=int(since) / 1000.0 if since else None,
+                run_id=(run.decode() if isinstance(run, bytes) else run) or None,
+                slot=int(slot),
+            ))
+        return out
 
     def _owns_one(self, key: str, owner: str) -> bool:
         return int(self._run("renew", key, scripts.OWNS, (self._lease_key(key),), (owner,))) != -2

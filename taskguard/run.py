@@ -53,6 +53,7 @@ class GuardedRun:
         renew: keep the lease alive with the heartbeat while the body runs.
         holder: non-secret holder metadata stored with the lease.
         max_hold: stop renewing after this many seconds (``None``: the locks' default).
+        limit: how many runs may hold ``key`` at once (``int`` >= 1; see :meth:`Locks.acquire`).
         run_id: the identity of the run (a Celery task id, an RQ job id), or ``None``.
         task: the task name for skips, events and logs, or ``None``.
         on_lost: ``"raise"`` (:meth:`finish` raises :class:`~taskguard.LeaseLost` when the
@@ -66,7 +67,7 @@ class GuardedRun:
 
     Attributes:
         lease: the held :class:`~taskguard.Lease` after a successful :meth:`begin`, else ``None``.
-        reason: why :meth:`begin` did not get the lease: ``"held"``, ``"wait_timeout"``,
+        reason: why :meth:`begin` did not get the lease: ``"held"``, ``"limit"``, ``"wait_timeout"``,
             ``"duplicate"`` (this copy's run already finished) or ``"running"`` (another
             execution of this run id holds it).
         holder_ttl: seconds left on the holder's lease when not acquired, where known.
@@ -80,15 +81,17 @@ class GuardedRun:
     """
 
     __slots__ = ("locks", "key", "ttl", "wait", "renew", "holder", "max_hold", "run_id", "task", "on_lost",
-                 "finished_ttl", "on_lost_report", "lease", "reason", "holder_ttl", "state", "tag", "_ctx", "delivery")
+                 "finished_ttl", "on_lost_report", "lease", "reason", "holder_ttl", "state", "tag", "_ctx", "delivery",
+                 "limit")
 
     def __init__(self, locks: Locks, key: str, *, ttl: float, wait: float = 0.0, renew: bool = True,
                  holder: Mapping[str, Any] | None = None, max_hold: float | None = None, run_id: str | None = None,
                  task: str | None = None, on_lost: str = "raise", finished_ttl: float | None = None,
                  on_lost_report: Callable[["GuardedRun", str], None] | None = None, tag: Any = None,
-                 delivery: str | None = None) -> None:
+                 delivery: str | None = None, limit: int = 1) -> None:
         if on_lost not in ON_LOST:
             raise ConfigError(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
+        self.limit = limit
         self.locks, self.key, self.ttl, self.wait, self.renew = locks, key, ttl, wait, renew
         self.holder, self.max_hold, self.run_id, self.task = holder, max_hold, run_id, task
         self.on_lost, self.finished_ttl, self.on_lost_report, self.tag = on_lost, finished_ttl, on_lost_report, tag
@@ -129,14 +132,14 @@ class GuardedRun:
             try:
                 acq = resume(self.locks, handle, key=self.key, ttl=self.ttl, holder=self.holder, renew=self.renew,
                              max_hold=self.max_hold, run_id=self.run_id, refuse_finished=refuse_finished,
-                             delivery=self.delivery, markers=self.finished_ttl is not None)
+                             delivery=self.delivery, markers=self.finished_ttl is not None, limit=self.limit)
             except ConfigError as e:
                 log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
         if acq is None:
             # with a run id, look first without waiting: never wait inside acquire behind an
             # execution of this very run (that is the same-run path below)
             acq = self._acquire(0.0 if self.run_id is not None else self.wait, refuse_finished)
-            if not acq.acquired and self.wait > 0 and self.run_id is not None and acq.reason == "held" \
+            if not acq.acquired and self.wait > 0 and self.run_id is not None and acq.reason in ("held", "limit") \
                     and acq.holder_run != self.run_id:
                 acq = self._acquire(self.wait, refuse_finished)
         if not acq.acquired and self.run_id is not None and acq.holder_run == self.run_id:
@@ -151,12 +154,12 @@ class GuardedRun:
     def _acquire(self, wait: float, refuse_finished: bool = False) -> Acquisition:
         return self.locks.acquire(self.key, ttl=self.ttl, wait=wait, holder=self.holder, renew=self.renew,
                                   max_hold=self.max_hold, run_id=self.run_id, refuse_finished=refuse_finished,
-                             delivery=self.delivery, markers=self.finished_ttl is not None)
+                                  delivery=self.delivery, markers=self.finished_ttl is not None, limit=self.limit)
 
     def _same_run(self, acq: Acquisition, mode: str, bound: float, refuse_finished: bool) -> Acquisition:
         """The lease is held by another execution of this run id (a redelivered copy, a retry
         published while the body still runs, an abandoned RQ job re-queued)."""
-        info = self.locks.holder(self.key)
+        info = next((i for i in self.locks.holders(self.key) if i.run_id == self.run_id), None)
         if info is not None and holder_is_dead(info.holder) and self.locks.release_run(self.key, self.run_id):
             log.warning("%s: the previous holder of %r (pid %s) is dead; lease released", self._who(), self.key,
                         info.holder.get("pid"))

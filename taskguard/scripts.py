@@ -11,7 +11,12 @@ everything that is not a key goes in ARGV):
                    ``l`` the identity of the run that finished, if one did (the next acquisition
                    drops it); ``w`` (server ms) until when someone waits for the lease;
                    ``d:NAME`` the lease records (:meth:`Lease.put_record`), written only by the
-                   holder and kept across leases. The key
+                   holder and kept across leases. Under a limit (``acquire(limit=N)``) each of
+                   the N holders has a slot: slot 0 uses the fields above, slot ``i > 0`` the
+                   same per-holder fields suffixed ``#i`` (``o#i``, ``x#i``, ``f#i``, ...; its
+                   own fence, so storage can fence per slot), and ``m`` counts the slots in use;
+                   a holder's owner token ends in ``#i`` for slot ``i > 0``, so every per-holder
+                   script finds the slot from the token alone. The key
                    carries an idle TTL (``fence_idle_ttl``, default 7 days, never shorter than the
                    lease), set at every acquisition, so Redis memory per distinct key is bounded and
                    the fence lives at least as long as the lease it fences.
@@ -27,8 +32,8 @@ everything that is not a key goes in ARGV):
 **One key per script, wherever the protocol allows.** On Redis Cluster, while a hash slot
 migrates (``MIGRATING``/``IMPORTING``), a script that declares several keys gets ``TRYAGAIN`` as long
 as some of them are missing on the source node — for the whole migration — while a single-key
-command is redirected with ``ASK``, which redis-py follows. So acquire, renew, release, claim,
-holder and the records each touch one key. Two operations need a second key, only when asked:
+command is redirected with ``ASK``, which redis-py follows. So acquire (of any limit), renew, release,
+claim, holders and the records each touch one key. Two operations need a second key, only when asked:
 an acquire that checks a run's finished marker and a release that writes one (the marker must be
 set atomically with the release, or a copy of the run could slip in between). The client
 retries those on ``TRYAGAIN`` until the caller's deadline. Waking a waiter is a separate
@@ -60,7 +65,7 @@ from typing import Any, Sequence
 
 from redis.exceptions import NoScriptError
 
-__all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_WITHOUT_TOKEN", "CLAIM", "HOLDER", "OWNS", "SIGNAL",
+__all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_WITHOUT_TOKEN", "CLAIM", "HOLDERS", "OWNS", "SIGNAL",
            "PUT_RECORD", "DELETE_RECORD", "PUT_LEASE_RECORD", "THROTTLE"]
 
 
@@ -102,15 +107,22 @@ local now = math.floor(now_us / 1000)
 # ARGV[1] owner token, ARGV[2] TTL ms, ARGV[3] holder JSON, ARGV[4] idle TTL ms of the key,
 # ARGV[5] ms the caller will wait if the lease is held (0: it will not wait), ARGV[6] run id ('' if
 # none), ARGV[7] '1' when a run that already finished must be refused (a redelivered copy), '0'
-# when this is a new run, ARGV[8] the identity finished runs are recorded under ('' if none)
-# -> {1, fence, ttl_ms} when acquired; {0, holder's ms left, holder's run id} when held;
-#    {2, 0} when ARGV[7] is '1' and the run asking already finished (the key's last finished run,
-#    or its finished marker exists).
+# when this is a new run, ARGV[8] the identity finished runs are recorded under ('' if none),
+# ARGV[9] the limit N: how many holders may hold the key at once (1: a lease)
+# -> {1, fence, ttl_ms, slot} when acquired (the owner token of slot i > 0 is ARGV[1] .. '#i');
+#    {0, ms until the soonest holder's expiry, the holder's run id if there is only one} when N
+#    holders are in, or
+#    {0, ms left, run id} naming the holder that is another execution of ARGV[6] (such a run
+#    never takes a second slot); {2, 0} when ARGV[7] is '1' and the run asking already finished
+#    (the key's last finished run, or its finished marker exists).
+# Slots: slot 0 uses the plain fields, slot i > 0 the same fields suffixed '#i'; ``m`` is the
+# number of slots in use (the limit of the latest acquisition, or more while holders sit in
+# higher slots, so lowering a limit never admits more holders than the old ones plus the new).
 # Idempotent: re-sent by a client retry after it ran, it finds its own owner token and says so.
 ACQUIRE = Script(
     "acquire",
     _NOW + """
-local v = redis.call('HMGET', KEYS[1], 'o', 'x', 'f', 'r', 'l', 'w')
+local v = redis.call('HMGET', KEYS[1], 'o', 'x', 'f', 'r', 'l', 'w', 'm')
 if ARGV[7] == '1' and ARGV[8] ~= '' then
   if v[5] == ARGV[8] then
     return {2, 0}
@@ -119,33 +131,81 @@ if ARGV[7] == '1' and ARGV[8] ~= '' then
     return {2, 0}
   end
 end
-local exp = tonumber(v[2])
-if exp and exp > now then
-  if v[1] == ARGV[1] then
-    -- ours already: this is a client-side retry of an acquire that did run (idempotent)
-    return {1, tonumber(v[3]), exp - now}
+local limit = tonumber(ARGV[9])
+local slots = tonumber(v[7]) or 1
+local n = math.max(limit, slots)
+local live, top, free, free_f, soon, soon_run, same = 0, 0, nil, nil, nil, '', nil
+for i = 0, n - 1 do
+  local sfx, o, x, f, r = '', v[1], v[2], v[3], v[4]
+  if i > 0 then
+    sfx = '#' .. i
+    local s = redis.call('HMGET', KEYS[1], 'o' .. sfx, 'x' .. sfx, 'f' .. sfx, 'r' .. sfx)
+    o, x, f, r = s[1], s[2], s[3], s[4]
   end
+  local exp = tonumber(x)
+  if exp and exp > now then
+    if o == ARGV[1] .. sfx then
+      -- ours already: this is a client-side retry of an acquire that did run (idempotent)
+      return {1, tonumber(f), exp - now, i}
+    end
+    live = live + 1
+    top = i + 1
+    if ARGV[6] ~= '' and r == ARGV[6] then
+      same = {exp - now, r}
+    end
+    if not soon or exp - now < soon then
+      soon, soon_run = exp - now, r or ''
+    end
+  elseif not free and i < limit then
+    free, free_f = i, f
+  end
+end
+if same or live >= limit or not free then
   local wait_ms = tonumber(ARGV[5])
   if wait_ms > 0 and (tonumber(v[6]) or 0) < now + wait_ms then
     redis.call('HSET', KEYS[1], 'w', string.format('%.0f', now + wait_ms))
   end
-  return {0, exp - now, v[4] or ''}
+  if same then
+    return {0, same[1], same[2]}
+  end
+  if live > 1 then
+    soon_run = ''
+  end
+  return {0, soon, soon_run}
 end
-local fence = math.max((tonumber(v[3]) or 0) + 1, now_us)
-local fence_s = string.format('%.0f', fence)
+local sfx = ''
+if free > 0 then
+  sfx = '#' .. free
+end
+local fence = math.max((tonumber(free_f) or 0) + 1, now_us)
 local ttl = tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 'o', ARGV[1], 'x', string.format('%.0f', now + ttl), 'f', fence_s, 'h', ARGV[3],
-           's', string.format('%.0f', now), 'r', ARGV[6])
+redis.call('HSET', KEYS[1], 'o' .. sfx, ARGV[1] .. sfx, 'x' .. sfx, string.format('%.0f', now + ttl),
+           'f' .. sfx, string.format('%.0f', fence), 'h' .. sfx, ARGV[3], 's' .. sfx, string.format('%.0f', now),
+           'r' .. sfx, ARGV[6])
 if v[5] then
   redis.call('HDEL', KEYS[1], 'l')
+end
+local m = math.max(limit, top, free + 1)
+if m ~= slots then
+  if m == 1 then
+    redis.call('HDEL', KEYS[1], 'm')
+  else
+    redis.call('HSET', KEYS[1], 'm', m)
+  end
 end
 redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[4]), ttl))
 if KEYS[2] and ARGV[7] == '0' then
   redis.call('DEL', KEYS[2])
 end
-return {1, fence, ttl}
+return {1, fence, ttl, free}
 """,
 )
+
+# The scripts below act on one holder's slot, named by its owner token: a token ending in '#i'
+# is slot i's (its fields are suffixed '#i'); any other token is slot 0's (the plain fields).
+_SLOT = """
+local s = string.match(ARGV[1], '#%d+$') or ''
+"""
 
 # KEYS[1] lease; ARGV[1] owner token, ARGV[2] TTL ms, ARGV[3] idle TTL ms of the key -> 1 renewed,
 # 0 not the owner (or expired). An expired lease is never revived, and a renewal only ever extends:
@@ -155,15 +215,15 @@ return {1, fence, ttl}
 # held the lease for longer than the idle TTL and then died.
 RENEW = Script(
     "renew",
-    _NOW + """
-local v = redis.call('HMGET', KEYS[1], 'o', 'x')
+    _NOW + _SLOT + """
+local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s)
 local exp = tonumber(v[2])
 if v[1] ~= ARGV[1] or not exp or exp <= now then
   return 0
 end
 local ttl = tonumber(ARGV[2])
 if now + ttl > exp then
-  redis.call('HSET', KEYS[1], 'x', string.format('%.0f', now + ttl))
+  redis.call('HSET', KEYS[1], 'x' .. s, string.format('%.0f', now + ttl))
   if redis.call('PTTL', KEYS[1]) < ttl then
     redis.call('PEXPIRE', KEYS[1], math.max(ttl, tonumber(ARGV[3])))
   end
@@ -184,17 +244,17 @@ return 1
 # the same token answers 0; another owner's call never matches).
 RELEASE = Script(
     "release",
-    _NOW + """
-local v = redis.call('HMGET', KEYS[1], 'o', 'x', 'w')
+    _NOW + _SLOT + """
+local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w')
 local exp = tonumber(v[2])
 -- this very call's mark: its nonce and 8 hex digits of the owner token's SHA1 (never the token)
 local tomb = '~' .. ARGV[4] .. string.sub(redis.sha1hex(ARGV[1]), 1, 8)
 if v[1] == ARGV[1] and exp and exp > now then
-  redis.call('HDEL', KEYS[1], 'x', 'h', 's', 'r', 'w')
+  redis.call('HDEL', KEYS[1], 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s, 'w')
   if ARGV[5] ~= '' then
-    redis.call('HSET', KEYS[1], 'o', tomb, 'l', ARGV[5])
+    redis.call('HSET', KEYS[1], 'o' .. s, tomb, 'l', ARGV[5])
   else
-    redis.call('HSET', KEYS[1], 'o', tomb)
+    redis.call('HSET', KEYS[1], 'o' .. s, tomb)
   end
   if KEYS[2] then
     redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
@@ -227,20 +287,21 @@ return 1
 )
 
 # One-shot claim of a persisted handle: swap the owner token, keep the fence, record the holder.
-# KEYS[1] lease; ARGV[1] persisted owner token, ARGV[2] new owner token, ARGV[3] TTL ms,
+# KEYS[1] lease; ARGV[1] persisted owner token, ARGV[2] new owner token (same slot suffix), ARGV[3] TTL ms,
 # ARGV[4] holder JSON, ARGV[5] run id ('' if none), ARGV[6] idle TTL ms of the key (as for RENEW)
 # -> {1, fence} claimed; {0, ms left} another owner holds it; {0, -2} no live lease.
 CLAIM = Script(
     "claim",
-    _NOW + """
-local v = redis.call('HMGET', KEYS[1], 'o', 'x', 'f')
+    _NOW + _SLOT + """
+local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'f' .. s)
 local exp = tonumber(v[2])
 if not exp or exp <= now then
   return {0, -2}
 end
 if v[1] == ARGV[1] then
   local ttl = tonumber(ARGV[3])
-  redis.call('HSET', KEYS[1], 'o', ARGV[2], 'h', ARGV[4], 'r', ARGV[5], 'x', string.format('%.0f', now + ttl))
+  redis.call('HSET', KEYS[1], 'o' .. s, ARGV[2], 'h' .. s, ARGV[4], 'r' .. s, ARGV[5], 'x' .. s,
+             string.format('%.0f', now + ttl))
   if redis.call('PTTL', KEYS[1]) < ttl then
     redis.call('PEXPIRE', KEYS[1], math.max(ttl, tonumber(ARGV[6])))
   end
@@ -255,44 +316,60 @@ return {0, exp - now}
 
 # Release without the owner token: on behalf of a run known to be over (e.g. by a Celery worker's
 # main process after its child died), or by an operator's force. KEYS[1] lease; ARGV[1] the run
-# id whose lease to release ('' = whoever holds it) -> 1 released, 2 released and someone waits,
-# 0 the lease is not that run's (or there is none).
+# id whose lease to release ('' = every holder) -> 1 released, 2 released and someone waits,
+# 0 no slot is held by that run (or none is held at all).
 RELEASE_WITHOUT_TOKEN = Script(
     "release_without_token",
     _NOW + """
-local v = redis.call('HMGET', KEYS[1], 'x', 'r', 'w')
-local exp = tonumber(v[1])
-if not exp or exp <= now or (ARGV[1] ~= '' and v[2] ~= ARGV[1]) then
-  return 0
+local n = tonumber(redis.call('HGET', KEYS[1], 'm')) or 1
+local code = 0
+for i = 0, n - 1 do
+  local s = ''
+  if i > 0 then s = '#' .. i end
+  local v = redis.call('HMGET', KEYS[1], 'x' .. s, 'r' .. s)
+  local exp = tonumber(v[1])
+  if exp and exp > now and (ARGV[1] == '' or v[2] == ARGV[1]) then
+    redis.call('HDEL', KEYS[1], 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s)
+    redis.call('HSET', KEYS[1], 'o' .. s, '~')
+    code = 1
+    if ARGV[1] ~= '' then break end
+  end
 end
-redis.call('HDEL', KEYS[1], 'x', 'h', 's', 'r', 'w')
-redis.call('HSET', KEYS[1], 'o', '~')
-if (tonumber(v[3]) or 0) > now then
+if code == 1 and (tonumber(redis.call('HGET', KEYS[1], 'w')) or 0) > now then
+  redis.call('HDEL', KEYS[1], 'w')
   return 2
 end
-return 1
+return code
 """,
 )
 
-# KEYS[1] lease -> {holder JSON, fence, ms left, since ms, run id}; ms left -2 when no lease is held.
-# Never returns the owner token.
-HOLDER = Script(
-    "holder",
+# KEYS[1] lease -> the live holders, flat: {slot, holder JSON, fence, ms left, since ms, run id, ...}
+# (empty when none). Never returns an owner token.
+HOLDERS = Script(
+    "holders",
     _NOW + """
-local v = redis.call('HMGET', KEYS[1], 'h', 'f', 'x', 's', 'r')
-local exp = tonumber(v[3])
-if not exp or exp <= now then
-  return {false, false, -2, false, false}
+local n = tonumber(redis.call('HGET', KEYS[1], 'm')) or 1
+local out = {}
+for i = 0, n - 1 do
+  local s = ''
+  if i > 0 then s = '#' .. i end
+  local v = redis.call('HMGET', KEYS[1], 'h' .. s, 'f' .. s, 'x' .. s, 's' .. s, 'r' .. s)
+  local exp = tonumber(v[3])
+  if exp and exp > now then
+    for _, e in ipairs({i, v[1] or '', v[2] or '', exp - now, v[4] or '', v[5] or ''}) do
+      table.insert(out, e)
+    end
+  end
 end
-return {v[1], v[2], exp - now, v[4], v[5]}
+return out
 """,
 )
 
 # KEYS[1] lease; ARGV[1] owner token -> ms left when owned, -2 when not owned.
 OWNS = Script(
     "owns",
-    _NOW + """
-local v = redis.call('HMGET', KEYS[1], 'o', 'x')
+    _NOW + _SLOT + """
+local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s)
 local exp = tonumber(v[2])
 if v[1] == ARGV[1] and exp and exp > now then
   return exp - now
@@ -341,8 +418,8 @@ return redis.call('DEL', KEYS[1])
 #    condition did not hold, -1 this owner does not hold the lease (nothing written).
 PUT_LEASE_RECORD = Script(
     "put_lease_record",
-    _NOW + """
-local v = redis.call('HMGET', KEYS[1], 'o', 'x', ARGV[2])
+    _NOW + _SLOT + """
+local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, ARGV[2])
 local exp = tonumber(v[2])
 if v[1] ~= ARGV[1] or not exp or exp <= now then
   return -1

@@ -127,6 +127,18 @@ def check_rate(rate: Any) -> tuple[int, float]:
     return count, float(period)
 
 
+#: The largest ``limit`` (holders of one key at once) an acquisition may ask for: every
+#: acquisition of a key looks at each of its slots in one script.
+MAX_LIMIT = 1000
+
+
+def check_limit(limit: Any) -> int:
+    """A holder limit: an ``int`` from 1 (a lease) to :data:`MAX_LIMIT`."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ConfigError(f"limit must be an int from 1 to {MAX_LIMIT} (how many holders at once), got {limit!r}")
+    return limit
+
+
 def check_burst(burst: Any) -> int:
     """A throttle's burst: a positive integer (how many calls may pass at once)."""
     if isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= 10**9:

@@ -25,6 +25,9 @@ and carries on. Rejecting such examples instead would not do: hypothesis treats 
 stops early on a prefix where another continued as a flaky strategy. After ``MAX_REPLAYS`` pauses
 in a row the test fails, saying the machine is too loaded, rather than pass vacuously.
 
+Key ``c`` is acquired under ``limit=2`` (two holders at once, in slots 0 and 1): the same rules
+apply to it, holders are compared slot by slot, and fences relate per (key, slot).
+
 Fencing tokens are compared by *relative* facts only: RedisLocks tokens are floored by the
 server clock in microseconds, MemoryLocks counts 1, 2, 3. Both must agree on which handles share
 a token, on the order of the tokens of one key, and on which handle's token the holder shows;
@@ -54,7 +57,9 @@ from hypothesis.stateful import (
 
 from taskguard import LeaseLost, MemoryLocks, RedisLocks
 
-KEYS = ("a", "b")
+KEYS = ("a", "b", "c")
+#: Holder limits per key: ``c`` admits two holders at once.
+LIMITS = {"a": 1, "b": 1, "c": 2}
 RUN_IDS = (None, "run-1", "run-2")
 TICK_MS = 100
 #: Lease TTLs: an odd number of half ticks (0.15 s, 0.35 s), so expiries fall between ticks.
@@ -248,9 +253,10 @@ class LocksEquivalence(RuleBasedStateMachine):
             pair = Pair(idx, key, m_lease, r_lease, how)
             self.pair_objects.append(pair)
         assert m_lease.run_id == r_lease.run_id
-        # every earlier handle of this key relates to the new one the same way in both backends
+        assert m_lease.slot == r_lease.slot, (m_lease.slot, r_lease.slot)
+        # every earlier handle of this key's slot relates to the new one the same way in both backends
         for other in self.pairs:
-            if other.key == key:
+            if other.key == key and other.mem.slot == m_lease.slot:
                 m_rel = _sign(m_lease.fencing_token - other.mem.fencing_token)
                 r_rel = _sign(r_lease.fencing_token - other.red.fencing_token)
                 assert m_rel == r_rel, (pair, other, m_rel, r_rel)
@@ -270,26 +276,28 @@ class LocksEquivalence(RuleBasedStateMachine):
     def _acquire(self, key, ttl, run_id, elapse, refuse=False):
         self.vt.advance(elapse)
         meta = self._meta()
-        m = self.mem.acquire(key, ttl=ttl, holder=meta, run_id=run_id, refuse_finished=refuse)
-        r = self.red.acquire(key, ttl=ttl, holder=meta, run_id=run_id, refuse_finished=refuse)
+        limit = LIMITS[key]
+        m = self.mem.acquire(key, ttl=ttl, holder=meta, run_id=run_id, refuse_finished=refuse, limit=limit)
+        r = self.red.acquire(key, ttl=ttl, holder=meta, run_id=run_id, refuse_finished=refuse, limit=limit)
         self._settle()
         self.last = m
         assert m.acquired == r.acquired, (m, r)
         assert m.reason == r.reason, (m, r)
         event(f"acquire: {m.reason or 'acquired'}")
         if not m.acquired:
-            assert m.reason in ("held", "duplicate"), m
+            assert m.reason in (("held", "duplicate") if limit == 1 else ("limit", "duplicate")), m
             assert m.holder_run == r.holder_run, (m, r)
             self._compare_holder_ttl(m.holder_ttl, r.holder_ttl)
             # the holder's time left is known for a held key, meaningless for a finished run
-            assert (m.holder_ttl is not None) == (m.reason == "held"), m
+            assert (m.holder_ttl is not None) == (m.reason != "duplicate"), m
             return multiple()
         for side, lease in (("mem", m.lease), ("red", r.lease)):
             assert isinstance(lease.fencing_token, int) and not isinstance(lease.fencing_token, bool)
-            prev = self.max_fence[side].get(key)
-            # fences of successive acquisitions of a key strictly increase, in each backend
+            assert 0 <= lease.slot < LIMITS[key]
+            prev = self.max_fence[side].get((key, lease.slot))
+            # fences of successive acquisitions of a (key, slot) strictly increase, in each backend
             assert prev is None or lease.fencing_token > prev, (side, key, prev, lease.fencing_token)
-            self.max_fence[side][key] = lease.fencing_token
+            self.max_fence[side][(key, lease.slot)] = lease.fencing_token
             assert lease.holder["step"] == meta["step"]
             assert lease.run_id == run_id
         return self._new_pair(key, m.lease, r.lease, "acquired")
@@ -402,25 +410,32 @@ class LocksEquivalence(RuleBasedStateMachine):
         self._check("_holders_agree")
 
     def _holders_agree(self):
-        """holder(key) after every step: None in both, or the same holder, of the same handle."""
-        holders = [(key, self.mem.holder(key), self.red.holder(key)) for key in KEYS]
+        """holders(key) after every step: the same slots held in both, each by the same holder, of
+        the same handle; never more than the key's limit; holder(key) is the lowest slot's."""
+        holders = [(key, self.mem.holders(key), self.red.holders(key), self.red.holder(key)) for key in KEYS]
         self._settle()
-        for key, hm, hr in holders:
-            assert (hm is None) == (hr is None), (key, hm, hr)
-            if hm is None:
-                continue
-            assert hm.key == hr.key == key
-            assert hm.holder == hr.holder, (hm, hr)
-            self._compare_holder_ttl(hm.ttl, hr.ttl)
-            # "the holder's fence equals the fence of handle i": the same set of handles in both
-            m_same = {p.idx for p in self.pairs if p.key == key and p.mem.fencing_token == hm.fencing_token}
-            r_same = {p.idx for p in self.pairs if p.key == key and p.red.fencing_token == hr.fencing_token}
-            assert m_same == r_same, (key, m_same, r_same)
-            assert m_same, "the holder must be one of the handles this machine made"
-            # the holder is the newest acquired or claimed handle with that fence (a claim
-            # supersedes the claimed one; a restored handle is a copy)
-            newest = max(i for i in m_same if not self.pairs[i].how.startswith("restored"))
-            assert self.pairs[newest].mem.holder["step"] == hm.holder["step"]
+        for key, hms, hrs, first in holders:
+            assert [h.slot for h in hms] == [h.slot for h in hrs], (key, hms, hrs)
+            assert len(hms) <= LIMITS[key]
+            assert (first is None) == (not hrs) and (first is None or first.slot == hrs[0].slot)
+            for hm, hr in zip(hms, hrs):
+                self._holder_agrees(key, hm, hr)
+
+    def _holder_agrees(self, key, hm, hr):
+        assert hm.key == hr.key == key
+        assert hm.holder == hr.holder, (hm, hr)
+        self._compare_holder_ttl(hm.ttl, hr.ttl)
+        # "the holder's fence equals the fence of handle i": the same set of handles in both
+        m_same = {p.idx for p in self.pairs
+                  if p.key == key and p.mem.slot == hm.slot and p.mem.fencing_token == hm.fencing_token}
+        r_same = {p.idx for p in self.pairs
+                  if p.key == key and p.red.slot == hr.slot and p.red.fencing_token == hr.fencing_token}
+        assert m_same == r_same, (key, m_same, r_same)
+        assert m_same, "the holder must be one of the handles this machine made"
+        # the holder is the newest acquired or claimed handle with that fence (a claim
+        # supersedes the claimed one; a restored handle is a copy)
+        newest = max(i for i in m_same if not self.pairs[i].how.startswith("restored"))
+        assert self.pairs[newest].mem.holder["step"] == hm.holder["step"]
 
     @invariant()
     def handles_agree(self):

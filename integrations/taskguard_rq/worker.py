@@ -72,8 +72,8 @@ def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse kille
     if handle is None:
         return None
     if not horse_dead and handle.get("running"):
-        info = locks.holder(handle["key"])
-        if info is not None and info.run_id == job.id and not holder_is_dead(info.holder):
+        info = next((i for i in locks.holders(handle["key"]) if i.run_id == job.id), None)
+        if info is not None and not holder_is_dead(info.holder):
             log.warning("job %s: %s, but its work-horse may still run (%s); its lease %r is left to its TTL",
                         job.id, why, info.holder.get("host"), handle["key"])
             return None
