@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from .errors import ConfigError
 from .keys import KeyTemplate
-from .validate import check_seconds, check_ttl
+from .validate import check_burst, check_limit, check_rate, check_seconds, check_ttl
 
 __all__ = ["GuardOptions", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS"]
 
@@ -37,6 +37,11 @@ class GuardOptions:
     skip_max_retries: int
     max_hold: float | None
     continue_on_skip: bool
+    limit: int = 1
+    rate: tuple[int, float] | None = None
+    rate_key: KeyTemplate | None = None
+    rate_burst: int | None = None
+    rate_max_wait: float | None = None
 
     @classmethod
     def build(
@@ -56,6 +61,11 @@ class GuardOptions:
         skip_max_retries: int = 3,
         max_hold: float | None = None,
         continue_on_skip: bool = False,
+        limit: int = 1,
+        rate: Any = None,
+        rate_key: str | Callable[..., str] | None = None,
+        rate_burst: int | None = None,
+        rate_max_wait: float | None = None,
         allowed_on_skip: tuple[str, ...] = ON_SKIP,
     ) -> "GuardOptions":
         """Validate options for the task ``name`` whose body is ``fn``.
@@ -77,6 +87,20 @@ class GuardOptions:
             max_hold: stop renewing after this many seconds (a hung body's lease then expires).
             continue_on_skip: run a chain's next step / link callbacks after a skipped run
                 (default ``False``: the chain stops at the skip).
+            limit: how many runs of one key may run at once (``int`` 1..1000; default 1, one at
+                a time): each holds a lease in one of ``limit`` slots
+                (:meth:`taskguard.Locks.acquire`); a run finding them all taken is skipped with
+                reason ``"limit"`` (``on_skip`` applies as to a held lease).
+            rate: a cluster-wide rate for the runs (``"N/s"``, ``"N/m"``, ``"N/h"``, ``"N/d"``
+                or ``(count, seconds)``; default ``None``: none), checked before the lease: a
+                run over it is deferred to its booked turn without consuming the task's retries
+                (:mod:`taskguard.pacing`).
+            rate_key: the rate's key, a template or callable like ``key`` (default: the task
+                name, one rate for all its runs).
+            rate_burst: runs that may pass at once (default 1: evenly spaced).
+            rate_max_wait: longest a run may wait for its turn, seconds from its first
+                deferral (default ``None``: no bound); past it the run is skipped with reason
+                ``"rate_limited"``.
 
         Raises:
             ConfigError: naming the task and the bad option.
@@ -90,6 +114,15 @@ class GuardOptions:
             wait = check_seconds("wait", wait, allow_zero=True)
             max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
             skip_retry_delay = None if skip_retry_delay is None else check_seconds("skip_retry_delay", skip_retry_delay)
+            limit = check_limit(limit)
+            rate = None if rate is None else check_rate(rate)
+            if rate is None and (rate_key is not None or rate_burst is not None or rate_max_wait is not None):
+                raise ConfigError("rate_key, rate_burst and rate_max_wait need rate= (e.g. rate='100/m')")
+            rate_template = None if rate is None else KeyTemplate(name if rate_key is None else rate_key, fn,
+                                                                  skip_self=skip_self)
+            rate_burst = None if rate_burst is None else check_burst(rate_burst)
+            rate_max_wait = None if rate_max_wait is None else check_seconds("rate_max_wait", rate_max_wait,
+                                                                             allow_zero=True)
         except ConfigError as e:
             raise bad(str(e)) from None
         if wait > 0 and not blocking_wait:
@@ -107,7 +140,7 @@ class GuardOptions:
         if isinstance(skip_max_retries, bool) or not isinstance(skip_max_retries, int) or skip_max_retries < 0:
             raise bad(f"skip_max_retries must be an int >= 0, got {skip_max_retries!r}")
         return cls(template, ttl, wait, renew, on_skip, on_lost, skip_retry_delay, skip_max_retries, max_hold,
-                   continue_on_skip)
+                   continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait)
 
     def retry_delay(self, holder_ttl: float | None) -> float:
         """Countdown for an ``on_skip="retry"`` retry, seconds."""

@@ -9,7 +9,8 @@ from typing import Any, Mapping
 __all__ = ["Skipped", "is_skipped", "SKIP_REASONS", "TAG"]
 
 #: Reasons the core and the adapters use. Others may be added; consumers must accept any string.
-SKIP_REASONS = ("held", "wait_timeout", "retry_exhausted", "duplicate", "running", "stale_leader")
+SKIP_REASONS = ("held", "limit", "wait_timeout", "rate_limited", "retry_exhausted", "duplicate", "running",
+                "stale_leader")
 
 #: Key and value marking the dict form of a ``Skipped`` (used where a serializer knows no
 #: custom types, e.g. msgpack or YAML result backends).
@@ -22,7 +23,9 @@ class Skipped:
 
     Attributes:
         key: the user's lease key (``str``).
-        reason: why (``"held"``: another holder has the lease; ``"wait_timeout"``: ``wait``
+        reason: why (``"held"``: another holder has the lease; ``"limit"``: all ``limit=N``
+            slots of the key are held; ``"rate_limited"``: the run would have waited for its
+            turn under the task's ``rate`` past ``rate_max_wait``; ``"wait_timeout"``: ``wait``
             seconds passed without getting it; ``"retry_exhausted"``: ``on_skip="retry"`` ran
             out of attempts; ``"duplicate"``: a redelivered copy of a run that already finished;
             ``"running"``: another execution of the same run id still holds the lease;
@@ -65,6 +68,10 @@ class Skipped:
         """One readable line, e.g. for logs and the ``task-skipped`` event."""
         who = f"{self.task}: " if self.task else ""
         left = f" (holder has {self.holder_ttl:.1f}s left)" if self.holder_ttl is not None else ""
+        if self.reason == "limit":
+            return f"{who}skipped, every slot of lease {self.key!r} held (limit){left}"
+        if self.reason == "rate_limited":
+            return f"{who}skipped, lease {self.key!r}: rate-limited past rate_max_wait"
         return f"{who}skipped, lease {self.key!r} {self.reason}{left}"
 
 

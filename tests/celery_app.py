@@ -296,6 +296,36 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     def default_noop_noresult():
         return 1
 
+    def ledger(kind: str, key: str, lease) -> None:
+        # entry / exit records of a limited key's holders: "<in|out> <time> <pid> <slot> <fence>"
+        r.rpush(f"{prefix}:ledger:{key}", f"{kind} {time.time():.6f} {os.getpid()} {lease.slot} {lease.fencing_token}")
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.export", ttl=5, key="export:{tenant}", limit=2)
+    def export(self, tenant, seconds=0.3):
+        return export_body(self.lease, tenant, seconds)
+
+    def export_body(lease, tenant, seconds):
+        ledger("in", f"export:{tenant}", lease)
+        time.sleep(seconds)
+        ledger("out", f"export:{tenant}", lease)
+        return lease.slot
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.export_retrying", ttl=5, key="export:{tenant}",
+              limit=2, on_skip="retry", skip_retry_delay=0.3, skip_max_retries=50)
+    def export_retrying(self, tenant, seconds=0.3):
+        return export_body(self.lease, tenant, seconds)
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.api_call", ttl=5, key="api:{n}", rate=(6, 1.0),
+              rate_key="api", rate_burst=2, max_retries=0)
+    def api_call(self, n):
+        r.rpush(f"{prefix}:calls", f"{time.time():.6f} {n}")
+        return n
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.api_bounded", ttl=5, key="apib:{n}", rate="1/m",
+              rate_key="apib", rate_max_wait=2)
+    def api_bounded(self, n):
+        return n
+
     if os.environ.get("TG_TEST_BEAT"):
         app.conf.beat_schedule = {
             "tick": {"task": os.environ.get("TG_TEST_BEAT_TASK", "tg.tick"), "schedule": float(os.environ["TG_TEST_BEAT"])},

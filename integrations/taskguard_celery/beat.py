@@ -30,8 +30,10 @@ How it works:
   which still allows one loop + 2 s): a new leader publishes the most recent slot that fell due
   during the hand-over; older ones are logged and counted as missed.
 * **Per-entry options.** ``beat_schedule[name]["options"]["taskguard"] = {"key": ..., "ttl": ...}``
-  gives the run of that entry its own lease key (a template over the task's arguments) and TTL;
-  the scheduler removes it from the publish options and passes it in the ``taskguard_beat`` header.
+  gives the run of that entry its own lease key (a template over the task's arguments) and TTL,
+  and may also set ``limit``, ``rate`` and ``rate_key`` (see :class:`taskguard.policy.GuardOptions`);
+  the scheduler validates them at start, removes them from the publish options and passes them in
+  the ``taskguard_beat`` header.
 * **Outages.** A Redis outage or a lost leader lease never crashes beat: it stops publishing, says
   so in its log, and resumes when it can (catching up the latest slot within the window).
 
@@ -56,7 +58,7 @@ from celery.schedules import schedule
 
 from taskguard import ConfigError, LeaseBackendError, LeaseLost, Lease
 from taskguard.keys import KeyTemplate
-from taskguard.validate import check_ttl
+from taskguard.validate import check_limit, check_rate, check_ttl
 
 from .config import beat_settings, locks_for
 from .headers import BEAT_HEADER
@@ -68,7 +70,7 @@ log = logging.getLogger("taskguard.beat")
 
 #: Key of the per-entry guard options inside ``beat_schedule[name]["options"]``.
 ENTRY_OPTION = "taskguard"
-ENTRY_OPTION_KEYS = ("key", "ttl")
+ENTRY_OPTION_KEYS = ("key", "ttl", "limit", "rate", "rate_key")
 #: Lease record (on the leader lease) of an entry's latest handled slot: ``slot:<entry name>``.
 SLOT_RECORD = "slot:"
 #: Most schedule instants walked to find the latest due one (a week of an every-minute crontab).
@@ -153,15 +155,26 @@ def validate_entry_options(name: str, options: Any) -> dict:
     if not isinstance(options, dict) or set(options) - set(ENTRY_OPTION_KEYS):
         raise ConfigError(f"beat entry {name!r}: options[{ENTRY_OPTION!r}] must be a dict with keys "
                           f"{ENTRY_OPTION_KEYS}, got {options!r}")
-    if options.get("ttl") is not None:
-        try:
+    try:
+        if options.get("ttl") is not None:
             check_ttl(options["ttl"])
-        except ConfigError as e:
-            raise ConfigError(f"beat entry {name!r}: {e}") from None
-    key = options.get("key")
-    if key is not None and (not isinstance(key, str) or not key):
-        raise ConfigError(f"beat entry {name!r}: key must be a non-empty template str, got {key!r}")
-    return dict(options)
+        if options.get("limit") is not None:
+            check_limit(options["limit"])
+        if options.get("rate") is not None:
+            check_rate(options["rate"])
+    except ConfigError as e:
+        raise ConfigError(f"beat entry {name!r}: {e}") from None
+    for field in ("key", "rate_key"):
+        value = options.get(field)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ConfigError(f"beat entry {name!r}: {field} must be a non-empty template str, got {value!r}")
+    if options.get("rate_key") is not None and options.get("rate") is None:
+        raise ConfigError(f"beat entry {name!r}: rate_key needs rate")
+    rate = options.get("rate")
+    out = dict(options)
+    if isinstance(rate, tuple):
+        out["rate"] = list(rate)  # JSON-safe in the message header
+    return out
 
 
 class _WithOptions:
@@ -473,18 +486,28 @@ _entry_keys: dict[tuple[Any, str], KeyTemplate] = {}
 
 def entry_guard(task: Any, opts: Any, header: dict) -> Any:
     """The guard options of a run published for a beat entry: the task's own, with the entry's
-    ``key`` / ``ttl`` (``options["taskguard"]`` in the schedule) when it gives them. A bad entry
-    option is logged and the task's own options are used."""
+    ``key`` / ``ttl`` / ``limit`` / ``rate`` / ``rate_key`` (``options["taskguard"]`` in the
+    schedule) when it gives them. A bad entry option is logged and the task's own options are used."""
     changes: dict[str, Any] = {}
     spec, ttl = header.get("key"), header.get("ttl")
     try:
-        if isinstance(spec, str) and spec:
-            template = _entry_keys.get((type(task), spec))
-            if template is None:
-                template = _entry_keys[(type(task), spec)] = KeyTemplate(spec, task.run)
-            changes["key"] = template
+        for field, value in (("key", spec), ("rate_key", header.get("rate_key"))):
+            if isinstance(value, str) and value:
+                template = _entry_keys.get((type(task), value))
+                if template is None:
+                    template = _entry_keys[(type(task), value)] = KeyTemplate(value, task.run)
+                changes[field] = template
         if ttl is not None:
             changes["ttl"] = check_ttl(ttl)
+        if header.get("limit") is not None:
+            changes["limit"] = check_limit(header["limit"])
+        if header.get("rate") is not None:
+            rate = header["rate"]
+            changes["rate"] = check_rate(tuple(rate) if isinstance(rate, list) else rate)
+            if "rate_key" not in changes and opts.rate_key is None:
+                changes["rate_key"] = KeyTemplate(task.name, task.run)
+        elif "rate_key" in changes and opts.rate is None:
+            raise ConfigError("rate_key needs rate")
     except ConfigError as e:
         log.error("task %s: ignoring the beat entry's guard options: %s", task.name, e)
         return opts

@@ -34,7 +34,7 @@ def skip(task: Any, skipped: Skipped, skips: int, locks: Locks) -> Any:
     an ``Ignore`` or a ``TaskSkipped``."""
     opts = task._taskguard
     req = task.request
-    if opts.on_skip == "retry" and not req.called_directly:
+    if opts.on_skip == "retry" and not req.called_directly and skipped.reason != "rate_limited":
         if skips < opts.skip_max_retries:
             locks.report_skip(skipped)
             send_skip_event(task, skipped, retrying=True)

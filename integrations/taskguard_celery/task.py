@@ -20,7 +20,7 @@ from taskguard.handoff import parse_handle, release_handle
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions
 from taskguard.run import GuardedRun
 
-from . import identity, skipping
+from . import identity, rates, skipping
 from .beat import beat_run, entry_guard
 from .config import locks_for
 from .headers import BEAT_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, new_publish_stamp, read_header
@@ -47,7 +47,8 @@ class GuardedTask(Task):
     Guard options are task options (``@app.task(base=GuardedTask, ttl=30, key=...)`` or
     ``@guarded_task(...)``): ``key``, ``ttl``, ``wait``, ``blocking_wait``, ``renew``,
     ``on_skip``, ``on_lost``, ``skip_retry_delay``, ``skip_max_retries``, ``max_hold``,
-    ``continue_on_skip`` (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
+    ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``
+    (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
     :class:`taskguard.Locks`; see :mod:`taskguard_celery.config` for the default). They are
     validated when the task class is made; a bad one raises :class:`taskguard.ConfigError`.
 
@@ -67,6 +68,11 @@ class GuardedTask(Task):
     skip_max_retries: int = OPTION_DEFAULTS["skip_max_retries"]
     max_hold: float | None = OPTION_DEFAULTS["max_hold"]
     continue_on_skip: bool = OPTION_DEFAULTS["continue_on_skip"]
+    limit: int = OPTION_DEFAULTS["limit"]
+    rate: Any = OPTION_DEFAULTS["rate"]
+    rate_key: Any = OPTION_DEFAULTS["rate_key"]
+    rate_burst: int | None = OPTION_DEFAULTS["rate_burst"]
+    rate_max_wait: float | None = OPTION_DEFAULTS["rate_max_wait"]
     locks: Locks | None = None
 
     _taskguard: GuardOptions | None = None
@@ -137,6 +143,11 @@ class GuardedTask(Task):
             return skipping.duplicate(self, key, locks)
         stamp = read_header(req, PUBLISH_HEADER)
         stamp = stamp if isinstance(stamp, str) and stamp and not local else None
+        if opts.rate is not None:
+            # the rate first: a run deferred to its turn must not sit on a lease meanwhile
+            paced = rates.pace_run(self, opts, key, args, kwargs, locks, handle, local)
+            if paced is not None:
+                return skipping.skip(self, paced, skips, locks)
         run_id, finished_ttl = req.id or None, None if local else identity.finished_ttl(self, req)
         if slot_run is not None and not local:
             # a beat slot's messages share one run identity (the slot), whichever task id each
@@ -146,7 +157,7 @@ class GuardedTask(Task):
         run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
                          holder={"task": self.name, "task_id": req.id}, max_hold=opts.max_hold,
                          run_id=run_id, task=self.name, on_lost=opts.on_lost, finished_ttl=finished_ttl,
-                         on_lost_report=self._report_lost, tag=self, delivery=stamp)
+                         on_lost_report=self._report_lost, tag=self, delivery=stamp, limit=opts.limit)
         # with a publish stamp, finished runs are known per delivery: no copy of a delivery whose
         # run finished runs again, whichever copy the broker hands out first (an ETA message held
         # past the visibility timeout runs on two workers at once); unstamped (a client without

@@ -20,23 +20,32 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import time
 from typing import Any, Callable
 
 from rq import Retry, get_current_job
 
-from taskguard import LeaseBackendError, Locks, Skipped, TaskSkipped
+from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
+from taskguard.pacing import pace, parse_state
 from taskguard.policy import GuardOptions
 from taskguard.run import GuardedRun
 
 from .config import locks_for
 from .handles import drop_handle, load_handle, save_handle
 
-__all__ = ["guarded_job", "skip_count", "META_KEY", "ON_SKIP"]
+__all__ = ["guarded_job", "skip_count", "META_KEY", "RATE_META_KEY", "ON_SKIP"]
 
 # a child of RQ's worker logger: `rq worker`'s own logging (INFO by default) shows these lines
 log = logging.getLogger("rq.worker.taskguard")
 
 META_KEY = "taskguard"
+#: ``job.meta`` entry of a job deferred by its ``rate``: ``{"since", "turn"}`` (:mod:`taskguard.pacing`).
+RATE_META_KEY = "taskguard_rate"
+#: The longest one rate deferral lasts, seconds. RQ's scheduler holds a scheduled job in Redis (no
+#: broker timeout applies), so this only bounds how far ahead a turn is booked; a longer wait
+#: asks again.
+RATE_MAX_COUNTDOWN = 3600.0
 #: RQ's JobStatus is a closed enum and RQ has no "ignore this run" outcome, so an RQ skip either
 #: finishes the job with a ``Skipped`` value or fails it with ``TaskSkipped``.
 ON_SKIP = ("result", "raise")
@@ -106,9 +115,22 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
         def guarded(*args: Any, **kwargs: Any) -> Any:
             return _perform(fn, label, opts, locks_for(locks), args, kwargs)
 
+        def rate_limit_for(*args: Any, **kwargs: Any) -> Any:
+            """RQ's own ``RateLimit`` (RQ >= 3.0) for a call with these arguments: its lease key
+            (prefixed ``taskguard:``) with ``concurrency`` = this job's ``limit``. Enqueue with
+            ``rate_limit=fn.rate_limit_for(...)`` and RQ parks jobs over the limit (status
+            ``rate_limited``) and enqueues them when a slot frees, instead of delivering them to
+            be skipped; the lease slots still fence the runs. Raises ConfigError on RQ 2.x."""
+            try:
+                from rq import RateLimit
+            except ImportError:
+                raise ConfigError("rate_limit_for needs RQ >= 3.0 (rq.RateLimit)") from None
+            return RateLimit(f"taskguard:{opts.key.render(args, kwargs)}", opts.limit)
+
         guarded.taskguard_options = opts  # type: ignore[attr-defined]
         guarded.taskguard_locks = locks  # type: ignore[attr-defined]
         guarded.taskguard_name = label  # type: ignore[attr-defined]
+        guarded.rate_limit_for = rate_limit_for  # type: ignore[attr-defined]
         return guarded
 
     return decorate(func) if func is not None else decorate
@@ -123,8 +145,12 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
     job = get_current_job()
     key = opts.key.render(args, kwargs)
     run_id = job.id if job is not None else None
+    if opts.rate is not None:
+        deferred = _pace(job, locks, name, opts, key, args, kwargs)
+        if deferred is not None:
+            return deferred
     run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew, holder={"job": name, "job_id": run_id},
-                     max_hold=opts.max_hold, run_id=run_id, task=name, on_lost=opts.on_lost)
+                     max_hold=opts.max_hold, run_id=run_id, task=name, on_lost=opts.on_lost, limit=opts.limit)
     handle = load_handle(locks, run_id) if run_id is not None else None
     if handle is not None and handle.get("running"):
         # the handle of an execution that may still be running (an orphaned work-horse): never
@@ -191,13 +217,77 @@ def _quietly(fn: Callable[..., Any], *args: Any) -> None:
         log.warning("could not drop a stored lease handle: %s", e)
 
 
+def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args: tuple, kwargs: dict) -> Any:
+    """The job's ``rate`` (:func:`taskguard.pacing.pace`): ``None`` when it runs now; else what the
+    job function returns instead — a ``Retry`` that RQ's scheduler runs at the booked turn, or the
+    ``Skipped`` (reason ``"rate_limited"``) past ``rate_max_wait``. A deferral consumes neither the
+    job's own ``Retry`` (``retries_left``) nor its returned-``Retry`` count (``number_of_retries``,
+    which RQ bumps for the returned ``Retry``; it is set back first). It needs a worker running
+    RQ's scheduler (``rq worker --with-scheduler``). A direct call waits for its turn here."""
+    state = None
+    if job is not None:
+        try:
+            state = parse_state(job.meta.get(RATE_META_KEY))
+        except ValueError as e:
+            log.error("job %s: ignoring a malformed meta[%r] (%s); pacing it afresh", job.id, RATE_META_KEY, e)
+    rate_key = opts.rate_key.render(args, kwargs)
+    while True:
+        p = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+                 max_countdown=RATE_MAX_COUNTDOWN, state=state)
+        if p.go:
+            if job is not None and RATE_META_KEY in job.meta:
+                job.meta.pop(RATE_META_KEY)
+                _quietly_save_meta(job)
+            return None
+        if p.skip:
+            if job is not None:
+                _release_kept(locks, job)
+            skipped = Skipped(key=key, reason="rate_limited", task=name)
+            return _report_skip(job, locks, name, opts, skipped)
+        if job is None:
+            time.sleep(p.countdown)
+            state = p.state
+            continue
+        _release_kept(locks, job)  # a failed job's kept lease is not held through a rate wait
+        job.meta[RATE_META_KEY] = p.state  # saved by mirror_meta below
+        locks.report_skip(Skipped(key=key, reason="rate_limited", task=name))
+        booked = p.state is not None and p.state.get("turn") is not None
+        log.info("job %s: rate-limited; %s in %.2fs", job.id, "its turn is booked" if booked else "it asks again",
+                 p.countdown)
+        mirror_meta(job, key=key, outcome="rate_limited")
+        job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
+        return Retry(max=10**9, interval=[max(1, math.ceil(p.countdown))])
+
+
+def _release_kept(locks: Locks, job: Any) -> None:
+    """Release the lease a failed execution of ``job`` kept for its retry, if any."""
+    try:
+        handle = load_handle(locks, job.id)
+        if handle is not None and not handle.get("running"):
+            locks.restore(handle["key"], handle["owner"], ttl=1.0).release()
+            drop_handle(locks, job.id)
+    except (LeaseBackendError, ConfigError) as e:
+        log.warning("job %s: could not release its kept lease before a rate wait: %s", job.id, e)
+
+
+def _quietly_save_meta(job: Any) -> None:
+    try:
+        job.save_meta()
+    except Exception as e:
+        log.warning("job %s: could not save meta: %s", job.id, e)
+
+
 def _skip(job: Any, locks: Locks, name: str, opts: GuardOptions, run: GuardedRun) -> Any:
     if run.reason == "running":  # an earlier execution of this job id outlasted the wait
         raise TaskSkipped(run.key, "running", name, run.holder_ttl)
-    skipped: Skipped = run.skip()
+    return _report_skip(job, locks, name, opts, run.skip(report=False))
+
+
+def _report_skip(job: Any, locks: Locks, name: str, opts: GuardOptions, skipped: Skipped) -> Any:
+    locks.report_skip(skipped)
     record_skip(locks, name)
     log.info("%s", skipped.describe())
-    mirror_meta(job, key=run.key, outcome="skipped", reason=skipped.reason, holder_ttl=skipped.holder_ttl)
+    mirror_meta(job, key=skipped.key, outcome="skipped", reason=skipped.reason, holder_ttl=skipped.holder_ttl)
     if opts.on_skip == "raise":
-        raise TaskSkipped(run.key, skipped.reason, name, skipped.holder_ttl)
+        raise TaskSkipped(skipped.key, skipped.reason, name, skipped.holder_ttl)
     return skipped

@@ -1,0 +1,98 @@
+"""A guarded Celery task's ``rate``: run now, re-publish for the booked turn, or skip.
+
+The decision is :func:`taskguard.pacing.pace`'s; this module carries it out. A deferred run is
+re-published (``signature_from_request`` with the request's own ``retries``, as ``on_skip="retry"``
+does, so ``max_retries`` is not consumed) with the ``taskguard_rate`` header, and the execution
+ends with ``Retry`` (state RETRY). One deferral never lasts longer than half the broker's
+redelivery timeout (Redis ``visibility_timeout``, RabbitMQ ``consumer_timeout``;
+:func:`taskguard_celery.identity.redelivery_timeout`): a worker holds a delayed message unacked
+until its ETA, and the broker would hand a message held longer to another worker as well. A
+longer wait re-checks and defers again. Direct and eager calls wait for their turn in the
+calling thread instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery.exceptions import Retry
+
+from taskguard import LeaseBackendError, Locks, Skipped
+from taskguard.handoff import parse_handle, release_handle
+from taskguard.pacing import pace, parse_state
+from taskguard.policy import GuardOptions
+
+from .headers import DEFER_HEADER, HEADER, RATE_HEADER, read_header
+from .identity import redelivery_timeout
+
+__all__ = ["pace_run", "max_countdown"]
+
+log = logging.getLogger("taskguard.celery")
+
+
+def max_countdown(app: Any) -> float:
+    """The longest one deferral lasts, seconds: half the broker's redelivery timeout, at least 1 s."""
+    return max(1.0, redelivery_timeout(app) / 2)
+
+
+def pace_run(task: Any, opts: GuardOptions, key: str, args: tuple, kwargs: dict, locks: Locks,
+             handle: dict | None, local: bool) -> Skipped | None:
+    """``None`` when the run goes ahead now; the ``Skipped`` (reason ``"rate_limited"``) when it
+    would wait past ``rate_max_wait``. A deferred worker run raises ``Retry`` after re-publishing
+    itself. Raises LeaseBackendError when Redis fails (the run neither runs nor is lost: the
+    task fails like any run that cannot reach Redis)."""
+    req = task.request
+    try:
+        state = parse_state(read_header(req, RATE_HEADER))
+    except ValueError as e:
+        log.error("task %s[%s]: ignoring a malformed %r header (%s); pacing it afresh", task.name, req.id,
+                  RATE_HEADER, e)
+        state = None
+    rate_key = opts.rate_key.render(args, kwargs)
+    bound = max_countdown(task.app)
+    while True:
+        p = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+                 max_countdown=bound, state=state)
+        if p.go:
+            return None
+        if p.skip:
+            if handle is not None:
+                _release(task, handle)
+            return Skipped(key=key, reason="rate_limited", task=task.name)
+        if not local:
+            _defer(task, key, locks, p.countdown, p.state, handle)
+        time.sleep(p.countdown)  # a direct or eager call waits for its turn here
+        state = p.state
+
+
+def _defer(task: Any, key: str, locks: Locks, countdown: float, state: dict | None, handle: dict | None) -> None:
+    req = task.request
+    if handle is not None:  # a retry's kept lease is not held through a rate wait: it acquires at its turn
+        _release(task, handle)
+    header = read_header(req)
+    skips = header.get("skips") if isinstance(header, dict) else None
+    headers = {**(req.headers or {}), RATE_HEADER: state}
+    headers.pop(DEFER_HEADER, None)
+    headers.pop(HEADER, None)
+    if skips:
+        headers[HEADER] = {"skips": skips}
+    skipped = Skipped(key=key, reason="rate_limited", task=task.name, holder_ttl=None)
+    locks.report_skip(skipped)
+    from .skipping import send_skip_event
+
+    send_skip_event(task, skipped, retrying=True)
+    booked = state is not None and state.get("turn") is not None
+    log.info("task %s[%s]: rate-limited; %s in %.2fs", task.name, req.id,
+             "its turn is booked" if booked else "it asks again", countdown)
+    sig = task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers)
+    sig.apply_async()
+    raise Retry(f"rate-limited; deferred {countdown:.2f}s", when=countdown, sig=sig)
+
+
+def _release(task: Any, handle: dict) -> None:
+    try:
+        release_handle(task.taskguard_locks, parse_handle(handle))
+    except Exception as e:  # (a Redis error, a malformed handle) the kept lease's TTL bounds it
+        log.warning("task %s: could not release its kept lease before a rate wait: %s", task.name, e)

@@ -1,0 +1,103 @@
+"""Pacing a run under a cluster-wide rate: run now, come back at a booked turn, or give up.
+
+The task adapters call :func:`pace` before a run takes its lease, with the state its deferred
+message carries (Celery: the ``taskguard_rate`` header; RQ: ``job.meta``), and translate the
+answer into their framework: a re-published message (Celery) or a job rescheduled through RQ's
+scheduler, in both cases without consuming the task's own retries.
+
+* A run whose rate has room goes ahead (the call counts against the rate).
+* A denied run *books* its turn when that turn is no further than the run may wait (the broker's
+  tolerance for a delayed message, and what is left of ``rate_max_wait``): the rate key's
+  theoretical arrival time moves on for it, so denied runs get distinct turns (no herd), and the
+  deferred run goes ahead at its turn without asking again.
+* A turn beyond the broker's tolerance is not booked: the run comes back after that tolerance and
+  asks again.
+* A run that would wait past ``rate_max_wait`` (counted from its first deferral) is skipped
+  (reason ``"rate_limited"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Mapping
+
+from .locks import Locks
+
+__all__ = ["Pace", "pace", "parse_state"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pace:
+    """The answer of :func:`pace`.
+
+    Attributes:
+        go: run now.
+        skip: give up: the run would wait past ``max_wait`` (reason ``"rate_limited"``).
+        countdown: when neither: seconds (float) until the deferred run comes back.
+        state: what the deferred run must carry back (a JSON-safe dict: ``since``, the Unix
+            epoch seconds of its first deferral, and ``turn``, the epoch seconds of its booked
+            turn or ``None`` when it must ask again).
+    """
+
+    go: bool
+    skip: bool = False
+    countdown: float = 0.0
+    state: dict | None = None
+
+
+GO = Pace(True)
+
+
+def parse_state(value: Any) -> dict | None:
+    """A deferred run's pacing state as it came back (``None`` when absent). Raises ``ValueError``
+    saying what is wrong for a malformed one (the caller logs it and paces the run afresh)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"expected a mapping, got {type(value).__name__}")
+    since, turn = value.get("since"), value.get("turn")
+    for name, v in (("since", since), ("turn", turn)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise ValueError(f"{name!r} must be a finite number or null")
+    if since is None:
+        raise ValueError("'since' is missing")
+    return {"since": float(since), "turn": None if turn is None else float(turn)}
+
+
+def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, max_wait: float | None,
+         max_countdown: float, state: Mapping[str, Any] | None = None, now: float | None = None) -> Pace:
+    """Decide whether a run under ``rate`` for the rate key ``key`` goes now (see the module doc).
+
+    Args:
+        locks: the :class:`~taskguard.Locks` holding the rate (:meth:`Locks.throttle`).
+        key: the rate key (``str``).
+        rate: ``(count, period seconds)``, validated (:func:`taskguard.validate.check_rate`).
+        burst: calls that may pass at once (``None``: 1).
+        max_wait: longest a run may wait for its turn, seconds, counted from its first deferral
+            (``None``: no bound).
+        max_countdown: the longest one deferral may last, seconds (what the broker tolerates for
+            a delayed message).
+        state: what the deferred run carried back (:func:`parse_state`), or ``None`` for a
+            fresh run.
+        now: Unix epoch seconds (default: :func:`time.time`).
+
+    Returns a :class:`Pace`. Raises LeaseBackendError when Redis fails.
+    """
+    now = time.time() if now is None else now
+    if state is not None and state.get("turn") is not None:
+        return GO  # its turn was booked when it was deferred: the rate already counted it
+    since = now if state is None else state["since"]
+    waited = max(0.0, now - since)
+    horizon = max_countdown if max_wait is None else min(max_countdown, max_wait - waited)
+    if horizon <= 0:
+        return Pace(False, skip=True)
+    answer = locks.throttle(key, rate=rate, burst=burst, book_within=horizon)
+    if answer.allowed:
+        return GO
+    if answer.booked:
+        return Pace(False, countdown=answer.retry_after, state={"since": since, "turn": now + answer.retry_after})
+    if max_wait is not None and waited + answer.retry_after > max_wait:
+        return Pace(False, skip=True)
+    return Pace(False, countdown=min(answer.retry_after, max_countdown), state={"since": since, "turn": None})

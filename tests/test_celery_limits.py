@@ -1,0 +1,163 @@
+"""Celery tasks with ``limit=N`` (at most N runs of a key at once) and ``rate=`` (a cluster-wide
+rate; rate-limited runs come back at their booked turn without consuming ``max_retries``), with
+embedded and subprocess workers against real Redis."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry
+
+from taskguard import ConfigError, is_skipped
+from taskguard.metrics import Metrics
+from taskguard_celery import guarded_task
+from taskguard_celery.beat import entry_guard, validate_entry_options
+
+from .celery_app import make_app
+from .celery_support import EventLog, WorkerProcess, embedded_worker
+
+
+@pytest.fixture
+def app(redis_url, prefix):
+    a = make_app(f"q-{prefix}", prefix)
+    yield a
+    redis.Redis.from_url(redis_url).delete(a.tg_log, f"q-{prefix}")
+
+
+def _ledger(redis_url, prefix, key):
+    """The holders' entry/exit records, time-ordered: (time, +1/-1, slot, fence)."""
+    r = redis.Redis.from_url(redis_url)
+    out = []
+    for raw in r.lrange(f"{prefix}:ledger:{key}", 0, -1):
+        kind, at, _pid, slot, fence = raw.decode().split()
+        out.append((float(at), 1 if kind == "in" else -1, int(slot), int(fence)))
+    return sorted(out, key=lambda e: (e[0], e[1]))  # an exit before an entry at the same instant
+
+
+def _check_ledger(entries, limit):
+    """Peak holders never above ``limit``; each slot's fences strictly increase. Returns the peak."""
+    inside = peak = 0
+    last: dict[int, int] = {}
+    for _at, step, slot, fence in entries:
+        inside += step
+        peak = max(peak, inside)
+        if step == 1:
+            assert fence > last.get(slot, 0), (slot, fence, last)
+            last[slot] = fence
+    assert peak <= limit, peak
+    return peak
+
+
+def test_limit_admits_n_runs_at_once_and_skips_the_rest_with_reason_limit(app, redis_url, prefix):
+    registry = CollectorRegistry()
+    remove = app.conf.taskguard_locks.add_listener(Metrics(registry))
+    try:
+        with EventLog(app, tasks=["tg.export"]) as events, embedded_worker(app, concurrency=6):
+            results = [app.tasks["tg.export"].delay("t1", seconds=1.0) for _ in range(5)]
+            other = app.tasks["tg.export"].delay("t2", seconds=0)
+            values = [r.get(timeout=15) for r in results]
+            assert other.get(timeout=15) in (0, 1)  # another tenant has its own slots
+            skipped_events = events.wait_for("task-skipped", 3)
+    finally:
+        remove()
+    ran = [v for v in values if not is_skipped(v)]
+    skipped = [v for v in values if is_skipped(v)]
+    assert sorted(ran) == [0, 1] and len(skipped) == 3
+    assert {s["reason"] for s in skipped} == {"limit"}
+    assert {e["reason"] for e in skipped_events} == {"limit"} and len(skipped_events) == 3
+    assert registry.get_sample_value("taskguard_skips_total", {"task": "tg.export", "reason": "limit"}) == 3
+    assert _check_ledger(_ledger(redis_url, prefix, "export:t1"), 2) == 2
+    assert app.conf.taskguard_locks.holders("export:t1") == []
+
+
+def test_limit_holds_across_prefork_worker_processes(app, redis_url, prefix):
+    """Two prefork workers (3 children each) run 16 exports of one tenant, limit 2, with
+    on_skip="retry": every export runs in the end, never more than 2 at once, fences grow per slot."""
+    with WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w1, \
+            WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w2:
+        results = [app.tasks["tg.export_retrying"].delay("t1", seconds=0.2) for _ in range(16)]
+        values = [r.get(timeout=60) for r in results]
+        output = w1.output() + w2.output()
+    assert all(v in (0, 1) for v in values), (values, output)
+    entries = _ledger(redis_url, prefix, "export:t1")
+    assert len([e for e in entries if e[1] == 1]) == 16
+    assert _check_ledger(entries, 2) == 2
+    assert "Traceback" not in output
+
+
+def test_a_rate_holds_across_two_worker_processes_and_no_call_is_lost(app, redis_url, prefix):
+    """62 calls at once under 6/s with a burst of 2, on two prefork workers: every call runs (the
+    task has max_retries=0: a deferral does not count as a retry), over >= 10 s, and in every
+    window of w seconds at most 2 + 6 w calls ran."""
+    r = redis.Redis.from_url(redis_url)
+    with WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w1, \
+            WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w2:
+        started = time.time()
+        results = [app.tasks["tg.api_call"].delay(n) for n in range(62)]
+        values = [res.get(timeout=90) for res in results]
+        output = w1.output() + w2.output()
+    assert values == list(range(62)), output
+    calls = sorted(float(x.split()[0]) for x in (v.decode() for v in r.lrange(f"{prefix}:calls", 0, -1)))
+    assert len(calls) == 62  # each ran exactly once
+    assert calls[-1] - started >= 9.5  # (62 - 2) / 6 s = 10 s, less the first turn's share
+    for i, t0 in enumerate(calls):
+        for w in (0.5, 1.0, 2.0, 5.0):
+            n = sum(1 for t in calls[i:] if t < t0 + w)
+            assert n <= 2 + 6 * w + 1e-9, (w, n, t0 - started)
+    assert "Traceback" not in output and "MaxRetriesExceeded" not in output
+
+
+def test_rate_max_wait_ends_in_a_rate_limited_skip(app):
+    with EventLog(app, tasks=["tg.api_bounded"]) as events, embedded_worker(app):
+        assert app.tasks["tg.api_bounded"].delay(1).get(timeout=10) == 1
+        started = time.monotonic()
+        second = app.tasks["tg.api_bounded"].delay(2).get(timeout=10)
+        assert time.monotonic() - started < 5  # the next turn is 60 s away: past the 2 s bound at once
+        skipped = events.wait_for("task-skipped", 1)
+    assert is_skipped(second) and second["reason"] == "rate_limited"
+    assert [e["reason"] for e in skipped] == ["rate_limited"]
+
+
+def test_a_deferred_run_comes_back_at_its_booked_turn(app, redis_url, prefix):
+    """Denied runs book distinct turns (1/6 s apart), come back as RETRY then SUCCESS, and report a
+    task-skipped event with retrying=True for each deferral."""
+    with EventLog(app, tasks=["tg.api_call"]) as events, embedded_worker(app, concurrency=4):
+        results = [app.tasks["tg.api_call"].delay(n) for n in range(6)]
+        assert [res.get(timeout=20) for res in results] == list(range(6))
+        deferrals = events.wait_for("task-skipped", 4)
+    assert len(deferrals) >= 4 and all(e["retrying"] and e["reason"] == "rate_limited" for e in deferrals)
+    calls = sorted(float(x.split()[0]) for x in redis.Redis.from_url(redis_url).lrange(f"{prefix}:calls", 0, -1))
+    gaps = [b - a for a, b in zip(calls[2:], calls[3:])]
+    assert all(g >= 0.1 for g in gaps), gaps  # no herd: the deferred ones ran at distinct turns
+
+
+def test_direct_calls_wait_for_their_turn(app):
+    task = app.tasks["tg.api_call"]
+    started = time.monotonic()
+    assert [task(n) for n in range(4)] == [0, 1, 2, 3]  # burst 2, then 1/6 s apart
+    assert time.monotonic() - started >= 0.3
+
+
+@pytest.mark.parametrize("opts, match", [
+    ({"limit": 0}, "limit"), ({"limit": 1001}, "limit"), ({"limit": "2"}, "limit"),
+    ({"rate": "10/w"}, "rate"), ({"rate": (0, 1)}, "rate"), ({"rate_key": "x"}, "need rate"),
+    ({"rate": "1/s", "rate_key": "{nope}"}, "nope"), ({"rate": "1/s", "rate_burst": 0}, "burst"),
+    ({"rate": "1/s", "rate_max_wait": -1}, "rate_max_wait"),
+])
+def test_bad_limit_and_rate_options_fail_at_declaration(opts, match):
+    with pytest.raises(ConfigError, match=match):
+        @guarded_task(**opts)
+        def job(tenant):
+            return tenant
+
+
+def test_beat_entries_carry_limit_and_rate(app):
+    task = app.tasks["tg.export"]
+    opts = validate_entry_options("e", {"limit": 3, "rate": (5, 60), "rate_key": "tenant:{tenant}"})
+    guard = entry_guard(task, task._taskguard, opts)
+    assert guard.limit == 3 and guard.rate == (5, 60.0) and guard.rate_key.render(("t9",), {}) == "tenant:t9"
+    for bad in ({"limit": 0}, {"rate": "x"}, {"rate_key": "k"}, {"rate": "1/s", "rate_key": ""}):
+        with pytest.raises(ConfigError, match="beat entry 'e'"):
+            validate_entry_options("e", bad)
