@@ -33,9 +33,10 @@ class Pace:
     """The answer of :func:`pace`.
 
     Attributes:
-        go: run now.
+        go: run now — after ``countdown`` seconds when it is > 0 (a deferred run that came back
+            a little before its booked turn, e.g. through a scheduler that counts whole seconds).
         skip: give up: the run would wait past ``max_wait`` (reason ``"rate_limited"``).
-        countdown: when neither: seconds (float) until the deferred run comes back.
+        countdown: when deferred: seconds (float) until the deferred run comes back.
         state: what the deferred run must carry back (a JSON-safe dict: ``since``, the Unix
             epoch seconds of its first deferral, and ``turn``, the epoch seconds of its booked
             turn or ``None`` when it must ask again).
@@ -48,6 +49,9 @@ class Pace:
 
 
 GO = Pace(True)
+#: The longest a run that came back before its booked turn waits for it in place, seconds; one
+#: that came back earlier than that (a clock step) goes at once: its turn is booked either way.
+MAX_EARLY = 2.0
 
 
 def parse_state(value: Any) -> dict | None:
@@ -87,7 +91,9 @@ def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, 
     """
     now = time.time() if now is None else now
     if state is not None and state.get("turn") is not None:
-        return GO  # its turn was booked when it was deferred: the rate already counted it
+        # its turn was booked when it was deferred: the rate already counted it
+        early = state["turn"] - now
+        return Pace(True, countdown=early) if 0 < early <= MAX_EARLY else GO
     since = now if state is None else state["since"]
     waited = max(0.0, now - since)
     horizon = max_countdown if max_wait is None else min(max_countdown, max_wait - waited)

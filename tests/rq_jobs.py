@@ -94,3 +94,30 @@ def long_running(name, seconds=20.0):
     _log(f"long:{name}:start:{current_lease().fencing_token}")
     time.sleep(seconds)
     return name
+
+
+def _ledger(kind: str, key: str, lease) -> None:
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":ledger:" + key + "}",
+            f"{kind} {time.time():.6f} {os.getpid()} {lease.slot} {lease.fencing_token}")
+
+
+@guarded_job(ttl=5, key="export:{tenant}", limit=2)
+def export(tenant, seconds=0.5):
+    lease = current_lease()
+    _ledger("in", f"export:{tenant}", lease)
+    time.sleep(seconds)
+    _ledger("out", f"export:{tenant}", lease)
+    return lease.slot
+
+
+@guarded_job(ttl=5, key="api:{n}", rate=(3, 1.0), rate_key="api")
+def api_call(n):
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":calls}", f"{time.time():.6f} {n}")
+    return n
+
+
+@guarded_job(ttl=5, key="apib:{n}", rate="1/m", rate_key="apib", rate_max_wait=1)
+def api_bounded(n):
+    return n

@@ -56,6 +56,8 @@ def pace_run(task: Any, opts: GuardOptions, key: str, args: tuple, kwargs: dict,
         p = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
                  max_countdown=bound, state=state)
         if p.go:
+            if p.countdown > 0:
+                time.sleep(p.countdown)  # back a moment before its booked turn
             return None
         if p.skip:
             if handle is not None:

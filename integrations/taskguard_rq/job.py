@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from typing import Any, Callable
 
@@ -235,6 +234,8 @@ def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args:
         p = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
                  max_countdown=RATE_MAX_COUNTDOWN, state=state)
         if p.go:
+            if p.countdown > 0:
+                time.sleep(p.countdown)  # RQ's scheduler counts whole seconds: wait for the booked turn
             if job is not None and RATE_META_KEY in job.meta:
                 job.meta.pop(RATE_META_KEY)
                 _quietly_save_meta(job)
@@ -256,7 +257,9 @@ def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args:
                  p.countdown)
         mirror_meta(job, key=key, outcome="rate_limited")
         job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
-        return Retry(max=10**9, interval=[max(1, math.ceil(p.countdown))])
+        # whole seconds (RQ's Retry); rounded down, and the job waits out the rest of its turn on
+        # arrival, so the scheduler's rounding never bunches booked turns together
+        return Retry(max=10**9, interval=[int(p.countdown)])
 
 
 def _release_kept(locks: Locks, job: Any) -> None:

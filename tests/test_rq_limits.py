@@ -1,0 +1,122 @@
+"""RQ jobs with ``limit=N`` and ``rate=``, with real ``rq worker`` processes: the peak of a limited
+key across workers, RQ 3's own ``RateLimit`` parking jobs instead of skipping them, rate-limited
+jobs rescheduled through RQ's scheduler without consuming their ``Retry``."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from rq import Retry
+from rq.job import JobStatus
+
+from taskguard import ConfigError, is_skipped
+
+from . import rq_jobs
+from .test_rq import RQWorker, locks, rq_env, wait_done  # noqa: F401  (rq_env: the fixture)
+
+
+def _ledger(queue, key):
+    raw = queue.connection.lrange("{" + os.environ["TASKGUARD_PREFIX"] + ":ledger:" + key + "}", 0, -1)
+    out = []
+    for line in raw:
+        kind, at, _pid, slot, fence = line.decode().split()
+        out.append((float(at), 1 if kind == "in" else -1, int(slot), int(fence)))
+    return sorted(out, key=lambda e: (e[0], e[1]))
+
+
+def _peak(entries, limit):
+    inside = peak = 0
+    last: dict[int, int] = {}
+    for _at, step, slot, fence in entries:
+        inside += step
+        peak = max(peak, inside)
+        if step == 1:
+            assert fence > last.get(slot, 0)
+            last[slot] = fence
+    assert peak <= limit
+    return peak
+
+
+def test_limit_across_three_workers_skips_with_reason_limit(rq_env):
+    with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2, RQWorker(rq_env) as w3:
+        jobs = [rq_env.enqueue(rq_jobs.export, "t1", seconds=1.5) for _ in range(3)]
+        for job in jobs:
+            assert wait_done(job) == JobStatus.FINISHED
+        output = w1.output() + w2.output() + w3.output()
+    values = [job.return_value() for job in jobs]
+    skipped = [v for v in values if is_skipped(v)]
+    assert sorted(v for v in values if not is_skipped(v)) == [0, 1], output
+    assert len(skipped) == 1 and skipped[0].reason == "limit"
+    assert "every slot of lease 'export:t1' held (limit)" in output
+    assert _peak(_ledger(rq_env, "export:t1"), 2) == 2
+    assert locks().holders("export:t1") == []
+
+
+def test_rq_rate_limit_parks_jobs_over_the_limit_instead_of_skipping(rq_env):
+    """RQ >= 3.0: enqueued with RQ's own RateLimit for the job's key and limit, jobs over the limit
+    wait (status rate_limited) and run when a slot frees: none is skipped, never more than 2 run."""
+    with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2, RQWorker(rq_env) as w3:
+        jobs = [rq_env.enqueue(rq_jobs.export, "t2", seconds=0.6, rate_limit=rq_jobs.export.rate_limit_for("t2"))
+                for _ in range(5)]
+        parked = {job.get_status(refresh=True) for job in jobs}
+        for job in jobs:
+            assert wait_done(job, timeout=30) == JobStatus.FINISHED
+        output = w1.output() + w2.output() + w3.output()
+    assert JobStatus.RATE_LIMITED in parked
+    assert sorted(job.return_value() for job in jobs) in ([0, 0, 0, 1, 1], [0, 0, 1, 1, 1]), output
+    assert _peak(_ledger(rq_env, "export:t2"), 2) == 2
+    limit = rq_jobs.export.rate_limit_for("t2")
+    assert limit.key == "taskguard:export:t2" and limit.concurrency == 2
+
+
+def test_a_rate_limited_job_is_rescheduled_without_consuming_its_retry(rq_env):
+    """8 jobs at once under 3/s on two workers with RQ's scheduler: every one runs once, at
+    booked turns (at most 1 + 3 w calls in any window of w >= 1 s), and each keeps its Retry."""
+    with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2:
+        started = time.time()
+        jobs = [rq_env.enqueue(rq_jobs.api_call, n, retry=Retry(max=1)) for n in range(8)]
+        for job in jobs:
+            assert wait_done(job, timeout=40) == JobStatus.FINISHED
+        output = w1.output() + w2.output()
+    assert [job.return_value() for job in jobs] == list(range(8)), output
+    raw = rq_env.connection.lrange("{" + os.environ["TASKGUARD_PREFIX"] + ":calls}", 0, -1)
+    calls = sorted(float(x.decode().split()[0]) for x in raw)
+    assert len(calls) == 8
+    assert calls[-1] - started >= 7 / 3 - 0.1
+    for i, t0 in enumerate(calls):
+        for w in (1.0, 2.0):
+            assert sum(1 for t in calls[i:] if t < t0 + w) <= 1 + 3 * w
+    for job in jobs:
+        job.refresh()
+        assert job.retries_left == 1  # the job's own Retry is untouched
+        assert not job.number_of_retries  # nor the count of returned Retries
+        assert "taskguard_rate" not in job.meta
+    assert "rate-limited; its turn is booked" in output
+
+
+def test_rate_max_wait_ends_in_a_rate_limited_skip(rq_env):
+    with RQWorker(rq_env):
+        first = rq_env.enqueue(rq_jobs.api_bounded, 1)
+        second = rq_env.enqueue(rq_jobs.api_bounded, 2)
+        assert wait_done(first) == wait_done(second) == JobStatus.FINISHED
+    out = second.return_value()
+    assert first.return_value() == 1 and is_skipped(out) and out.reason == "rate_limited"
+    second.refresh()
+    assert second.meta["taskguard"]["outcome"] == "skipped" and second.meta["taskguard"]["reason"] == "rate_limited"
+
+
+def test_direct_calls_wait_for_their_turn(rq_env):
+    started = time.monotonic()
+    assert [rq_jobs.api_call(n) for n in range(3)] == [0, 1, 2]
+    assert time.monotonic() - started >= 0.6  # 3/s: 1/3 s apart
+
+
+def test_bad_options_fail_at_declaration():
+    from taskguard_rq import guarded_job
+
+    with pytest.raises(ConfigError, match="limit"):
+        guarded_job(limit=0)(lambda: None)
+    with pytest.raises(ConfigError, match="need rate"):
+        guarded_job(rate_max_wait=3)(lambda: None)
