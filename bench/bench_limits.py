@@ -1,12 +1,31 @@
 #!/usr/bin/env python
-"""The cost of a cluster-wide rate decision (``Locks.throttle``), side by side in one run.
+"""The cost of the guards beyond one holder — holder limits (``acquire(limit=N)``) and rate
+decisions (``Locks.throttle``) — side by side in one run, and a limited key against the common
+sorted-set semaphore after a SIGKILL.
 
 Run from the repository root:
 
     .venv/bin/python bench/bench_limits.py [--ops N] [--rounds R] [--url URL]
 
-Contenders, each one decision per op on one shared ``redis.Redis`` client (hiredis), in
-interleaved rounds (every round runs every contender ``--ops`` times, the order rotated):
+§1 Holder limits. Contenders, each one acquire + release per op, in interleaved rounds:
+
+* ``limit=1``: ``acquire(key, ttl=30).lease.release()``, a plain lease;
+* ``limit=5, 4 held`` / ``limit=50, 49 held``: the same on a key whose other slots are all held, so
+  the acquire script looks at every slot and takes the last free one;
+* ``sorted-set semaphore, 4 held``: the common recipe (``ZREMRANGEBYSCORE`` the expired members,
+  ``ZADD`` this one, ``ZRANK`` it, ``ZREM`` it when over the limit, in one MULTI; ``ZREM`` to
+  release) — also two round trips, no renewal, no fencing token, client clocks;
+* ``2x PING``: the floor of two round trips.
+
+Redis time per op comes from ``INFO commandstats`` around a separate run of each contender.
+
+§2 After a SIGKILL. A child process takes both slots of a limit-2 key and is SIGKILLed; how long
+until a slot is free again: taskguard (TTL 2 s, renewed while alive), the sorted-set recipe
+(timeout 2 s) and an ``INCR``/``DECR`` counting semaphore (no expiry: its slots never return).
+
+§3 Rate decisions. Contenders, each one decision per op on one shared ``redis.Redis`` client
+(hiredis), in interleaved rounds (every round runs every contender ``--ops`` times, the order
+rotated):
 
 * ``taskguard throttle``: ``RedisLocks.throttle(key, rate="1000000/s", burst=10**9)`` — the whole
   API: validation, the GCRA script (one round trip), the ``Throttle`` answer;
@@ -27,6 +46,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Any
 
 import redis
 import redis.utils
@@ -36,6 +56,9 @@ try:  # run from a checkout without installing
 except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import taskguard
+
+import multiprocessing
+import signal
 
 from taskguard import RedisLocks
 from taskguard.urls import redact_url
@@ -78,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         pipe.execute()
 
     try:
+        bench_holder_limits(args, client, locks, admin, prefix)
+        bench_sigkill(args.url, admin, prefix)
+        print("## §3 rate decisions\n")
         contenders = {"taskguard throttle": throttle, "1x PING": ping, "INCR+PEXPIRE fixed window": fixed_window}
         per_round, lat, _orders = interleaved_rounds(contenders, args.ops, args.rounds)
         base = per_round["1x PING"]
@@ -88,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([name, f"{1 / med:,.0f}", f"{med * 1e6:.1f}", f"{pct(lat[name], .5) * 1e6:.1f}",
                          f"{pct(lat[name], .99) * 1e6:.1f}",
                          f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}..{ratios[-1]:.2f})"])
-        print(f"## {args.rounds} interleaved rounds x {args.ops} decisions per contender\n")
+        print(f"{args.rounds} interleaved rounds x {args.ops} decisions per contender\n")
         print(fmt_table(["contender", "ops/s", "us/op", "p50 us", "p99 us", "vs 1x PING"], rows, align="lrrrrr"))
         print("\n   a throttle decision is one round trip, as the fixed window's is; the fixed window lets up to 2x the"
               "\n   rate through across a window boundary and tells denied callers nothing about when to come back")
@@ -98,6 +124,150 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
         admin.close()
     return 0
+
+
+# -- §1 holder limits -------------------------------------------------------------------------------
+
+ZSEM_TIMEOUT = 30.0
+
+
+def zset_acquire(client: redis.Redis, key: str, member: str, limit: int, timeout: float) -> bool:
+    """The common sorted-set semaphore: drop expired members, add this one, keep it if its rank is
+    under the limit (one MULTI round trip; a second to give the slot back when over)."""
+    now = time.time()
+    pipe = client.pipeline(transaction=True)
+    pipe.zremrangebyscore(key, "-inf", now - timeout)
+    pipe.zadd(key, {member: now})
+    pipe.zrank(key, member)
+    rank = pipe.execute()[-1]
+    if rank is not None and rank < limit:
+        return True
+    client.zrem(key, member)
+    return False
+
+
+def _commandstats(admin: redis.Redis) -> tuple[int, float]:
+    stats = admin.info("commandstats")
+    return (sum(v["calls"] for v in stats.values()), sum(v["usec"] for v in stats.values()))
+
+
+def bench_holder_limits(args, client, locks, admin, prefix) -> None:
+    held = [locks.acquire("lim5", ttl=600, limit=5).lease for _ in range(4)]
+    held += [locks.acquire("lim50", ttl=600, limit=50).lease for _ in range(49)]
+    zkey = f"{prefix}:zsem"
+    for i in range(4):
+        zset_acquire(client, zkey, f"held-{i}", 5, 3600)
+    counter = iter(range(10**9))
+
+    def limit1() -> None:
+        locks.acquire("lim1", ttl=30).lease.release()
+
+    def limit5() -> None:
+        locks.acquire("lim5", ttl=30, limit=5).lease.release()
+
+    def limit50() -> None:
+        locks.acquire("lim50", ttl=30, limit=50).lease.release()
+
+    def zsem() -> None:
+        member = f"m{next(counter)}"
+        assert zset_acquire(client, zkey, member, 5, ZSEM_TIMEOUT)
+        client.zrem(zkey, member)
+
+    def pings() -> None:
+        client.ping()
+        client.ping()
+
+    contenders = {"limit=1": limit1, "limit=5, 4 held": limit5, "limit=50, 49 held": limit50,
+                  "sorted-set semaphore, 4 held": zsem, "2x PING": pings}
+    per_round, lat, _orders = interleaved_rounds(contenders, args.ops, args.rounds)
+    redis_us = {}
+    for name, fn in contenders.items():  # Redis time, each alone
+        calls0, usec0 = _commandstats(admin)
+        for _ in range(args.ops):
+            fn()
+        calls1, usec1 = _commandstats(admin)
+        redis_us[name] = ((usec1 - usec0) / args.ops, (calls1 - calls0 - 1) / args.ops)  # (-1: the INFO call)
+    base, one = per_round["2x PING"], per_round["limit=1"]
+    rows = []
+    for name in contenders:
+        med = statistics.median(per_round[name])
+        r_ping = sorted(a / b for a, b in zip(per_round[name], base))
+        r_one = sorted(a / b for a, b in zip(per_round[name], one))
+        rows.append([name, f"{med * 1e6:.1f}", f"{pct(lat[name], .99) * 1e6:.1f}", f"{redis_us[name][1]:.1f}",
+                     f"{redis_us[name][0]:.1f}", f"{statistics.median(r_ping):.3f}x ({r_ping[0]:.2f}..{r_ping[-1]:.2f})",
+                     f"{statistics.median(r_one):.3f}x"])
+    print(f"## §1 holder limits: acquire + release, {args.rounds} interleaved rounds x {args.ops} ops\n")
+    print(fmt_table(["contender", "us/op", "p99 us", "cmds/op", "redis us/op", "vs 2x PING", "vs limit=1"], rows,
+                    align="lrrrrrr"))
+    print("\n   every contender is two round trips (acquire, release); cmds/op counts the commands Redis ran"
+          "\n   (a script is 1 + the commands inside it). A limited acquire reads each slot inside one script.\n")
+    for lease in held:
+        lease.release()
+
+
+# -- §2 after a SIGKILL -------------------------------------------------------------------------------
+
+def _take_two(url: str, prefix: str, how: str, ready: Any) -> None:
+    client = redis.Redis.from_url(url)
+    if how == "taskguard":
+        locks = RedisLocks(client, prefix=prefix)
+        for _ in range(2):
+            assert locks.acquire("crash", ttl=2, limit=2, renew=True)
+    elif how == "zset":
+        for i in range(2):
+            assert zset_acquire(client, f"{prefix}:zcrash", f"dead-{i}", 2, 2.0)
+    else:
+        client.incrby(f"{prefix}:counter", 2)
+    ready.put(how)
+    time.sleep(600)
+
+
+def _slot_free(url: str, prefix: str, how: str) -> bool:
+    client = redis.Redis.from_url(url)
+    try:
+        if how == "taskguard":
+            acq = RedisLocks(client, prefix=prefix).acquire("crash", ttl=5, limit=2)
+            if acq:
+                acq.lease.release()
+            return bool(acq)
+        if how == "zset":
+            ok = zset_acquire(client, f"{prefix}:zcrash", "probe", 2, 2.0)
+            client.zrem(f"{prefix}:zcrash", "probe")
+            return ok
+        n = client.incr(f"{prefix}:counter")
+        client.decr(f"{prefix}:counter")
+        return n <= 2
+    finally:
+        client.close()
+
+
+def bench_sigkill(url: str, admin: Any, prefix: str, give_up: float = 8.0) -> None:
+    print("## §2 a holder SIGKILLed while holding both slots of a limit-2 key\n")
+    ctx = multiprocessing.get_context("spawn")
+    rows = []
+    for how, label in (("taskguard", "taskguard limit=2 (ttl 2 s, renewed)"),
+                       ("zset", "sorted-set semaphore (timeout 2 s)"), ("counter", "INCR/DECR counter")):
+        ready = ctx.Queue()
+        proc = ctx.Process(target=_take_two, args=(url, prefix, how, ready))
+        proc.start()
+        ready.get(timeout=30)
+        time.sleep(2.5)  # alive past its TTL: a renewed lease stays held
+        alive_held = not _slot_free(url, prefix, how)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        killed = time.monotonic()
+        back = None
+        while time.monotonic() - killed < give_up:
+            if _slot_free(url, prefix, how):
+                back = time.monotonic() - killed
+                break
+            time.sleep(0.05)
+        rows.append([label, "yes" if alive_held else "NO", "never (leaked)" if back is None else f"{back:.2f} s",
+                     "per slot" if how == "taskguard" else "none"])
+    print(fmt_table(["semaphore", "held past TTL while alive", "slot back after SIGKILL", "fencing token"], rows,
+                    align="lrrr"))
+    print("\n   the sorted-set recipe cannot renew: a holder alive past its timeout loses its slot unnoticed"
+          "\n   and nothing fences its late writes; the counter never gives a dead holder's slots back.\n")
 
 
 if __name__ == "__main__":

@@ -80,6 +80,21 @@ def test_leases_lists_holders_never_owner_tokens(redis_url, prefix):
     assert "no leases held" in taskguard("leases", url=redis_url, prefix=prefix).stdout
 
 
+def test_leases_shows_each_holder_of_a_limited_key_and_release_frees_them_all(redis_url, prefix):
+    locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
+    held = [locks.acquire("export:acme", ttl=30, limit=3, holder={"task": "exports.run", "task_id": f"t-{i}"}).lease
+            for i in range(3)]
+    rows = json.loads(taskguard("leases", "export:*", "--json", url=redis_url, prefix=prefix).stdout)
+    assert [(r["key"], r["slot"], r["task_id"]) for r in rows] == [("export:acme", i, f"t-{i}") for i in range(3)]
+    assert [r["fencing_token"] for r in rows] == [lease.fencing_token for lease in held]
+    table = taskguard("leases", url=redis_url, prefix=prefix).stdout
+    assert "SLOT" in table and table.count("export:acme") == 3
+    assert all(lease.owner_token not in table for lease in held)
+    done = taskguard("release", "export:acme", "--force", "--yes", url=redis_url, prefix=prefix)
+    assert done.returncode == 0 and locks.holders("export:acme") == []
+    assert all(lease.renew() is False for lease in held)
+
+
 def test_release_force_with_confirmation(redis_url, prefix):
     locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
     lease = locks.acquire("stuck", ttl=60).lease

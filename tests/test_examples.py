@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("script, ok_line", [
     ("examples/outbox/demo.py", "result:                           OK"),
     ("examples/lease_demo.py", "summary: OK"),
+    ("examples/limits/demo.py", "result: OK"),
 ])
 def test_example_runs_and_reports_ok(redis_url, script, ok_line):
     proc = subprocess.run([sys.executable, script], cwd=ROOT, env={**os.environ, "TASKGUARD_REDIS_URL": redis_url},
@@ -30,7 +31,7 @@ def test_example_runs_and_reports_ok(redis_url, script, ok_line):
         assert "redis://" not in proc.stdout or "***" in proc.stdout or "@" not in proc.stdout
 
 
-@pytest.mark.parametrize("script", ["examples/outbox/demo.py", "examples/lease_demo.py"])
+@pytest.mark.parametrize("script", ["examples/outbox/demo.py", "examples/lease_demo.py", "examples/limits/demo.py"])
 def test_demos_fail_fast_and_never_print_a_url_password(script):
     from .servers import free_port
 

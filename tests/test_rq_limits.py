@@ -113,6 +113,16 @@ def test_direct_calls_wait_for_their_turn(rq_env):
     assert time.monotonic() - started >= 0.6  # 3/s: 1/3 s apart
 
 
+def test_rate_limit_for_needs_rq_3():
+    import rq
+
+    if int(rq.__version__.split(".")[0]) >= 3:
+        assert rq_jobs.export.rate_limit_for("t").concurrency == 2
+    else:
+        with pytest.raises(ConfigError, match="RQ >= 3.0"):
+            rq_jobs.export.rate_limit_for("t")
+
+
 def test_bad_options_fail_at_declaration():
     from taskguard_rq import guarded_job
 
