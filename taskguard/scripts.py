@@ -108,7 +108,7 @@ local now = math.floor(now_us / 1000)
 # ARGV[5] ms the caller will wait if the lease is held (0: it will not wait), ARGV[6] run id ('' if
 # none), ARGV[7] '1' when a run that already finished must be refused (a redelivered copy), '0'
 # when this is a new run, ARGV[8] the identity finished runs are recorded under ('' if none),
-# ARGV[9] the limit N: how many holders may hold the key at once (1: a lease)
+# ARGV[9] the limit N: how many holders may hold the key at once (absent or 1: a lease)
 # -> {1, fence, ttl_ms, slot} when acquired (the owner token of slot i > 0 is ARGV[1] .. '#i');
 #    {0, ms until the soonest holder's expiry, the holder's run id if there is only one} when N
 #    holders are in, or
@@ -131,7 +131,7 @@ if ARGV[7] == '1' and ARGV[8] ~= '' then
     return {2, 0}
   end
 end
-local limit = tonumber(ARGV[9])
+local limit = tonumber(ARGV[9] or '1')
 local slots = tonumber(v[7]) or 1
 local n = math.max(limit, slots)
 local live, top, free, free_f, soon, soon_run, same = 0, 0, nil, nil, nil, '', nil

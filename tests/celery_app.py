@@ -321,6 +321,12 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         r.rpush(f"{prefix}:calls", f"{time.time():.6f} {n}")
         return n
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.api_hourly", ttl=5, key="apih:{n}", rate="1/h",
+              rate_key="apih")
+    def api_hourly(self, n):
+        r.rpush(f"{prefix}:hourly", n)
+        return n
+
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.api_bounded", ttl=5, key="apib:{n}", rate="1/m",
               rate_key="apib", rate_max_wait=2)
     def api_bounded(self, n):

@@ -161,3 +161,24 @@ def test_beat_entries_carry_limit_and_rate(app):
     for bad in ({"limit": 0}, {"rate": "x"}, {"rate_key": "k"}, {"rate": "1/s", "rate_key": ""}):
         with pytest.raises(ConfigError, match="beat entry 'e'"):
             validate_entry_options("e", bad)
+
+
+def test_a_long_rate_wait_never_holds_a_message_past_the_visibility_timeout(redis_url, prefix):
+    """celery/celery#4766, kombu#337: an ETA beyond the Redis visibility timeout is delivered again
+    to another worker. With visibility_timeout=4 s a run whose turn is an hour away is deferred
+    at most 2 s at a time (it asks again each time, unbooked), and never runs twice."""
+    app = make_app(f"q-{prefix}", prefix, broker_transport_options={"visibility_timeout": 4})
+    try:
+        with EventLog(app, tasks=["tg.api_hourly"]) as events, embedded_worker(app):
+            assert app.tasks["tg.api_hourly"].delay(1).get(timeout=10) == 1
+            started = time.monotonic()
+            waiting = app.tasks["tg.api_hourly"].delay(2)
+            deferrals = events.wait_for("task-skipped", 3, timeout=12)
+            elapsed = time.monotonic() - started
+        assert len(deferrals) >= 3 and elapsed < 8, (len(deferrals), elapsed)  # every <= 2 s, not in an hour
+        assert all(e["reason"] == "rate_limited" and e["retrying"] for e in deferrals)
+        assert waiting.state == "RETRY"
+        ran = redis.Redis.from_url(redis_url).lrange(f"{prefix}:hourly", 0, -1)
+        assert ran == [b"1"]  # the deferred run never ran beside its copies
+    finally:
+        redis.Redis.from_url(redis_url).delete(app.tg_log, f"q-{prefix}")
