@@ -146,9 +146,22 @@ def zset_acquire(client: redis.Redis, key: str, member: str, limit: int, timeout
     return False
 
 
-def _commandstats(admin: redis.Redis) -> tuple[int, float]:
-    stats = admin.info("commandstats")
-    return (sum(v["calls"] for v in stats.values()), sum(v["usec"] for v in stats.values()))
+def _commandstats(admin: redis.Redis) -> dict[str, tuple[int, int]]:
+    return {k: (v["calls"], v["usec"]) for k, v in admin.info("commandstats").items()}
+
+
+def _redis_cost(before: dict, after: dict, ops: int) -> tuple[float, float]:
+    """(Redis µs per op, commands per op) between two ``INFO commandstats``. A script's own entry
+    already includes the commands it runs (which are also listed on their own), and so does
+    ``EXEC`` for a MULTI block: only the outermost commands' time is summed."""
+    delta = {k: (after[k][0] - before.get(k, (0, 0))[0], after[k][1] - before.get(k, (0, 0))[1]) for k in after}
+    delta.pop("cmdstat_info", None)
+    calls = sum(c for c, _ in delta.values())
+    if delta.get("cmdstat_evalsha", (0, 0))[0] or delta.get("cmdstat_eval", (0, 0))[0]:
+        outer = ("cmdstat_evalsha", "cmdstat_eval")
+    else:
+        outer = tuple(k for k in delta if k not in ("cmdstat_multi", "cmdstat_exec"))
+    return sum(delta.get(k, (0, 0))[1] for k in outer) / ops, calls / ops
 
 
 def bench_holder_limits(args, client, locks, admin, prefix) -> None:
@@ -182,11 +195,10 @@ def bench_holder_limits(args, client, locks, admin, prefix) -> None:
     per_round, lat, _orders = interleaved_rounds(contenders, args.ops, args.rounds)
     redis_us = {}
     for name, fn in contenders.items():  # Redis time, each alone
-        calls0, usec0 = _commandstats(admin)
+        before = _commandstats(admin)
         for _ in range(args.ops):
             fn()
-        calls1, usec1 = _commandstats(admin)
-        redis_us[name] = ((usec1 - usec0) / args.ops, (calls1 - calls0 - 1) / args.ops)  # (-1: the INFO call)
+        redis_us[name] = _redis_cost(before, _commandstats(admin), args.ops)
     base, one = per_round["2x PING"], per_round["limit=1"]
     rows = []
     for name in contenders:
@@ -262,7 +274,10 @@ def bench_sigkill(url: str, admin: Any, prefix: str, give_up: float = 8.0) -> No
                 back = time.monotonic() - killed
                 break
             time.sleep(0.05)
-        rows.append([label, "yes" if alive_held else "NO", "never (leaked)" if back is None else f"{back:.2f} s",
+        when = "never (leaked)" if back is None else f"{back:.2f} s"
+        if not alive_held:
+            when = "- (gone before it)"
+        rows.append([label, "yes" if alive_held else "NO", when,
                      "per slot" if how == "taskguard" else "none"])
     print(fmt_table(["semaphore", "held past TTL while alive", "slot back after SIGKILL", "fencing token"], rows,
                     align="lrrr"))

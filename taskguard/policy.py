@@ -87,7 +87,7 @@ class GuardOptions:
             max_hold: stop renewing after this many seconds (a hung body's lease then expires).
             continue_on_skip: run a chain's next step / link callbacks after a skipped run
                 (default ``False``: the chain stops at the skip).
-            limit: how many runs of one key may run at once (``int`` 1..1000; default 1, one at
+            limit: how many runs of one key may run at once (``int`` 1..100; default 1, one at
                 a time): each holds a lease in one of ``limit`` slots
                 (:meth:`taskguard.Locks.acquire`); a run finding them all taken is skipped with
                 reason ``"limit"`` (``on_skip`` applies as to a held lease).

@@ -134,13 +134,25 @@ end
 local limit = tonumber(ARGV[9] or '1')
 local slots = tonumber(v[7]) or 1
 local n = math.max(limit, slots)
+local rest = {}
+if n > 1 then  -- the other slots' fields, in one call
+  local names = {}
+  for i = 1, n - 1 do
+    local sfx = '#' .. i
+    names[#names + 1] = 'o' .. sfx
+    names[#names + 1] = 'x' .. sfx
+    names[#names + 1] = 'f' .. sfx
+    names[#names + 1] = 'r' .. sfx
+  end
+  rest = redis.call('HMGET', KEYS[1], unpack(names))
+end
 local live, top, free, free_f, soon, soon_run, same = 0, 0, nil, nil, nil, '', nil
 for i = 0, n - 1 do
   local sfx, o, x, f, r = '', v[1], v[2], v[3], v[4]
   if i > 0 then
+    local j = (i - 1) * 4
     sfx = '#' .. i
-    local s = redis.call('HMGET', KEYS[1], 'o' .. sfx, 'x' .. sfx, 'f' .. sfx, 'r' .. sfx)
-    o, x, f, r = s[1], s[2], s[3], s[4]
+    o, x, f, r = rest[j + 1], rest[j + 2], rest[j + 3], rest[j + 4]
   end
   local exp = tonumber(x)
   if exp and exp > now then

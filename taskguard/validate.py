@@ -128,8 +128,10 @@ def check_rate(rate: Any) -> tuple[int, float]:
 
 
 #: The largest ``limit`` (holders of one key at once) an acquisition may ask for: every
-#: acquisition of a key looks at each of its slots in one script.
-MAX_LIMIT = 1000
+#: acquisition of a key reads each of its slots in one script, so Redis time grows with the limit
+#: (about 10 µs per slot at 50, ``bench/bench_limits.py``); a cap in the hundreds belongs to a
+#: dedicated queue and its workers' concurrency, not to one key.
+MAX_LIMIT = 100
 
 
 def check_limit(limit: Any) -> int:
