@@ -318,7 +318,10 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.api_call", ttl=5, key="api:{n}", rate=(6, 1.0),
               rate_key="api", rate_burst=2, max_retries=0)
     def api_call(self, n):
-        r.rpush(f"{prefix}:calls", f"{time.time():.6f} {n}")
+        # when the call passed the rate: now, or the turn it booked (it may start a little later)
+        turn = (self.request.headers or {}).get("taskguard_rate") or getattr(self.request, "taskguard_rate", None)
+        admitted = turn["turn"] if isinstance(turn, dict) and turn.get("turn") else time.time()
+        r.rpush(f"{prefix}:calls", f"{time.time():.6f} {n} {admitted:.6f}")
         return n
 
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.api_hourly", ttl=5, key="apih:{n}", rate="1/h",

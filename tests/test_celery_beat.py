@@ -300,7 +300,9 @@ def test_killing_the_leader_around_window_starts_loses_no_window(beat_env, every
             os.kill(pid, signal.SIGKILL)
             say(f"injected: SIGKILL of the leader beat {offset:+.1f} s from the window starting at {start:.0f}")
             beats.append(BeatProcess(queue, prefix, tmp, f"r{i}", every=EVERY, env=env).start())
-            sleep_until(start + EVERY - 0.5)
+            # the bound: the dead leader's lease runs out (up to its TTL after its last renewal),
+            # plus one loop of the standby, plus a margin for the publish and the worker
+            sleep_until(start + leader_ttl + 1.0 + 1.5)
             runs = {window_of(r[0]): r[2] for r in slot_runs(app)}
             w = round(start / EVERY)
             assert w in runs, f"window {w} not run: {sorted(runs)}"

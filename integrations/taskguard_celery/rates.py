@@ -84,7 +84,8 @@ def _defer(task: Any, key: str, locks: Locks, countdown: float, state: dict | No
     locks.report_skip(skipped)
     from .skipping import send_skip_event
 
-    send_skip_event(task, skipped, retrying=True)
+    send_skip_event(task, skipped, retrying=True, retry_after=round(countdown, 3),
+                    turn=None if state is None else state.get("turn"))
     booked = state is not None and state.get("turn") is not None
     log.info("task %s[%s]: rate-limited; %s in %.2fs", task.name, req.id,
              "its turn is booked" if booked else "it asks again", countdown)

@@ -68,9 +68,9 @@ def retry_after_skip(task: Any, countdown: float, skips: int) -> None:
     raise Retry(f"lease held; retry {skips} of {task._taskguard.skip_max_retries}", when=countdown, sig=sig)
 
 
-def send_skip_event(task: Any, skipped: Skipped, retrying: bool = False) -> None:
+def send_skip_event(task: Any, skipped: Skipped, retrying: bool = False, **extra: Any) -> None:
     send_event(task, "task-skipped", key=skipped.key, reason=skipped.reason, holder_ttl=skipped.holder_ttl,
-               result=skipped.describe(), retrying=retrying)
+               result=skipped.describe(), retrying=retrying, **extra)
 
 
 def send_event(task: Any, type_: str, **fields: Any) -> None:
