@@ -5,7 +5,7 @@ The core is framework-free; the Celery and RQ adapters are ``taskguard_celery`` 
 """
 
 from .config import from_env
-from .errors import ConfigError, LeaseBackendError, LeaseLost, TaskguardError, TaskSkipped
+from .errors import ConfigError, IdempotencyConflict, LeaseBackendError, LeaseLost, TaskguardError, TaskSkipped
 from .events import LeaseEvent, add_listener, remove_listener
 from .lease import Acquisition, HolderInfo, Lease
 from .locks import Health, Locks
@@ -21,6 +21,7 @@ __all__ = [
     "ConfigError",
     "Health",
     "HolderInfo",
+    "IdempotencyConflict",
     "Lease",
     "LeaseBackendError",
     "LeaseEvent",

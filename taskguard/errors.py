@@ -13,6 +13,7 @@ __all__ = [
     "LeaseBackendError",
     "LeaseLost",
     "TaskSkipped",
+    "IdempotencyConflict",
 ]
 
 
@@ -81,6 +82,31 @@ class LeaseLost(TaskguardError):
 
     def __str__(self) -> str:
         return f"lease {self.args[0]!r} lost: {self.args[1]}"
+
+
+class IdempotencyConflict(TaskguardError):
+    """A ``once=True`` call found its key completed by a call with another fingerprint: the same
+    business key was used for different work (e.g. one invoice charged with two amounts).
+
+    ``IdempotencyConflict(key, task=None)``: plain values only (picklable, JSON-safe); it names
+    the key, never the arguments' values.
+    """
+
+    def __init__(self, key: str, task: str | None = None) -> None:
+        super().__init__(key, task)
+
+    @property
+    def key(self) -> str:
+        return self.args[0]
+
+    @property
+    def task(self) -> str | None:
+        return self.args[1]
+
+    def __str__(self) -> str:
+        who = f"{self.args[1]}: " if self.args[1] else ""
+        return (f"{who}key {self.args[0]!r} was already completed by a call with other arguments "
+                f"(another fingerprint); the stored value is not returned")
 
 
 class TaskSkipped(TaskguardError):

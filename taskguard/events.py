@@ -44,6 +44,8 @@ class LeaseEvent:
         error: the error type and message for ``"error"`` statuses (never an owner token).
         task: the task / job name the lease is for, where known (from holder metadata ``task`` or
             ``job``, or the ``Skipped``); bounded, so usable as a metric label.
+        shadow: ``True`` for what a guard in shadow mode (``enforce=False``) would have done: a
+            ``skip`` event whose run went ahead anyway.
     """
 
     kind: str
@@ -56,6 +58,7 @@ class LeaseEvent:
     holder: Mapping[str, Any] | None = None
     error: str | None = None
     task: str | None = None
+    shadow: bool = False
 
 
 Listener = Callable[[LeaseEvent], None]

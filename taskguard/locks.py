@@ -126,6 +126,16 @@ class Locks:
                      finished_ttl: float | None = None) -> bool:
         raise NotImplementedError
 
+    def _release_storing_one(self, key: str, owner: str, finished_run: str, finished_ttl: float | None,
+                             record: str, record_ttl: float) -> bool:
+        """Release and write the key's completion record in one atomic step (see
+        :data:`taskguard.scripts.RELEASE_STORING`)."""
+        raise NotImplementedError
+
+    def _get_completion(self, key: str) -> str | None:
+        """The key's completion record (``once=True``), or ``None``."""
+        raise NotImplementedError
+
     def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
                    run_id: str | None = None) -> tuple[bool, int | None, float | None]:
         """-> (claimed, fencing token, PTTL seconds of the key when not claimed; -2.0 if absent)."""
@@ -431,6 +441,57 @@ class Locks:
         run.finish()
         return value
 
+    def once(
+        self,
+        key: str,
+        fn: Callable[[Lease], T],
+        *,
+        ttl: float,
+        once_ttl: float = 86400.0,
+        fingerprint: Any = None,
+        wait: float = 0.0,
+        renew: bool = True,
+        holder: Mapping[str, Any] | None = None,
+        task: str | None = None,
+    ) -> T | Skipped:
+        """Run ``fn(lease)`` once per ``key``: the first call that *completes* stores its value
+        (JSON, kept ``once_ttl`` seconds, written atomically with the lease's release); later
+        calls with the same ``key`` and ``fingerprint`` do not run ``fn`` and return the stored
+        value. A call that raises stores nothing, so the next call runs. While a call runs,
+        others get a :class:`~taskguard.Skipped` (reason ``"held"``/``"wait_timeout"``) as from
+        :meth:`with_lease`. "Completed once", not exactly-once: see :mod:`taskguard.once`.
+
+        Args:
+            key: the business key (``str``).
+            fn: the work, called with the held :class:`~taskguard.Lease`; its value must be
+                JSON-serialisable (at most 1 MiB).
+            ttl, wait, renew, holder, task: as for :meth:`with_lease`.
+            once_ttl: seconds the completion record is kept (default 1 day).
+            fingerprint: what work the call asks for: any JSON-serialisable value (hashed), or
+                ``None`` (every call of ``key`` is the same work).
+
+        Raises:
+            IdempotencyConflict: ``key`` was completed by a call with another fingerprint.
+            ConfigError: bad arguments, a fingerprint or value with no JSON form, a value over
+                1 MiB (raised after ``fn`` ran; nothing stored).
+            LeaseBackendError: Redis unreachable or failing.
+        """
+        from .once import OncePolicy, fingerprint_of
+        from .run import GuardedRun
+
+        policy = OncePolicy(fingerprint_of(fingerprint), ttl=check_seconds("once_ttl", once_ttl))
+        run = GuardedRun(self, key, ttl=ttl, wait=wait, renew=renew, holder=holder, task=task, once=policy)
+        if not run.begin():
+            return run.stored_value() if run.reason == "once" else run.skip()
+        with run:
+            try:
+                value = fn(run.lease)
+            except BaseException:
+                run.fail()
+                raise
+        run.finish(value)
+        return value
+
     # -- records (small values kept for callers under a lease key's hash tag) ---------------------
     def put_record(self, key: str, name: str, value: str, *, ttl: float, if_absent: bool = False,
                    if_value: str | None = None) -> bool:
@@ -471,7 +532,8 @@ class Locks:
         return self._get_lease_record(check_key(key), check_name(name))
 
     # -- rates ----------------------------------------------------------------------------------
-    def throttle(self, key: str, *, rate: Any, burst: int | None = None, book_within: float = 0.0) -> Throttle:
+    def throttle(self, key: str, *, rate: Any, burst: int | None = None, book_within: float = 0.0,
+                 consume: bool = True) -> Throttle:
         """One call under a cluster-wide rate for ``key``: ``rate`` is ``"N/s"``, ``"N/m"``,
         ``"N/h"``, ``"N/d"`` or ``(count, seconds)``; ``burst`` (default 1: evenly spaced) calls
         may pass at once. Over any window of ``t`` seconds at most ``burst + t x count / period``
@@ -482,6 +544,8 @@ class Locks:
         a denied call whose turn is at most that far away *books* it (``booked=True``): that
         turn is reserved for it, so come back at ``retry_after`` and go ahead without asking
         again; denied callers then get distinct turns instead of stampeding at the same instant.
+        ``consume=False`` only checks: the answer a call would get now, with nothing counted or
+        booked (shadow mode).
 
         Returns a :class:`~taskguard.throttle.Throttle`. Raises ConfigError for a bad rate,
         burst or key, LeaseBackendError when Redis fails."""
@@ -490,10 +554,11 @@ class Locks:
         book = check_seconds("book_within", book_within, allow_zero=True)
         interval_us = max(int(round(period / count * 1e6)), 1)
         code, wait_us, remaining = self._throttle_one(check_key(key), interval_us, (burst - 1) * interval_us,
-                                                      int(book * 1e6))
+                                                      int(book * 1e6) if consume else 0, consume)
         return Throttle(allowed=code == 1, retry_after=wait_us / 1e6, remaining=remaining, booked=code == 2)
 
-    def _throttle_one(self, key: str, interval_us: int, tau_us: int, book_us: int) -> tuple[int, int, int]:
+    def _throttle_one(self, key: str, interval_us: int, tau_us: int, book_us: int,
+                      consume: bool = True) -> tuple[int, int, int]:
         raise NotImplementedError
 
     def _put_lease_record(self, lease: Lease, name: str, value: str, if_absent: bool, if_value: str | None) -> bool:
@@ -528,9 +593,10 @@ class Locks:
     def _count_record(self, key: str, name: str, by: int, ttl: float | None) -> int:
         raise NotImplementedError
 
-    def report_skip(self, skipped: Skipped) -> None:
-        """Emit the ``skip`` event for a run skipped outside :meth:`with_lease` (adapters)."""
-        self._emit("skip", skipped.key, skipped.reason, task=skipped.task)
+    def report_skip(self, skipped: Skipped, shadow: bool = False) -> None:
+        """Emit the ``skip`` event for a run skipped outside :meth:`with_lease` (adapters);
+        ``shadow=True`` for a skip a guard in shadow mode would have made (the run went ahead)."""
+        self._emit("skip", skipped.key, skipped.reason, task=skipped.task, shadow=shadow)
 
     def check_health(self) -> "Health":
         raise NotImplementedError
@@ -581,7 +647,10 @@ class Locks:
             lease._mark_lost("renew found another owner or no lease")
         return ok
 
-    def _release_lease(self, lease: Lease, finished: bool = False, finished_ttl: float | None = None) -> bool:
+    def _release_lease(self, lease: Lease, finished: bool = False, finished_ttl: float | None = None,
+                       store: tuple[str, float] | None = None) -> bool:
+        """Release ``lease``; with ``store`` (record, TTL seconds), also write the key's completion
+        record atomically with the release (the run finished)."""
         if lease.inherited or lease.released:
             return False
         if lease._renewing:
@@ -590,8 +659,12 @@ class Locks:
         try:
             if finished_ttl is not None:
                 finished_ttl = check_seconds("finished_ttl", finished_ttl)
-            ok = self._release_one(lease.key, lease.owner_token, lease.finished_id if finished else None,
-                                   finished_ttl if finished else None)
+            if store is not None:
+                ok = self._release_storing_one(lease.key, lease.owner_token, lease.finished_id or "", finished_ttl,
+                                               store[0], store[1])
+            else:
+                ok = self._release_one(lease.key, lease.owner_token, lease.finished_id if finished else None,
+                                       finished_ttl if finished else None)
         except LeaseBackendError as e:
             self._emit("release", lease.key, "error", duration=time.monotonic() - started, error=str(e),
                        task=lease.task)

@@ -55,6 +55,7 @@ class MemoryLocks(Locks):
         self._records: dict[tuple[str, str], tuple[str, float | None]] = {}
         self._lease_records: dict[tuple[str, str], str] = {}  # (key, name) -> value, kept like the fence
         self._tats: dict[str, int] = {}  # throttles: key -> theoretical arrival time, µs
+        self._completions: dict[str, tuple[str, float]] = {}  # once=True: key -> (record, until)
         self._clock = clock
         self._cond = threading.Condition()
         self._leases: dict[tuple[str, int], _Entry] = {}  # (key, slot) -> its holder
@@ -142,6 +143,23 @@ class MemoryLocks(Locks):
             self._cond.notify_all()
             return True
 
+    def _release_storing_one(self, key: str, owner: str, finished_run: str, finished_ttl: float | None,
+                             record: str, record_ttl: float) -> bool:
+        with self._cond:
+            held = self._live_entry(key, slot_of(owner))
+            held = held is not None and held.owner == owner
+            if held or self._get_completion(key) is None:
+                self._completions[key] = (record, self._clock() + record_ttl)
+            return self._release_one(key, owner, finished_run or None, finished_ttl)
+
+    def _get_completion(self, key: str) -> str | None:
+        with self._cond:
+            record, until = self._completions.get(key, (None, 0.0))
+            if record is not None and until <= self._clock():
+                del self._completions[key]
+                return None
+            return record
+
     def _claim_one(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
                    run_id: str | None = None) -> tuple[bool, int | None, float | None]:
         with self._cond:
@@ -198,13 +216,14 @@ class MemoryLocks(Locks):
             return None
         return value
 
-    def _throttle_one(self, key: str, interval_us: int, tau_us: int, book_us: int) -> tuple[int, int, int]:
+    def _throttle_one(self, key: str, interval_us: int, tau_us: int, book_us: int,
+                      consume: bool = True) -> tuple[int, int, int]:
         from .throttle import gcra
 
         with self._cond:
             now_us = int(self._clock() * 1e6)
             code, wait, remaining, new_tat = gcra(self._tats.get(key), now_us, interval_us, tau_us, book_us)
-            if new_tat is not None:
+            if new_tat is not None and consume:
                 self._tats[key] = new_tat
             return code, wait, remaining
 

@@ -49,8 +49,9 @@ class Metrics:
         from prometheus_client import REGISTRY, Counter, Histogram
 
         registry = REGISTRY if registry is None else registry
-        self.skips = Counter("taskguard_skips_total", "Runs skipped because their lease could not be had",
-                             ["task", "reason"], registry=registry)
+        self.skips = Counter("taskguard_skips_total",
+                             "Runs skipped by their guard (shadow=\"true\": would have been, in shadow mode)",
+                             ["task", "reason", "shadow"], registry=registry)
         self.restored = Counter("taskguard_leases_restored_total",
                                 "Leases claimed by a retry of the run that held them (same fencing token)", ["task"],
                                 registry=registry)
@@ -76,7 +77,7 @@ class Metrics:
         elif event.kind == "claim" and event.status == "claimed":
             self.restored.labels(task=task).inc()
         elif event.kind == "skip":
-            self.skips.labels(task=task, reason=event.status).inc()
+            self.skips.labels(task=task, reason=event.status, shadow="true" if event.shadow else "false").inc()
         elif event.kind == "lost":
             self.lost.labels(task=task).inc()
         elif event.kind == "renew" and event.status in ("error", "not_owner"):

@@ -71,7 +71,8 @@ def parse_state(value: Any) -> dict | None:
 
 
 def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, max_wait: float | None,
-         max_countdown: float, state: Mapping[str, Any] | None = None, now: float | None = None) -> Pace:
+         max_countdown: float, state: Mapping[str, Any] | None = None, now: float | None = None,
+         consume: bool = True) -> Pace:
     """Decide whether a run under ``rate`` for the rate key ``key`` goes now (see the module doc).
 
     Args:
@@ -86,6 +87,8 @@ def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, 
         state: what the deferred run carried back (:func:`parse_state`), or ``None`` for a
             fresh run.
         now: Unix epoch seconds (default: :func:`time.time`).
+        consume: ``False`` (shadow mode): only check — the answer says what would happen, nothing
+            is counted or booked.
 
     Returns a :class:`Pace`. Raises LeaseBackendError when Redis fails.
     """
@@ -99,10 +102,10 @@ def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, 
     horizon = max_countdown if max_wait is None else min(max_countdown, max_wait - waited)
     if horizon <= 0:
         return Pace(False, skip=True)
-    answer = locks.throttle(key, rate=rate, burst=burst, book_within=horizon)
+    answer = locks.throttle(key, rate=rate, burst=burst, book_within=horizon, consume=consume)
     if answer.allowed:
         return GO
-    if answer.booked:
+    if answer.booked or (not consume and answer.retry_after <= horizon):
         return Pace(False, countdown=answer.retry_after, state={"since": since, "turn": now + answer.retry_after})
     if max_wait is not None and waited + answer.retry_after > max_wait:
         return Pace(False, skip=True)

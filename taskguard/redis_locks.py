@@ -334,6 +334,24 @@ class RedisLocks(Locks):
         args = (owner, _ms(self.fence_idle_ttl), _ms(finished_ttl or 1.0), secrets.token_hex(4), finished_run or "")
         return self._signalled(key, int(self._run("release", key, scripts.RELEASE, keys, args)))
 
+    def _completion_key(self, key: str) -> str:
+        return self._lease_key(key) + ":once"
+
+    def _release_storing_one(self, key: str, owner: str, finished_run: str, finished_ttl: float | None,
+                             record: str, record_ttl: float) -> bool:
+        keys: tuple[str, ...] = (self._lease_key(key), self._completion_key(key))
+        if finished_run and finished_ttl is not None:
+            keys += (self._done_key(key, finished_run),)
+        args = (owner, "", _ms(finished_ttl or 1.0), secrets.token_hex(4), finished_run, record, _ms(record_ttl))
+        return self._signalled(key, int(self._run("release", key, scripts.RELEASE_STORING, keys, args)))
+
+    def _get_completion(self, key: str) -> str | None:
+        try:
+            raw = self.client.get(self._completion_key(key))
+        except RedisError as e:
+            raise LeaseBackendError("once", key, _detail(e)) from e
+        return raw.decode() if isinstance(raw, bytes) else raw
+
     def _signalled(self, key: str, code: int) -> bool:
         """After a release that answered 2 (released, someone waits): wake one waiter."""
         if code == 2:
@@ -403,9 +421,10 @@ class RedisLocks(Locks):
         return int(self._run("renew", key, scripts.OWNS, (self._lease_key(key),), (owner,))) != -2
 
     # -- rates -----------------------------------------------------------------------------------
-    def _throttle_one(self, key: str, interval_us: int, tau_us: int, book_us: int) -> tuple[int, int, int]:
+    def _throttle_one(self, key: str, interval_us: int, tau_us: int, book_us: int,
+                      consume: bool = True) -> tuple[int, int, int]:
         res = self._run("throttle", key, scripts.THROTTLE, (self._lease_key(key) + ":t",),
-                        (interval_us, tau_us, book_us))
+                        (interval_us, tau_us, book_us, "0" if consume else "1"))
         return int(res[0]), int(res[1]), int(res[2])
 
     # -- records ---------------------------------------------------------------------------------

@@ -64,12 +64,21 @@ class GuardedRun:
             such as Celery's result backend, or none is needed).
         on_lost_report: called with the run and the reason when :meth:`finish` finds the lease was lost
             (an adapter's event), before ``on_lost`` applies.
+        once: a :class:`~taskguard.once.OncePolicy`: the run completes once per key (see
+            :mod:`taskguard.once`); :meth:`begin` answers ``reason="once"`` when the key's work
+            is done (:meth:`stored_value`), and :meth:`finish` stores the value with the release.
+        enforce: ``False`` for shadow mode: :meth:`begin` evaluates the guard (lease, limit,
+            once) and reports what it would have done — ``skip`` events with ``shadow=True`` —
+            but always lets the body run, with :attr:`lease` ``None`` when the lease could not
+            be had; it never waits, and a shadow run stores no completion record.
 
     Attributes:
         lease: the held :class:`~taskguard.Lease` after a successful :meth:`begin`, else ``None``.
         reason: why :meth:`begin` did not get the lease: ``"held"``, ``"limit"``, ``"wait_timeout"``,
-            ``"duplicate"`` (this copy's run already finished) or ``"running"`` (another
-            execution of this run id holds it).
+            ``"duplicate"`` (this copy's run already finished), ``"running"`` (another
+            execution of this run id holds it) or ``"once"`` (the key's work is done: see
+            :meth:`stored_value`). In shadow mode: what the guard would have done (the body
+            runs anyway), or ``None``.
         holder_ttl: seconds left on the holder's lease when not acquired, where known.
         state: ``"new"``, ``"running"``, ``"skipped"``, ``"finished"``, ``"handed_back"`` or ``"kept"``.
         tag: free for the adapter (e.g. the Celery task object the run belongs to).
@@ -82,16 +91,17 @@ class GuardedRun:
 
     __slots__ = ("locks", "key", "ttl", "wait", "renew", "holder", "max_hold", "run_id", "task", "on_lost",
                  "finished_ttl", "on_lost_report", "lease", "reason", "holder_ttl", "state", "tag", "_ctx", "delivery",
-                 "limit")
+                 "limit", "once", "enforce", "_record")
 
     def __init__(self, locks: Locks, key: str, *, ttl: float, wait: float = 0.0, renew: bool = True,
                  holder: Mapping[str, Any] | None = None, max_hold: float | None = None, run_id: str | None = None,
                  task: str | None = None, on_lost: str = "raise", finished_ttl: float | None = None,
                  on_lost_report: Callable[["GuardedRun", str], None] | None = None, tag: Any = None,
-                 delivery: str | None = None, limit: int = 1) -> None:
+                 delivery: str | None = None, limit: int = 1, once: Any = None, enforce: bool = True) -> None:
         if on_lost not in ON_LOST:
             raise ConfigError(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
-        self.limit = limit
+        self.limit, self.once, self.enforce = limit, once, enforce
+        self._record: dict | None = None
         self.locks, self.key, self.ttl, self.wait, self.renew = locks, key, ttl, wait, renew
         self.holder, self.max_hold, self.run_id, self.task = holder, max_hold, run_id, task
         self.on_lost, self.finished_ttl, self.on_lost_report, self.tag = on_lost, finished_ttl, on_lost_report, tag
@@ -127,6 +137,10 @@ class GuardedRun:
         """
         if same_run not in SAME_RUN:
             raise ConfigError(f"same_run must be one of {SAME_RUN}, got {same_run!r}")
+        if not self.enforce:
+            return self._begin_shadow()
+        if self.once is not None and self._completed():
+            return False
         acq = None
         if handle is not None:
             try:
@@ -149,6 +163,59 @@ class GuardedRun:
             return False
         self.lease = acq.lease
         self.state = "running"
+        if self.once is not None and self._completed():  # completed between the check and the lease
+            self.hand_back()
+            self.lease, self.state = None, "new"
+            return False
+        return True
+
+    # -- once=True and shadow mode -------------------------------------------------------------------
+    def _completed(self) -> bool:
+        """Is the key's work done (a completion record with this fingerprint)? Sets
+        :attr:`reason` to ``"once"`` when it is; raises IdempotencyConflict for a record with
+        another fingerprint."""
+        from .errors import IdempotencyConflict
+        from .once import decode_record
+
+        raw = self.locks._get_completion(self.key)
+        record = decode_record(raw) if raw is not None else None
+        if record is None:
+            return False
+        if record["fp"] != self.once.fingerprint:
+            raise IdempotencyConflict(self.key, self.task)
+        self._record, self.reason, self.holder_ttl = record, "once", None
+        return True
+
+    def stored_value(self) -> Any:
+        """After :meth:`begin` answered ``reason="once"``: the value the completed run stored
+        (deserialised by the policy), after emitting the ``skip`` event (reason ``"once"``)."""
+        from .once import record_value
+
+        self.state = "skipped"
+        self.locks.report_skip(Skipped(key=self.key, reason="once", task=self.task))
+        return record_value(self.once, self._record or {})
+
+    def _begin_shadow(self) -> bool:
+        """Shadow mode: evaluate, report what would have happened, and let the body run."""
+        from .errors import IdempotencyConflict
+
+        would = None
+        if self.once is not None:
+            try:
+                if self._completed():
+                    would = "once"
+            except IdempotencyConflict:
+                would = "idempotency_conflict"
+        acq = self._acquire(0.0)
+        if acq.acquired:
+            self.lease = acq.lease
+        elif would is None:
+            would, self.holder_ttl = acq.reason or "held", acq.holder_ttl
+        self.reason = would
+        self.state = "running"
+        if would is not None:
+            self.locks.report_skip(Skipped(key=self.key, reason=would, task=self.task, holder_ttl=self.holder_ttl),
+                                   shadow=True)
         return True
 
     def _acquire(self, wait: float, refuse_finished: bool = False) -> Acquisition:
@@ -190,17 +257,29 @@ class GuardedRun:
             ctx.__exit__(*exc)
 
     # -- end ---------------------------------------------------------------------------------------
-    def finish(self) -> None:
-        """The body returned: release, recording the run as finished. If the lease was lost
-        while the body ran (the heartbeat found it gone, or the release found another owner),
-        report it and, with ``on_lost="raise"``, raise :class:`~taskguard.LeaseLost`. A Redis
-        error while releasing is logged (the TTL bounds the lease), never raised."""
+    def finish(self, value: Any = None) -> None:
+        """The body returned ``value``: release, recording the run as finished (with a once
+        policy, storing ``value`` as the key's completion, atomically with the release). If the
+        lease was lost while the body ran (the heartbeat found it gone, or the release found
+        another owner), report it and, with ``on_lost="raise"``, raise
+        :class:`~taskguard.LeaseLost`. A Redis error while releasing is logged (the TTL bounds
+        the lease), never raised; a once value that cannot be stored raises ConfigError (the
+        lease is released, nothing stored)."""
         lease = self._end("finished")
         if lease is None:
             return
         was_lost = lease.lost
+        store = None
+        if self.once is not None and self.enforce:
+            from .once import encode_record
+
+            try:
+                store = (encode_record(self.once, value, self.key), self.once.ttl)
+            except ConfigError:
+                self._release_quietly(lease, finished=True)
+                raise
         try:
-            released = lease.release(finished=True, finished_ttl=self.finished_ttl)
+            released = self.locks._release_lease(lease, True, self.finished_ttl, store)
         except LeaseBackendError as e:
             log.warning("%s: could not release lease %r: %s", self._who(), self.key, e)
             released = not lease.lost

@@ -26,6 +26,8 @@ everything that is not a key goes in ARGV):
                    written on release only when the caller asks for one (``finished_ttl``): an
                    acquire that refuses finished runs is then refused for that long.
 * ``{P:K}:r:NAME`` a record kept for the caller under ``K``'s hash tag (:meth:`Locks.put_record`).
+* ``{P:K}:once``   the completion record of a ``once=True`` run (:mod:`taskguard.once`): its
+                   fingerprint and stored value, written with the release, kept ``once_ttl``.
 * ``{P:K}:t``      a throttle's theoretical arrival time (server µs, :meth:`Locks.throttle`), expiring
                    once it is in the past.
 
@@ -66,7 +68,7 @@ from typing import Any, Sequence
 from redis.exceptions import NoScriptError
 
 __all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_WITHOUT_TOKEN", "CLAIM", "HOLDERS", "OWNS", "SIGNAL",
-           "PUT_RECORD", "DELETE_RECORD", "PUT_LEASE_RECORD", "THROTTLE"]
+           "PUT_RECORD", "DELETE_RECORD", "PUT_LEASE_RECORD", "THROTTLE", "RELEASE_STORING"]
 
 
 class Script:
@@ -286,6 +288,44 @@ return 0
 """,
 )
 
+# A release that also stores the run's completion record (``once=True``, :mod:`taskguard.once`),
+# atomically: no call can find the lease free and the record missing after a run completed.
+# KEYS[1] lease, KEYS[2] the completion record, optional KEYS[3] finished marker
+# ARGV[1] owner token, ARGV[2] (unused), ARGV[3] finished marker TTL ms (with KEYS[3]), ARGV[4] a
+# nonce unique to this call, ARGV[5] the identity of the run that finished, ARGV[6] the record,
+# ARGV[7] the record's TTL ms
+# -> as RELEASE. The record is written whether or not the lease was still held (the run did
+#    complete), but over an existing record only while it was: a run that lost its lease never
+#    replaces the record of the run that took the key over.
+RELEASE_STORING = Script(
+    "release_storing",
+    _NOW + _SLOT + """
+local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w')
+local exp = tonumber(v[2])
+local tomb = '~' .. ARGV[4] .. string.sub(redis.sha1hex(ARGV[1]), 1, 8)
+if v[1] == ARGV[1] and exp and exp > now then
+  redis.call('HDEL', KEYS[1], 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s, 'w')
+  redis.call('HSET', KEYS[1], 'o' .. s, tomb, 'l', ARGV[5])
+  redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[7])
+  if KEYS[3] then
+    redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[3])
+  end
+  if (tonumber(v[3]) or 0) > now then
+    return 2
+  end
+  return 1
+end
+if v[1] == tomb then
+  return 1
+end
+redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[7], 'NX')
+if KEYS[3] then
+  redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+end
+return 0
+""",
+)
+
 # KEYS[1] release signal; ARGV[1] signal TTL ms: wake one waiter (a one-element list that a
 # blocked BLPOP pops, expiring by itself). Sent after a release that answered 2.
 SIGNAL = Script(
@@ -452,7 +492,8 @@ return 1
 # arrival time (TAT) of the next call, in server microseconds; a call at ``now`` passes when
 # ``max(TAT, now) - tau <= now``, and moves TAT on by one emission interval.
 # KEYS[1] throttle; ARGV[1] emission interval µs (period / count), ARGV[2] tau µs ((burst - 1) x
-# interval), ARGV[3] booking horizon µs (0: never book)
+# interval), ARGV[3] booking horizon µs (0: never book), ARGV[4] '1' to check only (shadow mode:
+# the answer a call would get, nothing counted or booked; absent: '0')
 # -> {1, 0, remaining} passed; {0, wait µs, 0} denied; {2, wait µs, 0} denied and booked: the
 #    caller's turn is reserved ``wait`` from now (TAT moved on for it), so denied callers get
 #    distinct turns instead of all coming back at once.
@@ -465,13 +506,16 @@ local tau = tonumber(ARGV[2])
 local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now_us)
 local wait = tat - tau - now_us
 local new_tat = tat + interval
+local peek = ARGV[4] == '1'
 if wait <= 0 then
-  redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.floor((new_tat - now_us) / 1000) + 1)
+  if not peek then
+    redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.floor((new_tat - now_us) / 1000) + 1)
+  end
   local remaining = math.floor((now_us + tau - new_tat) / interval) + 1
   if remaining < 0 then remaining = 0 end
   return {1, 0, remaining}
 end
-if tonumber(ARGV[3]) > 0 and wait <= tonumber(ARGV[3]) then
+if tonumber(ARGV[3]) > 0 and wait <= tonumber(ARGV[3]) and not peek then
   redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.floor((new_tat - now_us) / 1000) + 1)
   return {2, wait, 0}
 end

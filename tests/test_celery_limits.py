@@ -67,7 +67,7 @@ def test_limit_admits_n_runs_at_once_and_skips_the_rest_with_reason_limit(app, r
     assert sorted(ran) == [0, 1] and len(skipped) == 3
     assert {s["reason"] for s in skipped} == {"limit"}
     assert {e["reason"] for e in skipped_events} == {"limit"} and len(skipped_events) == 3
-    assert registry.get_sample_value("taskguard_skips_total", {"task": "tg.export", "reason": "limit"}) == 3
+    assert registry.get_sample_value("taskguard_skips_total", {"task": "tg.export", "reason": "limit", "shadow": "false"}) == 3
     assert _check_ledger(_ledger(redis_url, prefix, "export:t1"), 2) == 2
     assert app.conf.taskguard_locks.holders("export:t1") == []
 

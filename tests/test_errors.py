@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import taskguard.errors as errors_module
 from taskguard import (
     ConfigError,
+    IdempotencyConflict,
     LeaseBackendError,
     LeaseLost,
     MemoryLocks,
@@ -39,6 +40,8 @@ EXAMPLES = [
     TaskSkipped("nightly-report", "held", "reports.nightly", 12.5),
     TaskSkipped("nightly-report", "wait_timeout"),
     TaskSkipped("k", "retry_exhausted", None, 0.0),
+    IdempotencyConflict("charge:inv-7", "billing.charge"),
+    IdempotencyConflict("charge:inv-8"),
 ]
 
 

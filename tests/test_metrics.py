@@ -46,7 +46,7 @@ def test_metrics_count_acquires_skips_losses_and_failed_renewals(client, prefix)
         remove_listener(metrics)
     assert sample(registry, "taskguard_leases_acquired_total", task="reports.build") == 2
     assert sample(registry, "taskguard_leases_restored_total", task="reports.build") == 1
-    assert sample(registry, "taskguard_skips_total", task="reports.build", reason="held") == 1
+    assert sample(registry, "taskguard_skips_total", task="reports.build", reason="held", shadow="false") == 1
     assert sample(registry, "taskguard_leases_lost_total", task="reports.build") == 1
     assert sample(registry, "taskguard_lease_renewals_failed_total") >= 1
     assert sample(registry, "taskguard_acquire_duration_seconds_count") == 3  # the claim is not an acquire
@@ -71,7 +71,7 @@ def test_a_skip_in_a_prefork_child_is_counted(redis_url, prefix, tmp_path):
             assert as_skipped(app.tasks["tg.slow"].delay(1, seconds=0).get(timeout=10)).reason == "held"
             first.get(timeout=10)
         registry = multiproc_registry(tmp_path)  # what `taskguard metrics` would serve
-        assert sample(registry, "taskguard_skips_total", task="tg.slow", reason="held") == 1
+        assert sample(registry, "taskguard_skips_total", task="tg.slow", reason="held", shadow="false") == 1
         assert sample(registry, "taskguard_leases_acquired_total", task="tg.slow") == 1
     finally:
         redis.Redis.from_url(redis_url).delete(app.tg_log, queue)
@@ -95,7 +95,7 @@ def test_a_skip_in_an_rq_work_horse_is_counted(redis_url, prefix, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert job.return_value().reason == "held"
     registry = multiproc_registry(tmp_path)
-    assert sample(registry, "taskguard_skips_total", task=rq_jobs.slow.taskguard_name, reason="held") == 1
+    assert sample(registry, "taskguard_skips_total", task=rq_jobs.slow.taskguard_name, reason="held", shadow="false") == 1
     queue.delete(delete_jobs=True)
 
 
@@ -103,7 +103,7 @@ def test_taskguard_metrics_command_serves_the_multiprocess_directory(tmp_path):
     port = free_port()
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     writer = ("import os; from taskguard.metrics import Metrics; "
-              "m = Metrics(); m.skips.labels(task='t', reason='held').inc(3)")
+              "m = Metrics(); m.skips.labels(task='t', reason='held', shadow='false').inc(3)")
     subprocess.run([sys.executable, "-c", writer], env=env, check=True, timeout=30)
     server = subprocess.Popen([sys.executable, "-m", "taskguard.cli", "metrics", "--port", str(port),
                                "--addr", "127.0.0.1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -116,7 +116,7 @@ def test_taskguard_metrics_command_serves_the_multiprocess_directory(tmp_path):
                 break
             except OSError:
                 time.sleep(0.2)
-        assert 'taskguard_skips_total{reason="held",task="t"} 3.0' in body
+        assert 'taskguard_skips_total{reason="held",shadow="false",task="t"} 3.0' in body
     finally:
         server.terminate()
         server.wait(10)
