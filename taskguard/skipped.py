@@ -9,8 +9,8 @@ from typing import Any, Mapping
 __all__ = ["Skipped", "is_skipped", "SKIP_REASONS", "TAG"]
 
 #: Reasons the core and the adapters use. Others may be added; consumers must accept any string.
-SKIP_REASONS = ("held", "limit", "wait_timeout", "rate_limited", "retry_exhausted", "duplicate", "running",
-                "stale_leader")
+SKIP_REASONS = ("held", "limit", "wait_timeout", "rate_limited", "once", "retry_exhausted", "duplicate", "running",
+                "stale_leader", "idempotency_conflict")
 
 #: Key and value marking the dict form of a ``Skipped`` (used where a serializer knows no
 #: custom types, e.g. msgpack or YAML result backends).
@@ -25,7 +25,9 @@ class Skipped:
         key: the user's lease key (``str``).
         reason: why (``"held"``: another holder has the lease; ``"limit"``: all ``limit=N``
             slots of the key are held; ``"rate_limited"``: the run would have waited for its
-            turn under the task's ``rate`` past ``rate_max_wait``; ``"wait_timeout"``: ``wait``
+            turn under the task's ``rate`` past ``rate_max_wait``; ``"once"``: the key's work was
+            completed by an earlier call (``once=True``; its stored value is returned, not this);
+            ``"idempotency_conflict"``: reported by shadow mode only; ``"wait_timeout"``: ``wait``
             seconds passed without getting it; ``"retry_exhausted"``: ``on_skip="retry"`` ran
             out of attempts; ``"duplicate"``: a redelivered copy of a run that already finished;
             ``"running"``: another execution of the same run id still holds the lease;
