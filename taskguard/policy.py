@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from .errors import ConfigError
 from .keys import KeyTemplate
+from .once import Fingerprint
 from .validate import check_burst, check_limit, check_rate, check_seconds, check_ttl
 
 __all__ = ["GuardOptions", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS"]
@@ -42,6 +43,11 @@ class GuardOptions:
     rate_key: KeyTemplate | None = None
     rate_burst: int | None = None
     rate_max_wait: float | None = None
+    once: bool = False
+    once_ttl: float = 86400.0
+    fingerprint: Any = None
+    once_max_bytes: int = 1 << 20
+    enforce: bool = True
 
     @classmethod
     def build(
@@ -66,6 +72,11 @@ class GuardOptions:
         rate_key: str | Callable[..., str] | None = None,
         rate_burst: int | None = None,
         rate_max_wait: float | None = None,
+        once: bool = False,
+        once_ttl: float = 86400.0,
+        fingerprint: Any = None,
+        once_max_bytes: int = 1 << 20,
+        enforce: bool = True,
         allowed_on_skip: tuple[str, ...] = ON_SKIP,
     ) -> "GuardOptions":
         """Validate options for the task ``name`` whose body is ``fn``.
@@ -101,6 +112,20 @@ class GuardOptions:
             rate_max_wait: longest a run may wait for its turn, seconds from its first
                 deferral (default ``None``: no bound); past it the run is skipped with reason
                 ``"rate_limited"``.
+            once: complete once per ``key`` (which must be given): the first run that succeeds
+                stores its value, atomically with its release; later calls with the same key and
+                fingerprint return it without running the body (reason ``"once"``); the same key
+                with another fingerprint raises :class:`~taskguard.IdempotencyConflict`
+                (:mod:`taskguard.once`).
+            once_ttl: seconds the stored value is kept (default 1 day).
+            fingerprint: which arguments say what work a call asks for: ``None`` (all bound
+                arguments, JSON-normalised), argument names, or a callable of the bound
+                arguments returning a ``str``.
+            once_max_bytes: the largest stored value, bytes after serialisation (default 1 MiB).
+            enforce: ``False`` for shadow mode: the guard (lease, limit, rate, once) is evaluated
+                and what it would have done reported, but the body always runs (with no lease
+                when it could not be had) and no capacity is taken from enforced callers beyond
+                a free lease (a rate is checked, not consumed; no value is stored).
 
         Raises:
             ConfigError: naming the task and the bad option.
@@ -123,6 +148,14 @@ class GuardOptions:
             rate_burst = None if rate_burst is None else check_burst(rate_burst)
             rate_max_wait = None if rate_max_wait is None else check_seconds("rate_max_wait", rate_max_wait,
                                                                              allow_zero=True)
+            once_ttl = check_seconds("once_ttl", once_ttl)
+            if once and key is None:
+                raise ConfigError("once=True needs key= naming the business key (e.g. key='charge:{invoice_id}')")
+            if not once and fingerprint is not None:
+                raise ConfigError("fingerprint= needs once=True")
+            fingerprint = Fingerprint(fingerprint, template) if once else None
+            if isinstance(once_max_bytes, bool) or not isinstance(once_max_bytes, int) or once_max_bytes < 1:
+                raise ConfigError(f"once_max_bytes must be an int >= 1, got {once_max_bytes!r}")
         except ConfigError as e:
             raise bad(str(e)) from None
         if wait > 0 and not blocking_wait:
@@ -134,13 +167,25 @@ class GuardOptions:
             raise bad(f"on_skip must be one of {allowed_on_skip}, got {on_skip!r}")
         if on_lost not in ON_LOST:
             raise bad(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
-        for flag, value in (("renew", renew), ("continue_on_skip", continue_on_skip), ("blocking_wait", blocking_wait)):
+        for flag, value in (("renew", renew), ("continue_on_skip", continue_on_skip), ("blocking_wait", blocking_wait),
+                            ("once", once), ("enforce", enforce)):
             if not isinstance(value, bool):
                 raise bad(f"{flag} must be True or False, got {value!r}")
         if isinstance(skip_max_retries, bool) or not isinstance(skip_max_retries, int) or skip_max_retries < 0:
             raise bad(f"skip_max_retries must be an int >= 0, got {skip_max_retries!r}")
         return cls(template, ttl, wait, renew, on_skip, on_lost, skip_retry_delay, skip_max_retries, max_hold,
-                   continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait)
+                   continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait, once, once_ttl,
+                   fingerprint, once_max_bytes, enforce)
+
+    def once_policy(self, args: tuple, kwargs: dict, dumps: Any = None, loads: Any = None) -> Any:
+        """The :class:`~taskguard.once.OncePolicy` of one call (``None`` without ``once``), its
+        value stored with ``dumps`` / read with ``loads`` (default JSON). Raises ConfigError when
+        the call's arguments cannot be fingerprinted."""
+        if not self.once:
+            return None
+        from .once import OncePolicy
+
+        return OncePolicy(self.fingerprint.of(args, kwargs), self.once_ttl, dumps, loads, self.once_max_bytes)
 
     def retry_delay(self, holder_ttl: float | None) -> float:
         """Countdown for an ``on_skip="retry"`` retry, seconds."""

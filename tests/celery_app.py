@@ -335,6 +335,21 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     def api_bounded(self, n):
         return n
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.charge", ttl=5, key="charge:{invoice_id}", once=True,
+              fingerprint=("invoice_id", "amount"))
+    def charge(self, invoice_id, amount, fail=False, seconds=0.0):
+        n = attempt(f"charge:{invoice_id}")
+        time.sleep(seconds)
+        if fail:
+            raise Flaky(f"declined {invoice_id}")
+        return {"invoice": invoice_id, "amount": amount, "n": n, "fence": self.lease.fencing_token}
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.shadowed", ttl=5, key="shadow:{name}", enforce=False,
+              limit=2)
+    def shadowed(self, name, seconds=0.5):
+        time.sleep(seconds)
+        return {"leased": self.lease is not None, "slot": self.lease.slot if self.lease else None}
+
     if os.environ.get("TG_TEST_BEAT"):
         app.conf.beat_schedule = {
             "tick": {"task": os.environ.get("TG_TEST_BEAT_TASK", "tg.tick"), "schedule": float(os.environ["TG_TEST_BEAT"])},

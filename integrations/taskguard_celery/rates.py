@@ -52,6 +52,14 @@ def pace_run(task: Any, opts: GuardOptions, key: str, args: tuple, kwargs: dict,
         state = None
     rate_key = opts.rate_key.render(args, kwargs)
     bound = max_countdown(task.app)
+    if not opts.enforce:  # shadow mode: checked, not consumed; reported; the run goes ahead
+        if not pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+                    max_countdown=bound, consume=False).go:
+            from .skipping import send_event
+
+            locks.report_skip(Skipped(key=key, reason="rate_limited", task=task.name), shadow=True)
+            send_event(task, "task-guard-shadow", key=key, reason="rate_limited", holder_ttl=None, leased=False)
+        return None
     while True:
         p = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
                  max_countdown=bound, state=state)

@@ -14,7 +14,7 @@ from taskguard import Locks, Skipped, TaskSkipped
 from .headers import DEFER_HEADER, HEADER
 from .serialization import result_value
 
-__all__ = ["skip", "duplicate", "send_event", "skip_count"]
+__all__ = ["skip", "duplicate", "completed", "report_shadow", "result_codec", "send_event", "skip_count"]
 
 log = logging.getLogger("taskguard.celery")
 
@@ -27,6 +27,46 @@ def duplicate(task: Any, key: str, locks: Locks) -> Any:
     send_skip_event(task, skipped)
     log.info("task %s[%s]: redelivered copy of a finished run ignored", task.name, req.id)
     raise Ignore(f"duplicate of finished {task.name}[{req.id}]")
+
+
+def completed(task: Any, run: Any) -> Any:
+    """``once=True``: the key's work was completed by an earlier call; its stored value is this
+    run's result (reason ``"once"``, reported; the chain goes on: the value is the work's)."""
+    value = run.stored_value()
+    skipped = Skipped(key=run.key, reason="once", task=task.name)
+    send_event(task, "task-skipped", key=run.key, reason="once", holder_ttl=None, result=skipped.describe(),
+               retrying=False)
+    log.info("task %s[%s]: %r already completed; returning the stored value", task.name, task.request.id, run.key)
+    return value
+
+
+def report_shadow(task: Any, run: Any) -> None:
+    """Shadow mode (``enforce=False``): the guard would have skipped this run (``run.reason``);
+    it runs anyway. A ``task-guard-shadow`` event, never ``task-skipped`` (which Flower would show
+    as the task's state); the core's skip event (``shadow=True``) was emitted by the run."""
+    send_event(task, "task-guard-shadow", key=run.key, reason=run.reason, holder_ttl=run.holder_ttl,
+               leased=run.lease is not None)
+    log.info("task %s[%s]: shadow mode: would have been skipped (%s, lease %r); running it", task.name,
+             task.request.id, run.reason, run.key)
+
+
+def result_codec(task: Any) -> tuple[Any, Any]:
+    """``(dumps, loads)`` storing a ``once`` value as the task's results are serialised: the
+    app's ``result_serializer``, read back accepting ``result_accept_content`` (or
+    ``accept_content``) — kombu's registry (kombu/serialization.py)."""
+    from kombu.serialization import dumps as k_dumps, loads as k_loads, prepare_accept_content
+
+    conf = task.app.conf
+    serializer = conf.result_serializer
+    accept = prepare_accept_content(conf.result_accept_content or conf.accept_content)  # names -> MIME types
+
+    def dumps(value: Any) -> tuple[str, str, Any]:
+        return k_dumps(value, serializer=serializer)
+
+    def loads(data: Any, content_type: str, encoding: str) -> Any:
+        return k_loads(data, content_type, encoding, accept=accept)
+
+    return dumps, loads
 
 
 def skip(task: Any, skipped: Skipped, skips: int, locks: Locks) -> Any:

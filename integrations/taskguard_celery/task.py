@@ -47,7 +47,8 @@ class GuardedTask(Task):
     Guard options are task options (``@app.task(base=GuardedTask, ttl=30, key=...)`` or
     ``@guarded_task(...)``): ``key``, ``ttl``, ``wait``, ``blocking_wait``, ``renew``,
     ``on_skip``, ``on_lost``, ``skip_retry_delay``, ``skip_max_retries``, ``max_hold``,
-    ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``
+    ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``,
+    ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``
     (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
     :class:`taskguard.Locks`; see :mod:`taskguard_celery.config` for the default). They are
     validated when the task class is made; a bad one raises :class:`taskguard.ConfigError`.
@@ -73,6 +74,11 @@ class GuardedTask(Task):
     rate_key: Any = OPTION_DEFAULTS["rate_key"]
     rate_burst: int | None = OPTION_DEFAULTS["rate_burst"]
     rate_max_wait: float | None = OPTION_DEFAULTS["rate_max_wait"]
+    once: bool = OPTION_DEFAULTS["once"]
+    once_ttl: float = OPTION_DEFAULTS["once_ttl"]
+    fingerprint: Any = OPTION_DEFAULTS["fingerprint"]
+    once_max_bytes: int = OPTION_DEFAULTS["once_max_bytes"]
+    enforce: bool = OPTION_DEFAULTS["enforce"]
     locks: Locks | None = None
 
     _taskguard: GuardOptions | None = None
@@ -148,6 +154,7 @@ class GuardedTask(Task):
             paced = rates.pace_run(self, opts, key, args, kwargs, locks, handle, local)
             if paced is not None:
                 return skipping.skip(self, paced, skips, locks)
+        once = opts.once_policy(args, kwargs, *skipping.result_codec(self)) if opts.once else None
         run_id, finished_ttl = req.id or None, None if local else identity.finished_ttl(self, req)
         if slot_run is not None and not local:
             # a beat slot's messages share one run identity (the slot), whichever task id each
@@ -157,12 +164,15 @@ class GuardedTask(Task):
         run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
                          holder={"task": self.name, "task_id": req.id}, max_hold=opts.max_hold,
                          run_id=run_id, task=self.name, on_lost=opts.on_lost, finished_ttl=finished_ttl,
-                         on_lost_report=self._report_lost, tag=self, delivery=stamp, limit=opts.limit)
+                         on_lost_report=self._report_lost, tag=self, delivery=stamp, limit=opts.limit, once=once,
+                         enforce=opts.enforce)
         # with a publish stamp, finished runs are known per delivery: no copy of a delivery whose
         # run finished runs again, whichever copy the broker hands out first (an ETA message held
         # past the visibility timeout runs on two workers at once); unstamped (a client without
         # taskguard), only a redelivered copy is checked
         if not run.begin(handle=handle, refuse_finished=redelivered or stamp is not None or slot_run is not None):
+            if run.reason == "once":
+                return skipping.completed(self, run)
             if run.reason == "duplicate":
                 identity.end_chain(self, run)
                 return skipping.duplicate(self, key, locks)
@@ -175,6 +185,8 @@ class GuardedTask(Task):
             identity.end_chain(self, run)
             return skipping.duplicate(self, key, locks)
         identity.end_chain(self, run)
+        if not opts.enforce and run.reason is not None:
+            skipping.report_shadow(self, run)
         with run:
             try:
                 result = self._body(req, args, kwargs)
@@ -195,7 +207,7 @@ class GuardedTask(Task):
                 run.hand_back()  # the worker is going down: an acks_late message comes back
                 raise
         if run.state == "running":
-            run.finish()
+            run.finish(result)
         return result
 
     def _body(self, req: Any, args: tuple, kwargs: dict) -> Any:

@@ -155,16 +155,30 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
         deferred = _pace(job, locks, name, opts, key, args, kwargs)
         if deferred is not None:
             return deferred
+    once = opts.once_policy(args, kwargs, *_result_codec(job)) if opts.once else None
     run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew, holder={"job": name, "job_id": run_id},
-                     max_hold=opts.max_hold, run_id=run_id, task=name, on_lost=opts.on_lost, limit=opts.limit)
+                     max_hold=opts.max_hold, run_id=run_id, task=name, on_lost=opts.on_lost, limit=opts.limit,
+                     once=once, enforce=opts.enforce)
     handle = load_handle(locks, run_id) if run_id is not None else None
     if handle is not None and handle.get("running"):
         # the handle of an execution that may still be running (an orphaned work-horse): never
         # take its lease over; wait for it like any earlier execution of this job id
         handle = None
     if not run.begin(handle=handle, same_run="wait", same_run_wait=_job_timeout(job)):
+        if run.reason == "once":
+            value = run.stored_value()
+            log.info("%s: %r already completed; returning the stored value", name, key)
+            mirror_meta(job, key=key, outcome="once")
+            return value
         return _skip(job, locks, name, opts, run)
+    if not opts.enforce and run.reason is not None:
+        log.info("%s: shadow mode: would have been skipped (%s, lease %r); running it", name, run.reason, key)
+        mirror_meta(job, key=key, shadow=run.reason)
     lease = run.lease
+    if lease is None:  # shadow mode without the lease: the body runs unguarded
+        with run:
+            result = fn(*args, **kwargs)
+        return result
     saved = None
     if run_id is not None:  # for GuardedWorker, should the work-horse be killed
         try:
@@ -188,7 +202,7 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
         _end(job, locks, run, retry_in, "ran", saved)
         return result
     try:
-        run.finish()
+        run.finish(result)
     finally:
         if job is not None:
             _quietly(drop_handle, locks, job.id, saved)
@@ -237,6 +251,12 @@ def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args:
         except ValueError as e:
             log.error("job %s: ignoring a malformed meta[%r] (%s); pacing it afresh", job.id, RATE_META_KEY, e)
     rate_key = opts.rate_key.render(args, kwargs)
+    if not opts.enforce:  # shadow mode: checked, not consumed; reported; the job runs
+        if not pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+                    max_countdown=RATE_MAX_COUNTDOWN, consume=False).go:
+            locks.report_skip(Skipped(key=key, reason="rate_limited", task=name), shadow=True)
+            log.info("%s: shadow mode: would have been rate-limited (%r); running it", name, rate_key)
+        return None
     while True:
         p = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
                  max_countdown=RATE_MAX_COUNTDOWN, state=state)
@@ -267,6 +287,22 @@ def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args:
         # whole seconds (RQ's Retry); rounded down, and the job waits out the rest of its turn on
         # arrival, so the scheduler's rounding never bunches booked turns together
         return Retry(max=10**9, interval=[int(p.countdown)])
+
+
+def _result_codec(job: Any) -> tuple[Any, Any]:
+    """``(dumps, loads)`` storing a ``once`` value as RQ stores the job's results: the job's
+    serializer (RQ's default: pickle; rq/serializers.py ``resolve_serializer``)."""
+    from rq.serializers import resolve_serializer
+
+    serializer = resolve_serializer(getattr(job, "serializer", None))
+
+    def dumps(value: Any) -> tuple[str, str, Any]:
+        return "application/x-rq-serializer", "binary", serializer.dumps(value)
+
+    def loads(data: Any, content_type: str, encoding: str) -> Any:
+        return serializer.loads(data)
+
+    return dumps, loads
 
 
 def _release_kept(locks: Locks, job: Any) -> None:

@@ -1,0 +1,115 @@
+"""Celery tasks with ``once=True`` (complete once per business key, the stored value returned to
+every later call) and ``enforce=False`` (shadow mode), with embedded and subprocess workers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry
+
+from taskguard import ConfigError, IdempotencyConflict
+from taskguard.metrics import Metrics
+from taskguard_celery import guarded_task
+
+from .celery_app import make_app
+from .celery_support import EventLog, WorkerProcess, embedded_worker
+
+
+@pytest.fixture
+def app(redis_url, prefix):
+    a = make_app(f"q-{prefix}", prefix)
+    yield a
+    redis.Redis.from_url(redis_url).delete(a.tg_log, f"q-{prefix}")
+
+
+def _attempts(redis_url, prefix, invoice):
+    return int(redis.Redis.from_url(redis_url).get(f"{prefix}:attempt:charge:{invoice}") or 0)
+
+
+def test_the_first_success_is_stored_and_returned_across_workers_and_restarts(app, redis_url, prefix):
+    charge = app.tasks["tg.charge"]
+    with EventLog(app, tasks=["tg.charge"]) as events, embedded_worker(app):
+        first = charge.delay(1, 100).get(timeout=10)
+        again = charge.delay(1, 100, seconds=5).get(timeout=10)  # would sleep 5 s if it ran
+        same_id = charge.apply_async((1, 100), task_id=charge.delay(1, 100).id).get(timeout=10)  # a new publish of an id
+        hits = events.wait_for("task-skipped", 3)
+    assert first["n"] == 1 and again == first == same_id
+    assert {e["reason"] for e in hits} == {"once"}
+    for _ in range(2):  # a second worker process, then that worker restarted
+        with WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as worker:
+            assert charge.delay(1, 100).get(timeout=20) == first, worker.output()
+    assert _attempts(redis_url, prefix, 1) == 1  # the body ran once in all
+    assert app.conf.taskguard_locks.holder("charge:1") is None
+
+
+def test_a_failure_stores_nothing_then_a_success_is_stored(app, redis_url, prefix):
+    charge = app.tasks["tg.charge"]
+    with embedded_worker(app):
+        failed = charge.delay(2, 50, fail=True)
+        with pytest.raises(Exception, match="declined 2"):
+            failed.get(timeout=10)
+        ok = charge.delay(2, 50).get(timeout=10)
+        assert charge.delay(2, 50, fail=True).get(timeout=10) == ok  # fail= is not in the fingerprint
+    assert ok["n"] == 2 and _attempts(redis_url, prefix, 2) == 2
+
+
+def test_another_fingerprint_fails_with_idempotency_conflict(app):
+    charge = app.tasks["tg.charge"]
+    with embedded_worker(app):
+        charge.delay(3, 70).get(timeout=10)
+        conflicting = charge.delay(3, 71)
+        with pytest.raises(IdempotencyConflict) as info:
+            conflicting.get(timeout=10)
+    assert conflicting.state == "FAILURE" and info.value.key == "charge:3" and "71" not in str(info.value)
+
+
+def test_a_direct_call_and_a_worker_call_share_one_fingerprint(app, redis_url, prefix):
+    charge = app.tasks["tg.charge"]
+    direct = charge(4, amount=(1, 2))  # a tuple here, a JSON list through the broker
+    with embedded_worker(app):
+        assert charge.delay(4, [1, 2]).get(timeout=10) == {**direct, "amount": [1, 2]}
+    assert _attempts(redis_url, prefix, 4) == 1
+
+
+def test_while_a_once_run_is_in_flight_others_are_skipped_as_for_a_held_lease(app):
+    charge = app.tasks["tg.charge"]
+    with embedded_worker(app, concurrency=4):
+        slow = charge.delay(5, 10, seconds=1.0)
+        time.sleep(0.3)
+        busy = charge.delay(5, 10).get(timeout=10)
+        done = slow.get(timeout=10)
+        after = charge.delay(5, 10).get(timeout=10)
+    assert busy["reason"] == "held" and after == done
+
+
+def test_shadow_mode_runs_every_contended_call_and_reports_the_would_be_skips(app):
+    registry = CollectorRegistry()
+    remove = app.conf.taskguard_locks.add_listener(Metrics(registry))
+    try:
+        with EventLog(app, tasks=["tg.shadowed"]) as events, embedded_worker(app, concurrency=4):
+            results = [app.tasks["tg.shadowed"].delay("s1", seconds=1.0) for _ in range(4)]
+            values = [r.get(timeout=10) for r in results]
+            shadow = events.wait_for("task-guard-shadow", 2)
+            skipped = events.of("task-skipped")
+    finally:
+        remove()
+    assert len(values) == 4 and sorted(v["leased"] for v in values) == [False, False, True, True]
+    assert [e["reason"] for e in shadow] == ["limit", "limit"] and not skipped
+    assert registry.get_sample_value("taskguard_skips_total",
+                                     {"task": "tg.shadowed", "reason": "limit", "shadow": "true"}) == 2
+    assert all(r.state == "SUCCESS" for r in results)
+
+
+@pytest.mark.parametrize("opts, match", [
+    ({"once": True}, "needs key="), ({"fingerprint": ("a",)}, "needs once=True"),
+    ({"once": True, "key": "k:{a}", "fingerprint": ("b",)}, "'b'"), ({"once": "yes", "key": "k:{a}"}, "once"),
+    ({"once": True, "key": "k:{a}", "once_ttl": 0}, "once_ttl"), ({"enforce": 0}, "enforce"),
+    ({"once": True, "key": "k:{a}", "once_max_bytes": 0}, "once_max_bytes"),
+])
+def test_bad_once_and_shadow_options_fail_at_declaration(opts, match):
+    with pytest.raises(ConfigError, match=match):
+        @guarded_task(**opts)
+        def job(a):
+            return a
