@@ -186,11 +186,12 @@ def release(url: str | None, prefix: str | None, as_json: bool, key: str, force:
     larger fencing token."""
     locks = _locks(url, prefix)
     try:
-        info = locks.holder(key)
+        held = locks.holders(key)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     except LeaseBackendError as e:
         raise click.ClickException(str(e)) from None
+    info = held[0] if held else None
     if info is None:
         if as_json:
             click.echo(json.dumps({"key": key, "released": False, "reason": "no lease"}))
@@ -198,8 +199,12 @@ def release(url: str | None, prefix: str | None, as_json: bool, key: str, force:
             click.echo(f"no lease held on {key!r}")
         sys.exit(1)
     if not yes:
-        click.confirm(f"release {key!r} held by {info.holder} (fence {info.fencing_token}, {info.ttl}s left)?",
-                      abort=True)
+        if len(held) == 1:
+            question = f"release {key!r} held by {info.holder} (fence {info.fencing_token}, {info.ttl}s left)?"
+        else:
+            question = f"release every one of the {len(held)} holders of {key!r}?\n" + "\n".join(
+                f"  slot {h.slot}: {h.holder} (fence {h.fencing_token}, {h.ttl}s left)" for h in held)
+        click.confirm(question, abort=True)
     try:
         ok = locks.force_release(key)
     except LeaseBackendError as e:

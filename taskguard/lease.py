@@ -23,7 +23,7 @@ def slot_of(owner_token: str) -> int:
     """The holder slot an owner token belongs to: ``i`` for a token ending in ``#i``, else 0
     (see :mod:`taskguard.scripts`)."""
     head, sep, tail = owner_token.rpartition("#")
-    return int(tail) if sep and tail.isdigit() else 0
+    return int(tail) if sep and tail.isascii() and tail.isdigit() else 0  # as Lua's %d: ASCII digits
 
 
 def slot_suffix(slot: int) -> str:

@@ -99,12 +99,14 @@ def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, 
         return Pace(True, countdown=early) if 0 < early <= MAX_EARLY else GO
     since = now if state is None else state["since"]
     waited = max(0.0, now - since)
-    horizon = max_countdown if max_wait is None else min(max_countdown, max_wait - waited)
-    if horizon <= 0:
-        return Pace(False, skip=True)
+    horizon = max(0.0, max_countdown if max_wait is None else min(max_countdown, max_wait - waited))
+    # (horizon 0: the run may not wait any longer, e.g. rate_max_wait=0: it goes when the rate has
+    # room now and is skipped when not; nothing is booked)
     answer = locks.throttle(key, rate=rate, burst=burst, book_within=horizon, consume=consume)
     if answer.allowed:
         return GO
+    if horizon <= 0:
+        return Pace(False, skip=True)
     if answer.booked or (not consume and answer.retry_after <= horizon):
         return Pace(False, countdown=answer.retry_after, state={"since": since, "turn": now + answer.retry_after})
     if max_wait is not None and waited + answer.retry_after > max_wait:

@@ -73,7 +73,7 @@ class Skipped:
         if self.reason == "limit":
             return f"{who}skipped, every slot of lease {self.key!r} held (limit){left}"
         if self.reason == "rate_limited":
-            return f"{who}skipped, lease {self.key!r}: rate-limited past rate_max_wait"
+            return f"{who}skipped, rate {self.key!r}: its turn is past rate_max_wait"
         return f"{who}skipped, lease {self.key!r} {self.reason}{left}"
 
 

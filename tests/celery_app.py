@@ -335,6 +335,14 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     def api_bounded(self, n):
         return n
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.rated_retry", ttl=5, key="rr:{i}", rate=(1, 1.0),
+              rate_key="rr", max_retries=3)
+    def rated_retry(self, i, retry_first=False):
+        r.rpush(f"{prefix}:rr", f"{time.time():.6f} {i} {self.request.retries}")
+        if retry_first and self.request.retries == 0:
+            raise self.retry(countdown=0.05)
+        return i
+
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.charge", ttl=5, key="charge:{invoice_id}", once=True,
               fingerprint=("invoice_id", "amount"))
     def charge(self, invoice_id, amount, fail=False, seconds=0.0):

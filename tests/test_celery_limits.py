@@ -190,3 +190,53 @@ def test_a_long_rate_wait_never_holds_a_message_past_the_visibility_timeout(redi
         assert ran == [b"1"]  # the deferred run never ran beside its copies
     finally:
         redis.Redis.from_url(redis_url).delete(app.tg_log, f"q-{prefix}")
+
+
+def test_a_copy_of_a_finished_delivery_deferred_by_the_rate_is_still_refused(app, redis_url, prefix):
+    """A broker's second copy of a delivery (same task id, same publish stamp) that the rate defers
+    keeps the delivery's stamp, so at its turn it is refused as a copy of the finished run instead
+    of running the body again."""
+    from taskguard_celery.headers import new_publish_stamp
+
+    r = redis.Redis.from_url(redis_url)
+    with embedded_worker(app):
+        stamp = new_publish_stamp()
+        first = app.send_task("tg.api_call", args=(99,), task_id="copy-99", headers={"taskguard_publish": stamp})
+        assert first.get(timeout=10) == 99
+        for n in range(3):  # the rate (6/s, burst 2) has no room now
+            app.tasks["tg.api_call"].delay(n)
+        app.send_task("tg.api_call", args=(99,), task_id="copy-99", headers={"taskguard_publish": stamp})
+        time.sleep(3)
+    runs = [x.decode().split()[1] for x in r.lrange(f"{prefix}:calls", 0, -1)]
+    assert runs.count("99") == 1, runs
+
+
+def test_a_retry_after_a_rate_deferral_asks_the_rate_again(app, redis_url, prefix):
+    """The retry of a run that came back at its booked turn carries no turn of its own: it waits
+    for the next one (1/s here), it does not pass at once."""
+    r = redis.Redis.from_url(redis_url)
+    with embedded_worker(app):
+        results = [app.tasks["tg.rated_retry"].delay(0), app.tasks["tg.rated_retry"].delay(1, retry_first=True)]
+        assert [res.get(timeout=20) for res in results] == [0, 1]
+    starts = sorted(float(x.decode().split()[0]) for x in r.lrange(f"{prefix}:rr", 0, -1))
+    assert len(starts) == 3
+    assert all(b - a >= 0.9 for a, b in zip(starts, starts[1:])), [round(b - a, 2) for a, b in zip(starts, starts[1:])]
+
+
+def test_rate_max_wait_zero_runs_when_the_rate_has_room_and_skips_when_not(any_locks):
+    from taskguard.pacing import pace
+
+    kw = dict(rate=(1, 60.0), burst=None, max_wait=0.0, max_countdown=30)
+    assert pace(any_locks, "rmw", **kw).go
+    second = pace(any_locks, "rmw", **kw)
+    assert second.skip and not second.go
+    assert pace(any_locks, "rmw2", **kw, state={"since": time.time() - 5, "turn": None}).go  # waited, room now
+
+
+def test_a_beat_entry_template_is_bound_to_its_task_at_start_and_a_bad_field_drops_only_itself(app, caplog):
+    task = app.tasks["tg.export"]
+    with pytest.raises(ConfigError, match="beat entry 'e2': rate_key"):
+        validate_entry_options("e2", {"rate": "1/m", "rate_key": "per:{nope}"}, task)
+    guard = entry_guard(task, task._taskguard, {"limit": 3, "rate": [1, 60], "rate_key": "per:{nope}"})
+    assert guard.limit == 3 and guard.rate == (1, 60.0) and guard.rate_key.render(("t",), {}) == "tg.export"
+    assert "ignoring the beat entry's rate_key option" in caplog.text

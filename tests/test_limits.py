@@ -211,3 +211,11 @@ def test_a_sigkilled_holders_slot_returns_after_its_ttl(redis_url, prefix):
     assert all(got) and sorted(a.lease.slot for a in got) == [0, 1]
     assert time.monotonic() - started < 2.5  # back within one TTL of the kill (plus a renewal period)
     assert slot_of(got[0].lease.owner_token) == got[0].lease.slot
+
+
+@pytest.mark.parametrize("token", ["abc#\u00b2", "abc#\u0661", "abc#", "#", "abc#99999999999999999999"])
+def test_odd_owner_tokens_are_never_another_holders_and_never_crash(any_locks, token):
+    held = any_locks.acquire("odd", ttl=5, limit=2).lease
+    assert any_locks.claim("odd", token, ttl=5).acquired is False
+    assert any_locks.restore("odd", token, ttl=5).release() is False
+    assert held.renew() is True and [h.slot for h in any_locks.holders("odd")] == [0]

@@ -151,7 +151,10 @@ def _slot_keep(entry: Any) -> float:
     return 90000.0
 
 
-def validate_entry_options(name: str, options: Any) -> dict:
+def validate_entry_options(name: str, options: Any, task: Any = None) -> dict:
+    """Check one entry's ``options["taskguard"]`` when the scheduler is set up; with the entry's
+    ``task`` (a guarded task this process knows), its ``key`` / ``rate_key`` templates are bound to
+    the task's signature here too. Raises ConfigError naming the entry."""
     if not isinstance(options, dict) or set(options) - set(ENTRY_OPTION_KEYS):
         raise ConfigError(f"beat entry {name!r}: options[{ENTRY_OPTION!r}] must be a dict with keys "
                           f"{ENTRY_OPTION_KEYS}, got {options!r}")
@@ -170,6 +173,13 @@ def validate_entry_options(name: str, options: Any) -> dict:
             raise ConfigError(f"beat entry {name!r}: {field} must be a non-empty template str, got {value!r}")
     if options.get("rate_key") is not None and options.get("rate") is None:
         raise ConfigError(f"beat entry {name!r}: rate_key needs rate")
+    if task is not None and getattr(task, "_taskguard", None) is not None:
+        for field in ("key", "rate_key"):
+            if options.get(field) is not None:
+                try:
+                    KeyTemplate(options[field], task.run)
+                except ConfigError as e:
+                    raise ConfigError(f"beat entry {name!r}: {field}: {e}") from None
     rate = options.get("rate")
     out = dict(options)
     if isinstance(rate, tuple):
@@ -234,7 +244,7 @@ class SingletonBeatMixin:
         for name, entry in self.schedule.items():  # type: ignore[attr-defined]
             opts = entry.options.get(ENTRY_OPTION)
             if opts is not None:
-                validate_entry_options(name, opts)
+                validate_entry_options(name, opts, self.app.tasks.get(entry.task))  # type: ignore[attr-defined]
 
     # -- leadership -------------------------------------------------------------------------------
     def tick(self, *args: Any, **kwargs: Any) -> Any:
@@ -489,28 +499,31 @@ def entry_guard(task: Any, opts: Any, header: dict) -> Any:
     ``key`` / ``ttl`` / ``limit`` / ``rate`` / ``rate_key`` (``options["taskguard"]`` in the
     schedule) when it gives them. A bad entry option is logged and the task's own options are used."""
     changes: dict[str, Any] = {}
-    spec, ttl = header.get("key"), header.get("ttl")
-    try:
-        for field, value in (("key", spec), ("rate_key", header.get("rate_key"))):
-            if isinstance(value, str) and value:
-                template = _entry_keys.get((type(task), value))
-                if template is None:
-                    template = _entry_keys[(type(task), value)] = KeyTemplate(value, task.run)
-                changes[field] = template
-        if ttl is not None:
-            changes["ttl"] = check_ttl(ttl)
-        if header.get("limit") is not None:
-            changes["limit"] = check_limit(header["limit"])
-        if header.get("rate") is not None:
-            rate = header["rate"]
-            changes["rate"] = check_rate(tuple(rate) if isinstance(rate, list) else rate)
-            if "rate_key" not in changes and opts.rate_key is None:
-                changes["rate_key"] = KeyTemplate(task.name, task.run)
-        elif "rate_key" in changes and opts.rate is None:
-            raise ConfigError("rate_key needs rate")
-    except ConfigError as e:
-        log.error("task %s: ignoring the beat entry's guard options: %s", task.name, e)
-        return opts
+
+    def template(value: str) -> KeyTemplate:
+        found = _entry_keys.get((type(task), value))
+        if found is None:
+            found = _entry_keys[(type(task), value)] = KeyTemplate(value, task.run)
+        return found
+
+    def rate(value: Any) -> Any:
+        return check_rate(tuple(value) if isinstance(value, list) else value)
+
+    # each field on its own: a bad one (logged) never drops the entry's other options
+    for field, check in (("key", template), ("rate_key", template), ("ttl", check_ttl), ("limit", check_limit),
+                         ("rate", rate)):
+        value = header.get(field)
+        if value is None or (field in ("key", "rate_key") and not (isinstance(value, str) and value)):
+            continue
+        try:
+            changes[field] = check(value)
+        except ConfigError as e:
+            log.error("task %s: ignoring the beat entry's %s option: %s", task.name, field, e)
+    if "rate" in changes and "rate_key" not in changes and opts.rate_key is None:
+        changes["rate_key"] = template(task.name)
+    if "rate_key" in changes and "rate" not in changes and opts.rate is None:
+        log.error("task %s: ignoring the beat entry's rate_key option: it needs rate", task.name)
+        del changes["rate_key"]
     import dataclasses
 
     return dataclasses.replace(opts, **changes) if changes else opts

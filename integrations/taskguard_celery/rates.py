@@ -39,8 +39,8 @@ def max_countdown(app: Any) -> float:
 
 def pace_run(task: Any, opts: GuardOptions, key: str, args: tuple, kwargs: dict, locks: Locks,
              handle: dict | None, local: bool) -> Skipped | None:
-    """``None`` when the run goes ahead now; the ``Skipped`` (reason ``"rate_limited"``) when it
-    would wait past ``rate_max_wait``. A deferred worker run raises ``Retry`` after re-publishing
+    """``None`` when the run goes ahead now; the ``Skipped`` (reason ``"rate_limited"``, ``key``
+    the rate key) when it would wait past ``rate_max_wait``. A deferred worker run raises ``Retry`` after re-publishing
     itself. Raises LeaseBackendError when Redis fails (the run neither runs nor is lost: the
     task fails like any run that cannot reach Redis)."""
     req = task.request
@@ -57,8 +57,8 @@ def pace_run(task: Any, opts: GuardOptions, key: str, args: tuple, kwargs: dict,
                     max_countdown=bound, consume=False).go:
             from .skipping import send_event
 
-            locks.report_skip(Skipped(key=key, reason="rate_limited", task=task.name), shadow=True)
-            send_event(task, "task-guard-shadow", key=key, reason="rate_limited", holder_ttl=None, leased=False)
+            locks.report_skip(Skipped(key=rate_key, reason="rate_limited", task=task.name), shadow=True)
+            send_event(task, "task-guard-shadow", key=rate_key, reason="rate_limited", holder_ttl=None, leased=False)
         return None
     while True:
         p = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
@@ -70,9 +70,9 @@ def pace_run(task: Any, opts: GuardOptions, key: str, args: tuple, kwargs: dict,
         if p.skip:
             if handle is not None:
                 _release(task, handle)
-            return Skipped(key=key, reason="rate_limited", task=task.name)
+            return Skipped(key=rate_key, reason="rate_limited", task=task.name)
         if not local:
-            _defer(task, key, locks, p.countdown, p.state, handle)
+            _defer(task, rate_key, locks, p.countdown, p.state, handle)
         time.sleep(p.countdown)  # a direct or eager call waits for its turn here
         state = p.state
 

@@ -11,7 +11,7 @@ from celery.exceptions import Ignore, Retry
 
 from taskguard import Locks, Skipped, TaskSkipped
 
-from .headers import DEFER_HEADER, HEADER
+from .headers import DEFER_HEADER, HEADER, RATE_HEADER
 from .serialization import result_value
 
 __all__ = ["skip", "duplicate", "completed", "report_shadow", "result_codec", "send_event", "skip_count"]
@@ -78,7 +78,7 @@ def skip(task: Any, skipped: Skipped, skips: int, locks: Locks) -> Any:
         if skips < opts.skip_max_retries:
             locks.report_skip(skipped)
             send_skip_event(task, skipped, retrying=True)
-            retry_after_skip(task, opts.retry_delay(skipped.holder_ttl), skips + 1)
+            retry_after_skip(task, opts.retry_delay(skipped.holder_ttl), skips + 1, skipped.reason)
         skipped = dataclasses.replace(skipped, reason="retry_exhausted")
     locks.report_skip(skipped)
     send_skip_event(task, skipped)
@@ -94,18 +94,20 @@ def skip(task: Any, skipped: Skipped, skips: int, locks: Locks) -> Any:
     return result_value(skipped, task)
 
 
-def retry_after_skip(task: Any, countdown: float, skips: int) -> None:
+def retry_after_skip(task: Any, countdown: float, skips: int, reason: str = "held") -> None:
     """Re-publish this request ``countdown`` seconds later without counting a retry
     (``max_retries`` is for the body's failures, not for contention)."""
     req = task.request
     headers = {**(req.headers or {}), HEADER: {"skips": skips}}
     headers.pop(DEFER_HEADER, None)
+    headers.pop(RATE_HEADER, None)  # its turn was used: the next attempt asks the rate again
     sig = task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers)
+    why = "every slot of the lease held (limit)" if reason == "limit" else f"lease {reason}"
+    message = f"{why}; retry {skips} of {task._taskguard.skip_max_retries}"
     if req.is_eager:
-        raise Retry(f"lease held; retry {skips} of {task._taskguard.skip_max_retries}",
-                    when=countdown, is_eager=True, sig=sig)
+        raise Retry(message, when=countdown, is_eager=True, sig=sig)
     sig.apply_async()
-    raise Retry(f"lease held; retry {skips} of {task._taskguard.skip_max_retries}", when=countdown, sig=sig)
+    raise Retry(message, when=countdown, sig=sig)
 
 
 def send_skip_event(task: Any, skipped: Skipped, retrying: bool = False, **extra: Any) -> None:

@@ -23,7 +23,7 @@ from taskguard.run import GuardedRun
 from . import identity, rates, skipping
 from .beat import beat_run, entry_guard
 from .config import locks_for
-from .headers import BEAT_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, new_publish_stamp, read_header
+from .headers import BEAT_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, new_publish_stamp, read_header
 
 __all__ = ["GuardedTask", "guarded_task", "current_lease", "HEADER"]  # current_lease: taskguard.context
 
@@ -229,11 +229,13 @@ class GuardedTask(Task):
     def apply_async(self, args=None, kwargs=None, task_id=None, producer=None, link=None, link_error=None,
                     shadow=None, **options):
         """Celery's ``Task.apply_async``, stamping the message with a new publish stamp (the
-        ``taskguard_publish`` header) unless it is taskguard's own deferred copy of a delivery,
-        which keeps its delivery's stamp. Every publish of a guarded task passes here: calls,
+        ``taskguard_publish`` header) unless it is taskguard's own deferred copy of a delivery
+        (a copy looking again while its run id runs elsewhere, or a run deferred to its turn under
+        ``rate``), which keeps its delivery's stamp: it is the same delivery, so a copy of one
+        that finished is still refused. Every publish of a guarded task passes here: calls,
         retries, replacements, chain and chord steps (celery/app/task.py, celery/canvas.py)."""
         headers = options.get("headers")
-        if not (isinstance(headers, dict) and DEFER_HEADER in headers):
+        if not (isinstance(headers, dict) and (DEFER_HEADER in headers or RATE_HEADER in headers)):
             options["headers"] = {**(headers or {}), PUBLISH_HEADER: new_publish_stamp()}
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
 
@@ -255,6 +257,7 @@ class GuardedTask(Task):
         headers = {**(req.headers or {}), **(options.pop("headers", None) or {})}
         headers.pop(HEADER, None)
         headers.pop(DEFER_HEADER, None)
+        headers.pop(RATE_HEADER, None)  # a retry is a new call: it asks the rate again
         if not throw:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
         handle = run.keep(_retry_delay(eta, countdown, self.default_retry_delay) + self._taskguard.ttl)

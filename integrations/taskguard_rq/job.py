@@ -188,7 +188,7 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
         except BaseException:
             run.hand_back()  # the body never ran: nothing is left locked
             raise
-    mirror_meta(job, key=key, fence=lease.fencing_token, outcome="running")
+    mirror_meta(job, key=key, fence=lease.fencing_token, slot=lease.slot, outcome="running")
     with run:
         try:
             result = fn(*args, **kwargs)
@@ -254,7 +254,7 @@ def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args:
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the job runs
         if not pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
                     max_countdown=RATE_MAX_COUNTDOWN, consume=False).go:
-            locks.report_skip(Skipped(key=key, reason="rate_limited", task=name), shadow=True)
+            locks.report_skip(Skipped(key=rate_key, reason="rate_limited", task=name), shadow=True)
             log.info("%s: shadow mode: would have been rate-limited (%r); running it", name, rate_key)
         return None
     while True:
@@ -270,7 +270,7 @@ def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args:
         if p.skip:
             if job is not None:
                 _release_kept(locks, job)
-            skipped = Skipped(key=key, reason="rate_limited", task=name)
+            skipped = Skipped(key=rate_key, reason="rate_limited", task=name)
             return _report_skip(job, locks, name, opts, skipped)
         if job is None:
             time.sleep(p.countdown)
@@ -278,7 +278,7 @@ def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args:
             continue
         _release_kept(locks, job)  # a failed job's kept lease is not held through a rate wait
         job.meta[RATE_META_KEY] = p.state  # saved by mirror_meta below
-        locks.report_skip(Skipped(key=key, reason="rate_limited", task=name))
+        locks.report_skip(Skipped(key=rate_key, reason="rate_limited", task=name))
         booked = p.state is not None and p.state.get("turn") is not None
         log.info("job %s: rate-limited; %s in %.2fs", job.id, "its turn is booked" if booked else "it asks again",
                  p.countdown)
