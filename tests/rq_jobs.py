@@ -121,3 +121,17 @@ def api_call(n):
 @guarded_job(ttl=5, key="apib:{n}", rate="1/m", rate_key="apib", rate_max_wait=1)
 def api_bounded(n):
     return n
+
+
+@guarded_job(ttl=5, key="charge:{invoice_id}", once=True, fingerprint=("invoice_id", "amount"))
+def charge(invoice_id, amount, fail=False):
+    n = _attempt(f"charge:{invoice_id}")
+    if fail:
+        raise RuntimeError(f"declined {invoice_id}")
+    return {"invoice": invoice_id, "amount": amount, "n": n, "fence": current_lease().fencing_token}
+
+
+@guarded_job(ttl=5, key="shadow:{name}", enforce=False)
+def shadowed(name):
+    lease = current_lease()
+    return {"leased": lease is not None}
