@@ -22,7 +22,7 @@ __all__ = ["LeaseEvent", "Listener", "add_listener", "remove_listener", "Emitter
 log = logging.getLogger("taskguard")
 
 #: ``kind`` values.
-KINDS = ("acquire", "renew", "release", "claim", "skip", "lost")
+KINDS = ("acquire", "renew", "release", "claim", "skip", "lost", "publish")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,8 @@ class LeaseEvent:
         status: outcome, per kind: acquire ``"acquired" | "held" | "wait_timeout" | "error"``;
             renew ``"renewed" | "not_owner" | "error" | "max_hold"``; release
             ``"released" | "not_owner" | "error"``; claim ``"claimed" | "not_owner" | "error"``;
-            skip: the skip reason; lost: the reason the lease was found lost.
+            skip: the skip reason; lost: the reason the lease was found lost; publish
+            ``"suppressed"`` (``unique=True`` found a run queued or running).
         duration: seconds (float) the operation took (for acquire: including any wait).
         at: Unix epoch seconds when the event was made.
         fencing_token: the lease's fencing token where known (not secret).

@@ -492,6 +492,36 @@ class Locks:
         run.finish(value)
         return value
 
+    # -- publish-time uniqueness -------------------------------------------------------------------
+    def mark_queued(self, key: str, run_id: str, *, ttl: float) -> tuple[bool, str]:
+        """Before publishing run ``run_id`` of ``key`` (``unique=True``): atomically, if a run of
+        ``key`` is queued (marked and unexpired) or running (a live holder with a task / job id in
+        its holder metadata), answer ``(False, that run's id)``; else mark ``run_id`` as queued for
+        ``ttl`` seconds and answer ``(True, run_id)``. The mark is cleared by
+        :meth:`clear_queued` (the run took its lease, was skipped, revoked, or its publish failed)
+        and otherwise expires. One single-key script. Raises ConfigError for bad arguments,
+        LeaseBackendError when Redis fails."""
+        run_id = check_run_id(run_id)
+        if run_id is None or " " in run_id:
+            raise ConfigError("run_id must be a non-empty str without spaces")
+        return self._mark_queued_one(check_key(key), run_id, check_seconds("ttl", ttl))
+
+    def clear_queued(self, key: str, run_id: str) -> bool:
+        """Clear ``key``'s queued mark if it names ``run_id``. Returns ``True`` when it did.
+        Raises LeaseBackendError when Redis fails."""
+        return self._clear_queued_one(check_key(key), run_id)
+
+    def _mark_queued_one(self, key: str, run_id: str, ttl: float) -> tuple[bool, str]:
+        raise NotImplementedError
+
+    def _clear_queued_one(self, key: str, run_id: str) -> bool:
+        raise NotImplementedError
+
+    def report_suppressed(self, key: str, task: str | None, existing: str) -> None:
+        """Emit the ``publish`` event (status ``"suppressed"``) of a publish that found ``existing``
+        queued or running (adapters; the metric ``taskguard_publishes_suppressed_total``)."""
+        self._emit("publish", key, "suppressed", task=task)
+
     # -- records (small values kept for callers under a lease key's hash tag) ---------------------
     def put_record(self, key: str, name: str, value: str, *, ttl: float, if_absent: bool = False,
                    if_value: str | None = None) -> bool:

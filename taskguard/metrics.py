@@ -52,6 +52,9 @@ class Metrics:
         self.skips = Counter("taskguard_skips_total",
                              "Runs skipped by their guard (shadow=\"true\": would have been, in shadow mode)",
                              ["task", "reason", "shadow"], registry=registry)
+        self.suppressed = Counter("taskguard_publishes_suppressed_total",
+                                  "Publishes not made because a run of the key was queued or running (unique=True)",
+                                  ["task"], registry=registry)
         self.restored = Counter("taskguard_leases_restored_total",
                                 "Leases claimed by a retry of the run that held them (same fencing token)", ["task"],
                                 registry=registry)
@@ -76,6 +79,8 @@ class Metrics:
                 self.acquired.labels(task=task).inc()
         elif event.kind == "claim" and event.status == "claimed":
             self.restored.labels(task=task).inc()
+        elif event.kind == "publish" and event.status == "suppressed":
+            self.suppressed.labels(task=task).inc()
         elif event.kind == "skip":
             self.skips.labels(task=task, reason=event.status, shadow="true" if event.shadow else "false").inc()
         elif event.kind == "lost":

@@ -48,6 +48,8 @@ class GuardOptions:
     fingerprint: Any = None
     once_max_bytes: int = 1 << 20
     enforce: bool = True
+    unique: bool = False
+    unique_ttl: float | None = None
 
     @classmethod
     def build(
@@ -77,6 +79,8 @@ class GuardOptions:
         fingerprint: Any = None,
         once_max_bytes: int = 1 << 20,
         enforce: bool = True,
+        unique: bool = False,
+        unique_ttl: float | None = None,
         allowed_on_skip: tuple[str, ...] = ON_SKIP,
     ) -> "GuardOptions":
         """Validate options for the task ``name`` whose body is ``fn``.
@@ -126,6 +130,12 @@ class GuardOptions:
                 and what it would have done reported, but the body always runs (with no lease
                 when it could not be had) and no capacity is taken from enforced callers beyond
                 a free lease (a rate is checked, not consumed; no value is stored).
+            unique: publish-time uniqueness: publishing while a run of the same key is queued or
+                running publishes nothing and returns that run's handle (Celery; RQ:
+                ``enqueue_unique``). The lease stays the correctness boundary; this saves queue
+                space.
+            unique_ttl: seconds a queued mark lasts when its run never starts (its message lost),
+                plus any countdown (default: the publish's ``expires``, else 1 hour).
 
         Raises:
             ConfigError: naming the task and the bad option.
@@ -149,6 +159,7 @@ class GuardOptions:
             rate_max_wait = None if rate_max_wait is None else check_seconds("rate_max_wait", rate_max_wait,
                                                                              allow_zero=True)
             once_ttl = check_seconds("once_ttl", once_ttl)
+            unique_ttl = None if unique_ttl is None else check_seconds("unique_ttl", unique_ttl)
             if once and key is None:
                 raise ConfigError("once=True needs key= naming the business key (e.g. key='charge:{invoice_id}')")
             if not once and fingerprint is not None:
@@ -168,14 +179,14 @@ class GuardOptions:
         if on_lost not in ON_LOST:
             raise bad(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
         for flag, value in (("renew", renew), ("continue_on_skip", continue_on_skip), ("blocking_wait", blocking_wait),
-                            ("once", once), ("enforce", enforce)):
+                            ("once", once), ("enforce", enforce), ("unique", unique)):
             if not isinstance(value, bool):
                 raise bad(f"{flag} must be True or False, got {value!r}")
         if isinstance(skip_max_retries, bool) or not isinstance(skip_max_retries, int) or skip_max_retries < 0:
             raise bad(f"skip_max_retries must be an int >= 0, got {skip_max_retries!r}")
         return cls(template, ttl, wait, renew, on_skip, on_lost, skip_retry_delay, skip_max_retries, max_hold,
                    continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait, once, once_ttl,
-                   fingerprint, once_max_bytes, enforce)
+                   fingerprint, once_max_bytes, enforce, unique, unique_ttl)
 
     def once_policy(self, args: tuple, kwargs: dict, dumps: Any = None, loads: Any = None) -> Any:
         """The :class:`~taskguard.once.OncePolicy` of one call (``None`` without ``once``), its

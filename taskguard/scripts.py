@@ -10,6 +10,7 @@ everything that is not a key goes in ARGV):
                    release call's nonce (a client retry of that release still answers 1) and
                    ``l`` the identity of the run that finished, if one did (the next acquisition
                    drops it); ``w`` (server ms) until when someone waits for the lease;
+                   ``q`` the queued mark of a ``unique=True`` publish ("<run id> <expiry ms>");
                    ``d:NAME`` the lease records (:meth:`Lease.put_record`), written only by the
                    holder and kept across leases. Under a limit (``acquire(limit=N)``) each of
                    the N holders has a slot: slot 0 uses the fields above, slot ``i > 0`` the
@@ -68,7 +69,7 @@ from typing import Any, Sequence
 from redis.exceptions import NoScriptError
 
 __all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_WITHOUT_TOKEN", "CLAIM", "HOLDERS", "OWNS", "SIGNAL",
-           "PUT_RECORD", "DELETE_RECORD", "PUT_LEASE_RECORD", "THROTTLE", "RELEASE_STORING"]
+           "PUT_RECORD", "DELETE_RECORD", "PUT_LEASE_RECORD", "THROTTLE", "RELEASE_STORING", "QUEUE", "UNQUEUE"]
 
 
 class Script:
@@ -321,6 +322,60 @@ end
 redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[7], 'NX')
 if KEYS[3] then
   redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+end
+return 0
+""",
+)
+
+# Publish-time uniqueness (``unique=True``): one queued run per key, marked in the lease hash
+# itself (field ``q`` = "<run id> <expiry ms>"), so the check and the mark are one single-key
+# script, atomic with the lease: a publish finds the run that is queued (an unexpired mark) or
+# running (a live holder: its task / job id from the holder metadata), else marks itself.
+# KEYS[1] lease; ARGV[1] the new run's id, ARGV[2] mark TTL ms, ARGV[3] idle TTL ms of the key
+# -> {1, ARGV[1]} marked: publish it; {0, id} a run is queued or running: that one's id.
+QUEUE = Script(
+    "queue",
+    _NOW + """
+local v = redis.call('HMGET', KEYS[1], 'q', 'm')
+if v[1] then
+  local id, exp = string.match(v[1], '^(.*) (%d+)$')
+  if id and tonumber(exp) > now then
+    return {0, id}
+  end
+end
+local n = tonumber(v[2]) or 1
+for i = 0, n - 1 do
+  local s = ''
+  if i > 0 then s = '#' .. i end
+  local h = redis.call('HMGET', KEYS[1], 'x' .. s, 'h' .. s)
+  local exp = tonumber(h[1])
+  if exp and exp > now and h[2] then
+    local ok, meta = pcall(cjson.decode, h[2])
+    if ok and type(meta) == 'table' then
+      local id = meta['task_id'] or meta['job_id']
+      if type(id) == 'string' and id ~= '' then
+        return {0, id}
+      end
+    end
+  end
+end
+local ttl = tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'q', ARGV[1] .. ' ' .. string.format('%.0f', now + ttl))
+if redis.call('PTTL', KEYS[1]) < ttl then
+  redis.call('PEXPIRE', KEYS[1], math.max(ttl, tonumber(ARGV[3])))
+end
+return {1, ARGV[1]}
+""",
+)
+
+# KEYS[1] lease; ARGV[1] a run id -> 1 the queued mark named that run and is cleared, 0 it did not.
+UNQUEUE = Script(
+    "unqueue",
+    """
+local q = redis.call('HGET', KEYS[1], 'q')
+if q and string.match(q, '^(.*) %d+$') == ARGV[1] then
+  redis.call('HDEL', KEYS[1], 'q')
+  return 1
 end
 return 0
 """,

@@ -343,6 +343,18 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
             raise self.retry(countdown=0.05)
         return i
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.unique_slow", ttl=2, key="u:{name}", unique=True,
+              unique_ttl=60)
+    def unique_slow(self, name, seconds=0.5):
+        note(f"unique:{name}:{self.request.id}")
+        time.sleep(seconds)
+        return self.request.id
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.unique_short", ttl=5, key="us:{name}", unique=True,
+              unique_ttl=1)
+    def unique_short(self, name):
+        return name
+
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.charge", ttl=5, key="charge:{invoice_id}", once=True,
               fingerprint=("invoice_id", "amount"))
     def charge(self, invoice_id, amount, fail=False, seconds=0.0):

@@ -6,7 +6,7 @@ import secrets
 import time
 from typing import Any
 
-__all__ = ["HEADER", "BEAT_HEADER", "DEFER_HEADER", "PUBLISH_HEADER", "RATE_HEADER", "new_publish_stamp", "publish_time",
+__all__ = ["HEADER", "BEAT_HEADER", "DEFER_HEADER", "PUBLISH_HEADER", "RATE_HEADER", "UNIQUE_HEADER", "new_publish_stamp", "publish_time",
            "read_header"]
 
 #: The handle of a lease kept for a retry, ``{"key", "owner", "fence", "expires"}``, plus ``"skips"``
@@ -22,6 +22,9 @@ DEFER_HEADER = "taskguard_defer"
 #: a broker redelivery and taskguard's deferred copies keep it. Finished runs are recorded per
 #: (task id, stamp), so a new publish of an id is never taken for a copy of an earlier one.
 PUBLISH_HEADER = "taskguard_publish"
+#: Header of a message published with ``unique=True``: the key it marked queued (the worker clears
+#: the mark when the run starts, is skipped or revoked).
+UNIQUE_HEADER = "taskguard_unique"
 #: Header of a run deferred by its task's ``rate``: ``{"since", "turn"}`` (see :mod:`taskguard.pacing`).
 RATE_HEADER = "taskguard_rate"
 

@@ -64,6 +64,9 @@ def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseE
 def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
     if not isinstance(sender, GuardedTask) or request is None:
         return
+    from .uniqueness import clear
+
+    clear(sender, request)  # revoked or expired: it will not run, so it is no longer queued
     if terminated:
         release_for_run(sender, request.id, request.args, request.kwargs)
         return

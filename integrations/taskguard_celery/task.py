@@ -20,7 +20,7 @@ from taskguard.handoff import parse_handle, release_handle
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions
 from taskguard.run import GuardedRun
 
-from . import identity, rates, skipping
+from . import identity, rates, skipping, uniqueness
 from .beat import beat_run, entry_guard
 from .config import locks_for
 from .headers import BEAT_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, new_publish_stamp, read_header
@@ -48,7 +48,7 @@ class GuardedTask(Task):
     ``@guarded_task(...)``): ``key``, ``ttl``, ``wait``, ``blocking_wait``, ``renew``,
     ``on_skip``, ``on_lost``, ``skip_retry_delay``, ``skip_max_retries``, ``max_hold``,
     ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``,
-    ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``
+    ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``, ``unique``, ``unique_ttl``
     (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
     :class:`taskguard.Locks`; see :mod:`taskguard_celery.config` for the default). They are
     validated when the task class is made; a bad one raises :class:`taskguard.ConfigError`.
@@ -79,6 +79,8 @@ class GuardedTask(Task):
     fingerprint: Any = OPTION_DEFAULTS["fingerprint"]
     once_max_bytes: int = OPTION_DEFAULTS["once_max_bytes"]
     enforce: bool = OPTION_DEFAULTS["enforce"]
+    unique: bool = OPTION_DEFAULTS["unique"]
+    unique_ttl: float | None = OPTION_DEFAULTS["unique_ttl"]
     locks: Locks | None = None
 
     _taskguard: GuardOptions | None = None
@@ -146,6 +148,7 @@ class GuardedTask(Task):
         # a retry's message carries its one-shot handle: a second copy of it is a copy, not a publish
         redelivered = not local and (identity.is_redelivery(req) or handle is not None)
         if redelivered and identity.finished_in_backend(self, req):
+            uniqueness.clear(self, req)
             return skipping.duplicate(self, key, locks)
         stamp = read_header(req, PUBLISH_HEADER)
         stamp = stamp if isinstance(stamp, str) and stamp and not local else None
@@ -170,7 +173,9 @@ class GuardedTask(Task):
         # run finished runs again, whichever copy the broker hands out first (an ETA message held
         # past the visibility timeout runs on two workers at once); unstamped (a client without
         # taskguard), only a redelivered copy is checked
-        if not run.begin(handle=handle, refuse_finished=redelivered or stamp is not None or slot_run is not None):
+        began = run.begin(handle=handle, refuse_finished=redelivered or stamp is not None or slot_run is not None)
+        uniqueness.clear(self, req)  # it started, or will not run: no longer queued
+        if not began:
             if run.reason == "once":
                 return skipping.completed(self, run)
             if run.reason == "duplicate":
@@ -235,8 +240,18 @@ class GuardedTask(Task):
         that finished is still refused. Every publish of a guarded task passes here: calls,
         retries, replacements, chain and chord steps (celery/app/task.py, celery/canvas.py)."""
         headers = options.get("headers")
+        unique = options.pop("unique", None)
         if not (isinstance(headers, dict) and (DEFER_HEADER in headers or RATE_HEADER in headers)):
             options["headers"] = {**(headers or {}), PUBLISH_HEADER: new_publish_stamp()}
+        opts = self._taskguard
+        # taskguard's own copies of a run (retries, skip retries, deferrals) are that run, never a duplicate
+        own_copy = isinstance(headers, dict) and any(h in headers for h in (HEADER, DEFER_HEADER, RATE_HEADER)) \
+            or bool(options.get("retries"))
+        if opts is not None and (opts.unique if unique is None else unique) and not own_copy:
+            return uniqueness.publish(
+                self, args, kwargs, task_id, options,
+                lambda tid, o: super(GuardedTask, self).apply_async(args, kwargs, tid, producer, link, link_error,
+                                                                    shadow, **o))
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
 
     # -- retries keep the lease -------------------------------------------------------------------

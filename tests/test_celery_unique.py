@@ -1,0 +1,138 @@
+"""Publish-time uniqueness (``unique=True``) with real workers: one message per key while a run is
+queued or running, no mark left by a failed publish, a lost message blocking its key no longer
+than ``unique_ttl``, marks cleared by revocation and by a killed worker's lease."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry
+
+from taskguard.metrics import Metrics
+
+from .celery_app import make_app
+from .celery_support import WorkerProcess, body_log, embedded_worker
+
+
+@pytest.fixture
+def app(redis_url, prefix):
+    a = make_app(f"q-{prefix}", prefix)
+    yield a
+    redis.Redis.from_url(redis_url).delete(a.tg_log, f"q-{prefix}")
+
+
+def _queued(app, key):
+    """The key's queued mark, as the lease hash holds it (or None)."""
+    locks = app.conf.taskguard_locks
+    raw = locks.client.hget(locks._lease_key(key), "q")
+    return raw.decode() if raw else None
+
+
+def test_ten_concurrent_publishes_of_one_key_make_one_message_and_one_run(app, redis_url, prefix):
+    registry = CollectorRegistry()
+    remove = app.conf.taskguard_locks.add_listener(Metrics(registry))
+    task = app.tasks["tg.unique_slow"]
+    handles: list = []
+    barrier = threading.Barrier(10)
+
+    def publish():
+        barrier.wait()
+        handles.append(task.delay("a"))
+
+    try:
+        threads = [threading.Thread(target=publish) for _ in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert redis.Redis.from_url(redis_url).llen(f"q-{prefix}") == 1  # one message on the queue
+        with embedded_worker(app):
+            assert len({h.id for h in handles}) == 1
+            assert {h.get(timeout=10) for h in handles} == {handles[0].id}
+            again = task.delay("a")  # the run ended: a new publish goes out
+            assert again.id != handles[0].id and again.get(timeout=10) == again.id
+    finally:
+        remove()
+    assert [e for e in body_log(app) if e.startswith("unique:a:")] == [f"unique:a:{handles[0].id}", f"unique:a:{again.id}"]
+    assert registry.get_sample_value("taskguard_publishes_suppressed_total", {"task": "tg.unique_slow"}) == 9
+    assert _queued(app, "u:a") is None
+
+
+def test_a_publish_while_the_run_is_running_returns_the_running_one(app):
+    task = app.tasks["tg.unique_slow"]
+    with embedded_worker(app):
+        first = task.delay("b", seconds=1.0)
+        time.sleep(0.5)  # running: its mark is cleared, its lease is held
+        assert _queued(app, "u:b") is None
+        assert task.delay("b").id == first.id
+        assert task.apply_async(("b",), unique=False).get(timeout=10) != first.id  # per call: off
+        first.get(timeout=10)
+
+
+def test_per_call_unique_on_a_task_without_it(app):
+    task = app.tasks["tg.slow"]  # key "slow:{n}", unique not set
+    first = task.apply_async((7,), unique=True)
+    assert task.apply_async((7,), unique=True).id == first.id
+    assert task.apply_async((7,)).id != first.id  # a plain publish is not stopped
+
+
+def test_a_publish_that_fails_leaves_no_mark(redis_url, prefix):
+    from .servers import free_port
+
+    broken = make_app(f"q-{prefix}", prefix, broker=f"redis://127.0.0.1:{free_port()}/0",
+                      broker_connection_retry=False, broker_connection_max_retries=0, task_publish_retry=False)
+    with pytest.raises(Exception):
+        broken.tasks["tg.unique_slow"].delay("c")
+    assert _queued(broken, "u:c") is None
+
+
+def test_a_lost_message_blocks_its_key_no_longer_than_unique_ttl(app, redis_url, prefix):
+    task = app.tasks["tg.unique_short"]  # unique_ttl=1
+    lost = task.delay("d")
+    redis.Redis.from_url(redis_url).delete(f"q-{prefix}")  # the message is lost
+    assert task.delay("d").id == lost.id
+    time.sleep(1.2)
+    fresh = task.delay("d")
+    assert fresh.id != lost.id
+    with embedded_worker(app):
+        assert fresh.get(timeout=10) == "d"
+
+
+def test_an_expired_message_clears_its_mark_when_the_worker_drops_it(app):
+    task = app.tasks["tg.unique_slow"]  # unique_ttl=60: only the revocation clears it soon
+    stale = task.apply_async(("e",), expires=0.5)
+    time.sleep(1.0)
+    assert task.delay("e").id == stale.id  # still marked: nothing consumed it yet
+    with embedded_worker(app):
+        deadline = time.monotonic() + 10
+        while _queued(app, "u:e") is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _queued(app, "u:e") is None and stale.state == "REVOKED"
+        fresh = task.delay("e")
+        assert fresh.id != stale.id and fresh.get(timeout=10) == fresh.id
+
+
+def test_countdown_keeps_the_mark_until_the_run_is_due(app):
+    task = app.tasks["tg.unique_short"]  # unique_ttl=1, countdown 2: marked for 3 s
+    later = task.apply_async(("f",), countdown=2)
+    time.sleep(1.5)
+    assert task.delay("f").id == later.id
+    with embedded_worker(app):
+        assert later.get(timeout=10) == "f"
+
+
+def test_a_sigkilled_worker_releases_the_key_with_its_lease_ttl(app, prefix):
+    task = app.tasks["tg.unique_slow"]  # ttl 2
+    with WorkerProcess(f"q-{prefix}", prefix, concurrency=1) as worker:
+        running = task.delay("g", seconds=30)
+        deadline = time.monotonic() + 20
+        while app.conf.taskguard_locks.holder("u:g") is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert task.delay("g").id == running.id  # running: suppressed
+        worker.signal_all(signal.SIGKILL)
+    time.sleep(2.5)  # the lease's TTL
+    assert task.delay("g").id != running.id
