@@ -135,3 +135,10 @@ def charge(invoice_id, amount, fail=False):
 def shadowed(name):
     lease = current_lease()
     return {"leased": lease is not None}
+
+
+@guarded_job(ttl=5, key="uq:{name}", unique=True, unique_ttl=1)
+def unique_job(name, seconds=0.3):
+    _log(f"unique:{name}")
+    time.sleep(seconds)
+    return name

@@ -15,6 +15,7 @@ from taskguard.context import current_lease
 from .handles import load_handle
 from .config import locks_for, use_locks
 from .job import META_KEY, ON_SKIP, guarded_job, skip_count
+from .unique import enqueue_unique
 from .worker import GuardedWorker, settle_killed_job
 
 if _metrics.enabled_by_env():  # work-horses are forked from here: they inherit the listener
@@ -27,6 +28,7 @@ __all__ = [
     "Skipped",
     "TaskSkipped",
     "current_lease",
+    "enqueue_unique",
     "guarded_job",
     "is_skipped",
     "load_handle",

@@ -136,7 +136,16 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
         guarded.taskguard_options = opts  # type: ignore[attr-defined]
         guarded.taskguard_locks = locks  # type: ignore[attr-defined]
         guarded.taskguard_name = label  # type: ignore[attr-defined]
+        def enqueue_unique(queue: Any, *args: Any, **kwargs: Any) -> Any:
+            """``taskguard_rq.enqueue_unique(queue, this job, args, kwargs)``: enqueue unless a job of
+            this key is queued or running (then that job is returned). RQ has no publish hook, so a
+            plain ``queue.enqueue`` is never stopped: enqueue through this."""
+            from .unique import enqueue_unique as unique
+
+            return unique(queue, guarded, args, kwargs)
+
         guarded.rate_limit_for = rate_limit_for  # type: ignore[attr-defined]
+        guarded.enqueue_unique = enqueue_unique  # type: ignore[attr-defined]
         return guarded
 
     return decorate(func) if func is not None else decorate
@@ -164,7 +173,12 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
         # the handle of an execution that may still be running (an orphaned work-horse): never
         # take its lease over; wait for it like any earlier execution of this job id
         handle = None
-    if not run.begin(handle=handle, same_run="wait", same_run_wait=_job_timeout(job)):
+    began = run.begin(handle=handle, same_run="wait", same_run_wait=_job_timeout(job))
+    if job is not None:
+        from .unique import clear_mark
+
+        clear_mark(locks, job)  # it started, or will not run: no longer queued
+    if not began:
         if run.reason == "once":
             value = run.stored_value()
             log.info("%s: %r already completed; returning the stored value", name, key)

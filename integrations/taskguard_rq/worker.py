@@ -149,6 +149,10 @@ def settle_canceled_jobs(queue: Any) -> int:
         except Exception:
             job = None
         try:
+            if job is not None:
+                from .unique import clear_mark
+
+                clear_mark(locks_for(getattr(getattr(job, "func", None), "taskguard_locks", None)), job)
             if job is not None and settle_killed_job(job, retry=False, why="cancelled", horse_dead=False) == "released":
                 settled += 1
         except Exception as e:  # one job's trouble (an unimportable function...) must not stop the others

@@ -1,0 +1,123 @@
+"""Enqueue-time uniqueness for RQ: do not queue a second job of a key while one is queued or
+running.
+
+:func:`enqueue_unique` asks :meth:`taskguard.Locks.mark_queued` (one single-key script on the
+lease hash) before enqueuing: a job of the key that is queued or running answers with its job
+id, and the existing :class:`rq.job.Job` is returned with nothing enqueued; else the new job id
+is marked and the job enqueued with ``meta["taskguard_unique"]`` naming the key. The mark is
+cleared when the job starts (after it took its lease or was skipped), at once when the enqueue
+itself fails, and otherwise by its TTL (``unique_ttl``, default the job's queued ``ttl`` or 1
+hour, plus the delay of a scheduled job).
+
+Where the job id *is* the key (``job_id=`` given), RQ's own ``unique=True`` (RQ >= 2.8: the id
+check and the enqueue in one step, ``DuplicateJobError`` when the id exists) does the work and
+the existing job is returned.
+
+The lease stays the correctness boundary: uniqueness only saves queue space.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable
+
+from taskguard import ConfigError, LeaseBackendError
+
+from .config import locks_for
+
+__all__ = ["enqueue_unique", "clear_mark", "UNIQUE_META_KEY", "DEFAULT_UNIQUE_TTL"]
+
+log = logging.getLogger("rq.worker.taskguard")
+
+#: ``job.meta`` entry of a job enqueued by :func:`enqueue_unique`: the key it marked queued.
+UNIQUE_META_KEY = "taskguard_unique"
+#: How long a queued mark lasts by default when the job sets no ``ttl``, seconds.
+DEFAULT_UNIQUE_TTL = 3600.0
+
+
+def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
+                   job_id: str | None = None, at: datetime | None = None, in_: timedelta | None = None,
+                   **options: Any) -> Any:
+    """Enqueue ``fn(*args, **kwargs)`` on ``queue`` unless a job of its key is queued or running.
+
+    Args:
+        queue: an ``rq.Queue``.
+        fn: a ``@guarded_job`` function (its ``key`` template names the key).
+        args, kwargs: the job's arguments.
+        job_id: an explicit job id: the id is then the key, and RQ's own ``unique=True`` decides.
+        at / in_: schedule the job (``Queue.enqueue_at`` / ``enqueue_in``; a worker with
+            ``--with-scheduler`` runs it).
+        options: other ``Queue.enqueue_call`` options (``job_timeout``, ``result_ttl``,
+            ``ttl``, ``retry``, ``meta``, ...).
+
+    Returns the new or the existing ``rq.job.Job``. Raises ConfigError for a function that is not
+    a guarded job or arguments that do not fit its key, LeaseBackendError when Redis fails
+    (nothing enqueued), and what RQ raises (the mark is cleared first)."""
+    from rq.job import Job
+
+    opts = getattr(fn, "taskguard_options", None)
+    if opts is None:
+        raise ConfigError(f"enqueue_unique needs a @guarded_job function, got {fn!r}")
+    kwargs = dict(kwargs or {})
+    if job_id is not None:
+        from rq.exceptions import DuplicateJobError
+
+        try:
+            return _enqueue(queue, fn, args, kwargs, job_id, at, in_, dict(options, unique=True))
+        except DuplicateJobError:
+            log.info("job %s is queued or running: not enqueued again", job_id)
+            locks_for(getattr(fn, "taskguard_locks", None)).report_suppressed(job_id, fn.taskguard_name, job_id)
+            return _handle(Job, job_id, queue)
+    key = opts.key.render(tuple(args), kwargs)
+    locks = locks_for(getattr(fn, "taskguard_locks", None))
+    new_id = str(uuid.uuid4())
+    base = opts.unique_ttl if opts.unique_ttl is not None else float(options.get("ttl") or DEFAULT_UNIQUE_TTL)
+    delay = in_.total_seconds() if in_ is not None else \
+        max(0.0, (at.astimezone(timezone.utc) - datetime.now(timezone.utc)).total_seconds()) if at is not None else 0.0
+    marked, existing = locks.mark_queued(key, new_id, ttl=max(base, 1.0) + delay)
+    if not marked:
+        locks.report_suppressed(key, fn.taskguard_name, existing)
+        log.info("%s: not enqueued, a job of %r is queued or running: %s", fn.taskguard_name, key, existing)
+        return _handle(Job, existing, queue)
+    meta = {**(options.pop("meta", None) or {}), UNIQUE_META_KEY: key}
+    try:
+        return _enqueue(queue, fn, args, kwargs, new_id, at, in_, dict(options, meta=meta))
+    except BaseException:
+        try:
+            locks.clear_queued(key, new_id)  # never leave a mark for a job that was not enqueued
+        except LeaseBackendError as e:
+            log.warning("could not clear the queued mark of a failed enqueue (its TTL bounds it): %s", e)
+        raise
+
+
+def _handle(job_class: Any, job_id: str, queue: Any) -> Any:
+    """The existing job: fetched, or — while its enqueue is still being written by the caller that
+    marked it, or after it was deleted — a handle on its id that reads it when asked."""
+    from rq.exceptions import NoSuchJobError
+
+    try:
+        return job_class.fetch(job_id, connection=queue.connection)
+    except NoSuchJobError:
+        return job_class(job_id, connection=queue.connection)
+
+
+def _enqueue(queue: Any, fn: Any, args: tuple, kwargs: dict, job_id: str, at: Any, in_: Any, options: dict) -> Any:
+    if at is not None:
+        return queue.enqueue_at(at, fn, *args, job_id=job_id, **options, **kwargs)
+    if in_ is not None:
+        return queue.enqueue_in(in_, fn, *args, job_id=job_id, **options, **kwargs)
+    return queue.enqueue_call(fn, args=args, kwargs=kwargs, job_id=job_id, **options)
+
+
+def clear_mark(locks: Any, job: Any) -> None:
+    """The job started (or will not run): clear its key's queued mark if it names this job.
+    Never raises (logged)."""
+    key = (getattr(job, "meta", None) or {}).get(UNIQUE_META_KEY) if job is not None else None
+    if not isinstance(key, str) or not key:
+        return
+    try:
+        locks.clear_queued(key, job.id)
+    except (ConfigError, LeaseBackendError) as e:
+        log.warning("job %s: could not clear its queued mark (its TTL bounds it): %s", job.id, e)

@@ -1,0 +1,71 @@
+"""Enqueue-time uniqueness for RQ (``taskguard_rq.enqueue_unique``) with real ``rq worker``
+processes: one job per key while one is queued or running, RQ's own ``unique=`` where the job id
+is the key, no mark left by a failed enqueue, a lost job blocking its key no longer than
+``unique_ttl``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from rq.job import JobStatus
+
+from taskguard_rq import enqueue_unique
+
+from . import rq_jobs
+from .test_rq import RQWorker, locks, log, rq_env, wait_done  # noqa: F401  (rq_env: the fixture)
+
+
+def test_ten_concurrent_enqueues_make_one_job_and_one_run(rq_env):
+    jobs: list = []
+    barrier = threading.Barrier(10)
+
+    def enqueue():
+        barrier.wait()
+        jobs.append(enqueue_unique(rq_env, rq_jobs.unique_job, ("a",)))
+
+    threads = [threading.Thread(target=enqueue) for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({j.id for j in jobs}) == 1 and rq_env.count == 1
+    with RQWorker(rq_env):
+        assert wait_done(jobs[0]) == JobStatus.FINISHED
+        again = enqueue_unique(rq_env, rq_jobs.unique_job, ("a",))  # finished: a new job goes out
+        assert again.id != jobs[0].id and wait_done(again) == JobStatus.FINISHED
+    assert log(rq_env).count("unique:a") == 2
+
+
+def test_a_running_job_is_returned_and_an_explicit_job_id_uses_rqs_own_unique(rq_env):
+    with RQWorker(rq_env):
+        running = enqueue_unique(rq_env, rq_jobs.unique_job, ("b",), {"seconds": 1.5})
+        deadline = time.monotonic() + 10
+        while locks().holder("uq:b") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert enqueue_unique(rq_env, rq_jobs.unique_job, ("b",)).id == running.id
+        mine = enqueue_unique(rq_env, rq_jobs.unique_job, ("c",), job_id="report-c")
+        assert enqueue_unique(rq_env, rq_jobs.unique_job, ("c",), job_id="report-c").id == mine.id
+        assert wait_done(running) == wait_done(mine) == JobStatus.FINISHED
+
+
+def test_a_failed_enqueue_leaves_no_mark_and_a_lost_job_blocks_only_until_unique_ttl(rq_env, monkeypatch):
+    def broken(*a, **k):
+        raise ConnectionError("queue down")
+
+    with monkeypatch.context() as m:
+        m.setattr(type(rq_env), "enqueue_call", broken)
+        with pytest.raises(ConnectionError):
+            enqueue_unique(rq_env, rq_jobs.unique_job, ("d",))
+    first = enqueue_unique(rq_env, rq_jobs.unique_job, ("d",))  # no mark was left behind
+    rq_env.empty()  # the queued job is lost
+    assert enqueue_unique(rq_env, rq_jobs.unique_job, ("d",)).id == first.id
+    time.sleep(1.2)  # unique_ttl=1
+    assert enqueue_unique(rq_env, rq_jobs.unique_job, ("d",)).id != first.id
+
+
+def test_the_bound_helper_enqueues_uniquely(rq_env):
+    first = rq_jobs.unique_job.enqueue_unique(rq_env, "e", seconds=0)
+    assert rq_jobs.unique_job.enqueue_unique(rq_env, "e").id == first.id
+    assert first.kwargs == {"seconds": 0} and first.meta["taskguard_unique"] == "uq:e"
