@@ -61,9 +61,11 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
     if opts is None:
         raise ConfigError(f"enqueue_unique needs a @guarded_job function, got {fn!r}")
     kwargs = dict(kwargs or {})
-    if job_id is not None:
+    try:
         from rq.exceptions import DuplicateJobError
-
+    except ImportError:  # RQ < 2.8: no unique= of its own; the keyed mark below, under the given id
+        DuplicateJobError = None  # noqa: N806
+    if job_id is not None and DuplicateJobError is not None:
         try:
             return _enqueue(queue, fn, args, kwargs, job_id, at, in_, dict(options, unique=True))
         except DuplicateJobError:
@@ -72,7 +74,7 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
             return _handle(Job, job_id, queue)
     key = opts.key.render(tuple(args), kwargs)
     locks = locks_for(getattr(fn, "taskguard_locks", None))
-    new_id = str(uuid.uuid4())
+    new_id = job_id or str(uuid.uuid4())
     base = opts.unique_ttl if opts.unique_ttl is not None else float(options.get("ttl") or DEFAULT_UNIQUE_TTL)
     delay = in_.total_seconds() if in_ is not None else \
         max(0.0, (at.astimezone(timezone.utc) - datetime.now(timezone.utc)).total_seconds()) if at is not None else 0.0
