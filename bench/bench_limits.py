@@ -23,6 +23,11 @@ Redis time per op comes from ``INFO commandstats`` around a separate run of each
 until a slot is free again: taskguard (TTL 2 s, renewed while alive), the sorted-set recipe
 (timeout 2 s) and an ``INCR``/``DECR`` counting semaphore (no expiry: its slots never return).
 
+§4 Publishing with ``unique=True``. A Celery ``apply_async`` of a guarded task to a Redis broker
+(no worker), in interleaved rounds: plain; ``unique=True`` with a new key each time (the mark
+script, then the publish); ``unique=True`` on a key already queued (the mark script answers, nothing
+is published).
+
 §3 Rate decisions. Contenders, each one decision per op on one shared ``redis.Redis`` client
 (hiredis), in interleaved rounds (every round runs every contender ``--ops`` times, the order
 rotated):
@@ -103,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bench_holder_limits(args, client, locks, admin, prefix)
         bench_sigkill(args.url, admin, prefix)
+        bench_unique_publish(args, admin, prefix)
         print("## §3 rate decisions\n")
         contenders = {"taskguard throttle": throttle, "1x PING": ping, "INCR+PEXPIRE fixed window": fixed_window}
         per_round, lat, _orders = interleaved_rounds(contenders, args.ops, args.rounds)
@@ -215,6 +221,53 @@ def bench_holder_limits(args, client, locks, admin, prefix) -> None:
           "\n   (a script is 1 + the commands inside it). A limited acquire reads each slot inside one script.\n")
     for lease in held:
         lease.release()
+
+
+# -- §4 publishing with unique=True ------------------------------------------------------------------
+
+def bench_unique_publish(args: Any, admin: Any, prefix: str) -> None:
+    from celery import Celery
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integrations"))
+    from taskguard_celery import GuardedTask
+
+    app = Celery(f"{prefix}-app", broker=args.url, set_as_current=False)
+    app.conf.update(task_default_queue=f"{prefix}-q", taskguard_redis_url=args.url, taskguard_prefix=prefix,
+                    broker_connection_retry_on_startup=True)
+
+    @app.task(base=GuardedTask, shared=False, name=f"{prefix}.job", key="job:{n}")
+    def job(n):
+        return n
+
+    counter = iter(range(10**9))
+    ops = max(200, args.ops // 4)
+
+    def plain() -> None:
+        job.apply_async((next(counter),))
+
+    def unique_new() -> None:
+        job.apply_async((next(counter),), unique=True)
+
+    def unique_queued() -> None:
+        job.apply_async((-1,), unique=True)  # the first call marked it; every later one is suppressed
+
+    try:
+        contenders = {"apply_async": plain, "unique=True, new key": unique_new, "unique=True, key queued": unique_queued}
+        per_round, lat, _orders = interleaved_rounds(contenders, ops, args.rounds)
+        base = per_round["apply_async"]
+        rows = []
+        for name in contenders:
+            med = statistics.median(per_round[name])
+            ratios = sorted(a / b for a, b in zip(per_round[name], base))
+            rows.append([name, f"{med * 1e6:.1f}", f"{pct(lat[name], .99) * 1e6:.1f}",
+                         f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}..{ratios[-1]:.2f})"])
+        print(f"## §4 publishing a guarded Celery task, {args.rounds} interleaved rounds x {ops} publishes\n")
+        print(fmt_table(["publish", "us/op", "p99 us", "vs apply_async"], rows, align="lrrr"))
+        print("\n   unique=True adds one round trip (the mark script) before the publish; a suppressed publish is"
+              "\n   that round trip alone.\n")
+    finally:
+        admin.delete(f"{prefix}-q")
+        app.close()
 
 
 # -- §2 after a SIGKILL -------------------------------------------------------------------------------

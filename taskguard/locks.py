@@ -493,28 +493,31 @@ class Locks:
         return value
 
     # -- publish-time uniqueness -------------------------------------------------------------------
-    def mark_queued(self, key: str, run_id: str, *, ttl: float) -> tuple[bool, str]:
-        """Before publishing run ``run_id`` of ``key`` (``unique=True``): atomically, if a run of
-        ``key`` is queued (marked and unexpired) or running (a live holder with a task / job id in
-        its holder metadata), answer ``(False, that run's id)``; else mark ``run_id`` as queued for
-        ``ttl`` seconds and answer ``(True, run_id)``. The mark is cleared by
-        :meth:`clear_queued` (the run took its lease, was skipped, revoked, or its publish failed)
-        and otherwise expires. One single-key script. Raises ConfigError for bad arguments,
-        LeaseBackendError when Redis fails."""
+    def mark_queued(self, key: str, run_id: str, *, ttl: float, task: str) -> tuple[bool, str]:
+        """Before publishing run ``run_id`` of task ``task`` on ``key`` (``unique=True``):
+        atomically, if a run of that task on ``key`` is queued (marked and unexpired) or running
+        (a live holder whose metadata names the task, with its task / job id), answer ``(False,
+        that run's id)``; else mark ``run_id`` as queued for ``ttl`` seconds and answer ``(True,
+        run_id)``. Other tasks sharing the key neither suppress nor are suppressed. The mark is
+        cleared by :meth:`clear_queued` (the run took its lease, was skipped, revoked, or its
+        publish failed) and otherwise expires. One single-key script. Raises ConfigError for bad
+        arguments, LeaseBackendError when Redis fails."""
         run_id = check_run_id(run_id)
-        if run_id is None or " " in run_id:
-            raise ConfigError("run_id must be a non-empty str without spaces")
-        return self._mark_queued_one(check_key(key), run_id, check_seconds("ttl", ttl))
+        if run_id is None:
+            raise ConfigError("run_id is required")
+        if not isinstance(task, str) or not task:
+            raise ConfigError(f"task must be a non-empty str, got {task!r}")
+        return self._mark_queued_one(check_key(key), run_id, check_seconds("ttl", ttl), encodable("task", task))
 
-    def clear_queued(self, key: str, run_id: str) -> bool:
-        """Clear ``key``'s queued mark if it names ``run_id``. Returns ``True`` when it did.
-        Raises LeaseBackendError when Redis fails."""
-        return self._clear_queued_one(check_key(key), run_id)
+    def clear_queued(self, key: str, run_id: str, task: str) -> bool:
+        """Clear the queued mark of ``task`` on ``key`` if it names ``run_id``. Returns ``True``
+        when it did. Raises LeaseBackendError when Redis fails."""
+        return self._clear_queued_one(check_key(key), run_id, task)
 
-    def _mark_queued_one(self, key: str, run_id: str, ttl: float) -> tuple[bool, str]:
+    def _mark_queued_one(self, key: str, run_id: str, ttl: float, task: str) -> tuple[bool, str]:
         raise NotImplementedError
 
-    def _clear_queued_one(self, key: str, run_id: str) -> bool:
+    def _clear_queued_one(self, key: str, run_id: str, task: str) -> bool:
         raise NotImplementedError
 
     def report_suppressed(self, key: str, task: str | None, existing: str) -> None:

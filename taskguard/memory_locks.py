@@ -56,7 +56,7 @@ class MemoryLocks(Locks):
         self._lease_records: dict[tuple[str, str], str] = {}  # (key, name) -> value, kept like the fence
         self._tats: dict[str, int] = {}  # throttles: key -> theoretical arrival time, µs
         self._completions: dict[str, tuple[str, float]] = {}  # once=True: key -> (record, until)
-        self._queued: dict[str, tuple[str, float]] = {}  # unique=True: key -> (run id, until)
+        self._queued: dict[tuple[str, str], tuple[str, float]] = {}  # unique: (key, task) -> (run id, until)
         self._clock = clock
         self._cond = threading.Condition()
         self._leases: dict[tuple[str, int], _Entry] = {}  # (key, slot) -> its holder
@@ -147,32 +147,30 @@ class MemoryLocks(Locks):
     def _release_storing_one(self, key: str, owner: str, finished_run: str, finished_ttl: float | None,
                              record: str, record_ttl: float) -> bool:
         with self._cond:
-            held = self._live_entry(key, slot_of(owner))
-            held = held is not None and held.owner == owner
-            if held or self._get_completion(key) is None:
+            if self._get_completion(key) is None:  # the first completion stored stays
                 self._completions[key] = (record, self._clock() + record_ttl)
             return self._release_one(key, owner, finished_run or None, finished_ttl)
 
-    def _mark_queued_one(self, key: str, run_id: str, ttl: float) -> tuple[bool, str]:
+    def _mark_queued_one(self, key: str, run_id: str, ttl: float, task: str) -> tuple[bool, str]:
         with self._cond:
-            queued = self._queued.get(key)
+            queued = self._queued.get((key, task))
             if queued is not None and queued[1] > self._clock():
                 return False, queued[0]
             for i in range(self._slots.get(key, 1)):
                 e = self._live_entry(key, i)
-                if e is not None:
-                    meta = json.loads(e.holder)
-                    found = meta.get("task_id") or meta.get("job_id") if isinstance(meta, dict) else None
+                meta = json.loads(e.holder) if e is not None else None
+                if isinstance(meta, dict) and task in (meta.get("task"), meta.get("job")):
+                    found = meta.get("task_id") or meta.get("job_id")
                     if isinstance(found, str) and found:
                         return False, found
-            self._queued[key] = (run_id, self._clock() + ttl)
+            self._queued[(key, task)] = (run_id, self._clock() + ttl)
             return True, run_id
 
-    def _clear_queued_one(self, key: str, run_id: str) -> bool:
+    def _clear_queued_one(self, key: str, run_id: str, task: str) -> bool:
         with self._cond:
-            queued = self._queued.get(key)
+            queued = self._queued.get((key, task))
             if queued is not None and queued[0] == run_id:
-                del self._queued[key]
+                del self._queued[(key, task)]
                 return True
             return False
 

@@ -334,14 +334,14 @@ class RedisLocks(Locks):
         args = (owner, _ms(self.fence_idle_ttl), _ms(finished_ttl or 1.0), secrets.token_hex(4), finished_run or "")
         return self._signalled(key, int(self._run("release", key, scripts.RELEASE, keys, args)))
 
-    def _mark_queued_one(self, key: str, run_id: str, ttl: float) -> tuple[bool, str]:
+    def _mark_queued_one(self, key: str, run_id: str, ttl: float, task: str) -> tuple[bool, str]:
         res = self._run("queue", key, scripts.QUEUE, (self._lease_key(key),),
-                        (run_id, _ms(ttl), _ms(self.fence_idle_ttl)))
+                        (run_id, _ms(ttl), _ms(self.fence_idle_ttl), task))
         found = res[1].decode() if isinstance(res[1], bytes) else res[1]
         return int(res[0]) == 1, found
 
-    def _clear_queued_one(self, key: str, run_id: str) -> bool:
-        return int(self._run("queue", key, scripts.UNQUEUE, (self._lease_key(key),), (run_id,))) == 1
+    def _clear_queued_one(self, key: str, run_id: str, task: str) -> bool:
+        return int(self._run("queue", key, scripts.UNQUEUE, (self._lease_key(key),), (run_id, task))) == 1
 
     def _completion_key(self, key: str) -> str:
         return self._lease_key(key) + ":once"

@@ -138,7 +138,7 @@ class GuardedRun:
         if same_run not in SAME_RUN:
             raise ConfigError(f"same_run must be one of {SAME_RUN}, got {same_run!r}")
         if not self.enforce:
-            return self._begin_shadow()
+            return self._begin_shadow(handle)
         if self.once is not None and self._completed():
             return False
         acq = None
@@ -195,18 +195,35 @@ class GuardedRun:
         self.locks.report_skip(Skipped(key=self.key, reason="once", task=self.task))
         return record_value(self.once, self._record or {})
 
-    def _begin_shadow(self) -> bool:
-        """Shadow mode: evaluate, report what would have happened, and let the body run."""
+    def _begin_shadow(self, handle: Mapping[str, Any] | None = None) -> bool:
+        """Shadow mode: evaluate, report what would have happened, and let the body run — also
+        when Redis cannot be reached (logged; the run has no lease then). A retry's persisted
+        handle is claimed as in enforced mode."""
         from .errors import IdempotencyConflict
 
         would = None
-        if self.once is not None:
-            try:
-                if self._completed():
-                    would = "once"
-            except IdempotencyConflict:
-                would = "idempotency_conflict"
-        acq = self._acquire(0.0)
+        try:
+            if self.once is not None:
+                try:
+                    if self._completed():
+                        would = "once"
+                except IdempotencyConflict:
+                    would = "idempotency_conflict"
+            acq = None
+            if handle is not None:
+                try:
+                    acq = resume(self.locks, handle, key=self.key, ttl=self.ttl, holder=self.holder, renew=self.renew,
+                                 max_hold=self.max_hold, run_id=self.run_id, delivery=self.delivery,
+                                 markers=self.finished_ttl is not None, limit=self.limit)
+                except ConfigError as e:
+                    log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
+            if acq is None:
+                acq = self._acquire(0.0)
+        except LeaseBackendError as e:
+            log.warning("%s: shadow mode: the guard could not be evaluated (%s); running without a lease",
+                        self._who(), e)
+            self.reason, self.state = "error", "running"
+            return True
         if acq.acquired:
             self.lease = acq.lease
         elif would is None:
@@ -275,9 +292,12 @@ class GuardedRun:
 
             try:
                 store = (encode_record(self.once, value, self.key), self.once.ttl)
-            except ConfigError:
+            except BaseException as e:  # whatever the serializer raises: release first, store nothing
                 self._release_quietly(lease, finished=True)
-                raise
+                if isinstance(e, ConfigError) or not isinstance(e, Exception):
+                    raise
+                raise ConfigError(f"once=True: the value of {self.key!r} cannot be stored "
+                                  f"({type(e).__name__}: {e}); nothing was stored") from None
         try:
             released = self.locks._release_lease(lease, True, self.finished_ttl, store)
         except LeaseBackendError as e:

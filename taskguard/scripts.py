@@ -10,7 +10,8 @@ everything that is not a key goes in ARGV):
                    release call's nonce (a client retry of that release still answers 1) and
                    ``l`` the identity of the run that finished, if one did (the next acquisition
                    drops it); ``w`` (server ms) until when someone waits for the lease;
-                   ``q`` the queued mark of a ``unique=True`` publish ("<run id> <expiry ms>");
+                   ``q:TASK`` the queued mark of a ``unique=True`` publish of TASK ("<run id>
+                   <expiry ms>");
                    ``d:NAME`` the lease records (:meth:`Lease.put_record`), written only by the
                    holder and kept across leases. Under a limit (``acquire(limit=N)``) each of
                    the N holders has a slot: slot 0 uses the fields above, slot ``i > 0`` the
@@ -296,8 +297,8 @@ return 0
 # nonce unique to this call, ARGV[5] the identity of the run that finished, ARGV[6] the record,
 # ARGV[7] the record's TTL ms
 # -> as RELEASE. The record is written whether or not the lease was still held (the run did
-#    complete), but over an existing record only while it was: a run that lost its lease never
-#    replaces the record of the run that took the key over.
+#    complete), and never over an existing record: the first completion stored stays (a run that
+#    lost its lease and one that took the key over cannot replace each other's record).
 RELEASE_STORING = Script(
     "release_storing",
     _NOW + _SLOT + """
@@ -307,7 +308,7 @@ local tomb = '~' .. ARGV[4] .. string.sub(redis.sha1hex(ARGV[1]), 1, 8)
 if v[1] == ARGV[1] and exp and exp > now then
   redis.call('HDEL', KEYS[1], 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s, 'w')
   redis.call('HSET', KEYS[1], 'o' .. s, tomb, 'l', ARGV[5])
-  redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[7])
+  redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[7], 'NX')
   if KEYS[3] then
     redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[3])
   end
@@ -327,16 +328,18 @@ return 0
 """,
 )
 
-# Publish-time uniqueness (``unique=True``): one queued run per key, marked in the lease hash
-# itself (field ``q`` = "<run id> <expiry ms>"), so the check and the mark are one single-key
-# script, atomic with the lease: a publish finds the run that is queued (an unexpired mark) or
-# running (a live holder: its task / job id from the holder metadata), else marks itself.
-# KEYS[1] lease; ARGV[1] the new run's id, ARGV[2] mark TTL ms, ARGV[3] idle TTL ms of the key
+# Publish-time uniqueness (``unique=True``): one queued run per (key, task), marked in the lease
+# hash itself (field ``q:TASK`` = "<run id> <expiry ms>"), so the check and the mark are one
+# single-key script, atomic with the lease: a publish finds the run of the same task that is
+# queued (an unexpired mark) or running (a live holder whose metadata names the task: its task /
+# job id), else marks itself. Another task sharing the key never suppresses it.
+# KEYS[1] lease; ARGV[1] the new run's id, ARGV[2] mark TTL ms, ARGV[3] idle TTL ms of the key,
+# ARGV[4] the task (job) name
 # -> {1, ARGV[1]} marked: publish it; {0, id} a run is queued or running: that one's id.
 QUEUE = Script(
     "queue",
     _NOW + """
-local v = redis.call('HMGET', KEYS[1], 'q', 'm')
+local v = redis.call('HMGET', KEYS[1], 'q:' .. ARGV[4], 'm')
 if v[1] then
   local id, exp = string.match(v[1], '^(.*) (%d+)$')
   if id and tonumber(exp) > now then
@@ -351,7 +354,7 @@ for i = 0, n - 1 do
   local exp = tonumber(h[1])
   if exp and exp > now and h[2] then
     local ok, meta = pcall(cjson.decode, h[2])
-    if ok and type(meta) == 'table' then
+    if ok and type(meta) == 'table' and (meta['task'] == ARGV[4] or meta['job'] == ARGV[4]) then
       local id = meta['task_id'] or meta['job_id']
       if type(id) == 'string' and id ~= '' then
         return {0, id}
@@ -360,7 +363,7 @@ for i = 0, n - 1 do
   end
 end
 local ttl = tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 'q', ARGV[1] .. ' ' .. string.format('%.0f', now + ttl))
+redis.call('HSET', KEYS[1], 'q:' .. ARGV[4], ARGV[1] .. ' ' .. string.format('%.0f', now + ttl))
 if redis.call('PTTL', KEYS[1]) < ttl then
   redis.call('PEXPIRE', KEYS[1], math.max(ttl, tonumber(ARGV[3])))
 end
@@ -368,13 +371,14 @@ return {1, ARGV[1]}
 """,
 )
 
-# KEYS[1] lease; ARGV[1] a run id -> 1 the queued mark named that run and is cleared, 0 it did not.
+# KEYS[1] lease; ARGV[1] a run id, ARGV[2] the task name -> 1 the task's queued mark named that
+# run and is cleared, 0 it did not.
 UNQUEUE = Script(
     "unqueue",
     """
-local q = redis.call('HGET', KEYS[1], 'q')
+local q = redis.call('HGET', KEYS[1], 'q:' .. ARGV[2])
 if q and string.match(q, '^(.*) %d+$') == ARGV[1] then
-  redis.call('HDEL', KEYS[1], 'q')
+  redis.call('HDEL', KEYS[1], 'q:' .. ARGV[2])
   return 1
 end
 return 0

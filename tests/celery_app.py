@@ -355,6 +355,23 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     def unique_short(self, name):
         return name
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.ucharge", ttl=5, key="uc:{invoice_id}", once=True,
+              unique=True, unique_ttl=60)
+    def ucharge(self, invoice_id, amount):
+        return {"invoice": invoice_id, "amount": amount}
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.shadow_retry", ttl=5, key="sr:{name}", enforce=False,
+              max_retries=2)
+    def shadow_retry(self, name):
+        note(f"sr:{name}:{self.request.retries}:{self.lease.fencing_token if self.lease else None}")
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.2)
+        return self.lease is not None
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.setvalue", ttl=5, key="sv:{name}", once=True)
+    def setvalue(self, name):
+        return {"s": {1, 2}}
+
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.charge", ttl=5, key="charge:{invoice_id}", once=True,
               fingerprint=("invoice_id", "amount"))
     def charge(self, invoice_id, amount, fail=False, seconds=0.0):

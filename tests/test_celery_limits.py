@@ -135,7 +135,10 @@ def test_a_deferred_run_comes_back_at_its_booked_turn(app, redis_url, prefix):
     assert len(deferrals) >= 4 and all(e["retrying"] and e["reason"] == "rate_limited" for e in deferrals)
     # no herd: each denied call got its own turn, one emission interval (1/6 s) after the other
     turns = sorted(e["turn"] for e in deferrals)
-    assert all(abs((b - a) - 1 / 6) < 0.04 for a, b in zip(turns, turns[1:])), turns  # (turn: client clock + wait)
+    # distinct turns at least one emission interval (1/6 s) apart (a call that finds the rate with
+    # room again passes instead of booking, so a gap may span several intervals); (turn: the
+    # worker's clock + the server's wait)
+    assert all((b - a) > 1 / 6 - 0.04 for a, b in zip(turns, turns[1:])), turns
     assert all(e["retry_after"] > 0 for e in deferrals)
     records = [x.decode().split() for x in redis.Redis.from_url(redis_url).lrange(f"{prefix}:calls", 0, -1)]
     assert all(float(x[0]) >= float(x[2]) - 0.002 for x in records)  # none ran before its turn

@@ -14,7 +14,7 @@ from taskguard.metrics import Metrics
 from taskguard_celery import guarded_task
 
 from .celery_app import make_app
-from .celery_support import EventLog, WorkerProcess, embedded_worker
+from .celery_support import EventLog, WorkerProcess, body_log, embedded_worker
 
 
 @pytest.fixture
@@ -113,3 +113,41 @@ def test_bad_once_and_shadow_options_fail_at_declaration(opts, match):
         @guarded_task(**opts)
         def job(a):
             return a
+
+
+def test_a_value_the_result_serializer_cannot_encode_fails_the_run_and_releases_the_lease(app):
+    with embedded_worker(app):
+        bad = app.tasks["tg.setvalue"].delay("x")
+        with pytest.raises(Exception, match="cannot be stored"):
+            bad.get(timeout=10)
+    time.sleep(0.3)
+    assert app.conf.taskguard_locks.holder("sv:x") is None  # not left to the heartbeat
+    assert app.conf.taskguard_locks._get_completion("sv:x") is None
+
+
+def test_a_conflict_clears_the_unique_mark_so_the_right_call_gets_the_stored_value(app):
+    task = app.tasks["tg.ucharge"]
+    with embedded_worker(app):
+        stored = task.delay("u1", 1).get(timeout=10)
+        with pytest.raises(IdempotencyConflict):
+            task.delay("u1", 2).get(timeout=10)
+        again = task.delay("u1", 1)
+        assert again.get(timeout=10) == stored
+
+
+def test_a_shadow_retry_claims_its_kept_lease(app):
+    with embedded_worker(app):
+        assert app.tasks["tg.shadow_retry"].delay("a").get(timeout=10) is True
+    runs = [e for e in body_log(app) if e.startswith("sr:a:")]
+    fences = {e.split(":")[3] for e in runs}
+    assert len(runs) == 2 and len(fences) == 1 and "None" not in fences  # the same lease, claimed
+    assert app.conf.taskguard_locks.holder("sr:a") is None
+
+
+def test_shadow_mode_runs_the_body_when_the_lease_redis_is_down(redis_url, prefix):
+    from taskguard import RedisLocks
+    from .servers import free_port
+
+    app = make_app(f"q-{prefix}", prefix, taskguard_locks=RedisLocks.from_url(
+        f"redis://127.0.0.1:{free_port()}/0", prefix=prefix, connect_timeout=0.5, retries=0))
+    assert app.tasks["tg.shadowed"]("down", seconds=0) == {"leased": False, "slot": None}

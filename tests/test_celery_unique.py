@@ -25,10 +25,10 @@ def app(redis_url, prefix):
     redis.Redis.from_url(redis_url).delete(a.tg_log, f"q-{prefix}")
 
 
-def _queued(app, key):
-    """The key's queued mark, as the lease hash holds it (or None)."""
+def _queued(app, key, task="tg.unique_slow"):
+    """The task's queued mark on ``key``, as the lease hash holds it (or None)."""
     locks = app.conf.taskguard_locks
-    raw = locks.client.hget(locks._lease_key(key), "q")
+    raw = locks.client.hget(locks._lease_key(key), "q:" + task)
     return raw.decode() if raw else None
 
 
@@ -136,3 +136,30 @@ def test_a_sigkilled_worker_releases_the_key_with_its_lease_ttl(app, prefix):
         worker.signal_all(signal.SIGKILL)
     time.sleep(2.5)  # the lease's TTL
     assert task.delay("g").id != running.id
+
+
+def test_steps_of_a_chain_or_group_are_never_suppressed(app):
+    from celery import chain, group
+
+    task = app.tasks["tg.unique_slow"]
+    queued = task.apply_async(("h",), countdown=3)  # marked queued for a while
+    assert _queued(app, "u:h") is not None
+    with embedded_worker(app, concurrency=4):
+        chained = chain(task.s("h", seconds=0), app.tasks["tg.noop"].si()).apply_async()
+        grouped = group(task.s("i", seconds=0), task.s("i", seconds=0.5)).apply_async()
+        assert chained.get(timeout=15) is not None  # published despite the mark: the canvas completes
+        assert chained.parent.id != queued.id
+        assert len(grouped.get(timeout=15)) == 2  # both members published (one skipped by the lease)
+        assert queued.get(timeout=15) == queued.id
+
+
+def test_uniqueness_is_per_task_on_a_shared_key(any_locks):
+    assert any_locks.mark_queued("site:1", "r1", ttl=5, task="reindex") == (True, "r1")
+    assert any_locks.mark_queued("site:1", "b1", ttl=5, task="rebuild") == (True, "b1")
+    assert any_locks.mark_queued("site:1", "r2", ttl=5, task="reindex") == (False, "r1")
+    lease = any_locks.acquire("site:1", ttl=5, holder={"task": "rebuild", "task_id": "b1"}).lease
+    assert any_locks.clear_queued("site:1", "r1", "reindex") and any_locks.clear_queued("site:1", "b1", "rebuild")
+    assert any_locks.mark_queued("site:1", "r3", ttl=5, task="reindex") == (True, "r3")  # rebuild runs: not reindex
+    assert any_locks.mark_queued("site:1", "b2", ttl=5, task="rebuild") == (False, "b1")
+    assert any_locks.mark_queued("site:1", "x y", ttl=5, task="spaced") == (True, "x y")  # ids may hold spaces
+    lease.release()

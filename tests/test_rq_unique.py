@@ -69,3 +69,11 @@ def test_the_bound_helper_enqueues_uniquely(rq_env):
     first = rq_jobs.unique_job.enqueue_unique(rq_env, "e", seconds=0)
     assert rq_jobs.unique_job.enqueue_unique(rq_env, "e").id == first.id
     assert first.kwargs == {"seconds": 0} and first.meta["taskguard_unique"] == "uq:e"
+
+
+def test_a_scheduled_unique_job_keeps_its_own_keyword_arguments(rq_env):
+    from datetime import timedelta
+
+    job = enqueue_unique(rq_env, rq_jobs.unique_job, ("j",), {"seconds": 0.25}, in_=timedelta(seconds=1), ttl=600)
+    assert job.kwargs == {"seconds": 0.25} and job.ttl == 600
+    assert enqueue_unique(rq_env, rq_jobs.unique_job, ("j",)).id == job.id

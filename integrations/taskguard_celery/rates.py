@@ -53,8 +53,13 @@ def pace_run(task: Any, opts: GuardOptions, key: str, args: tuple, kwargs: dict,
     rate_key = opts.rate_key.render(args, kwargs)
     bound = max_countdown(task.app)
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the run goes ahead
-        if not pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                    max_countdown=bound, consume=False).go:
+        try:
+            answer = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+                          max_countdown=bound, consume=False)
+        except LeaseBackendError as e:
+            log.warning("task %s[%s]: shadow mode: the rate could not be checked (%s)", task.name, req.id, e)
+            return None
+        if not answer.go:
             from .skipping import send_event
 
             locks.report_skip(Skipped(key=rate_key, reason="rate_limited", task=task.name), shadow=True)

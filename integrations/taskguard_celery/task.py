@@ -152,28 +152,35 @@ class GuardedTask(Task):
             return skipping.duplicate(self, key, locks)
         stamp = read_header(req, PUBLISH_HEADER)
         stamp = stamp if isinstance(stamp, str) and stamp and not local else None
-        if opts.rate is not None:
-            # the rate first: a run deferred to its turn must not sit on a lease meanwhile
-            paced = rates.pace_run(self, opts, key, args, kwargs, locks, handle, local)
-            if paced is not None:
-                return skipping.skip(self, paced, skips, locks)
-        once = opts.once_policy(args, kwargs, *skipping.result_codec(self)) if opts.once else None
-        run_id, finished_ttl = req.id or None, None if local else identity.finished_ttl(self, req)
-        if slot_run is not None and not local:
-            # a beat slot's messages share one run identity (the slot), whichever task id each
-            # has: a slot published again after a hand-over runs once
-            run_id, stamp = slot_run[0], None
-            finished_ttl = max(finished_ttl or 0.0, slot_run[1])
-        run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
-                         holder={"task": self.name, "task_id": req.id}, max_hold=opts.max_hold,
-                         run_id=run_id, task=self.name, on_lost=opts.on_lost, finished_ttl=finished_ttl,
-                         on_lost_report=self._report_lost, tag=self, delivery=stamp, limit=opts.limit, once=once,
-                         enforce=opts.enforce)
-        # with a publish stamp, finished runs are known per delivery: no copy of a delivery whose
-        # run finished runs again, whichever copy the broker hands out first (an ETA message held
-        # past the visibility timeout runs on two workers at once); unstamped (a client without
-        # taskguard), only a redelivered copy is checked
-        began = run.begin(handle=handle, refuse_finished=redelivered or stamp is not None or slot_run is not None)
+        try:
+            if opts.rate is not None:
+                # the rate first: a run deferred to its turn must not sit on a lease meanwhile
+                paced = rates.pace_run(self, opts, key, args, kwargs, locks, handle, local)
+                if paced is not None:
+                    uniqueness.clear(self, req)
+                    return skipping.skip(self, paced, skips, locks)
+            once = opts.once_policy(args, kwargs, *skipping.result_codec(self)) if opts.once else None
+            run_id, finished_ttl = req.id or None, None if local else identity.finished_ttl(self, req)
+            if slot_run is not None and not local:
+                # a beat slot's messages share one run identity (the slot), whichever task id each
+                # has: a slot published again after a hand-over runs once
+                run_id, stamp = slot_run[0], None
+                finished_ttl = max(finished_ttl or 0.0, slot_run[1])
+            run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
+                             holder={"task": self.name, "task_id": req.id}, max_hold=opts.max_hold,
+                             run_id=run_id, task=self.name, on_lost=opts.on_lost, finished_ttl=finished_ttl,
+                             on_lost_report=self._report_lost, tag=self, delivery=stamp, limit=opts.limit, once=once,
+                             enforce=opts.enforce)
+            # with a publish stamp, finished runs are known per delivery: no copy of a delivery whose
+            # run finished runs again, whichever copy the broker hands out first (an ETA message held
+            # past the visibility timeout runs on two workers at once); unstamped (a client without
+            # taskguard), only a redelivered copy is checked
+            began = run.begin(handle=handle, refuse_finished=redelivered or stamp is not None or slot_run is not None)
+        except Retry:
+            raise  # deferred to its turn under the rate: still queued
+        except BaseException:
+            uniqueness.clear(self, req)  # it will not run: no longer queued
+            raise
         uniqueness.clear(self, req)  # it started, or will not run: no longer queued
         if not began:
             if run.reason == "once":
@@ -247,7 +254,11 @@ class GuardedTask(Task):
         # taskguard's own copies of a run (retries, skip retries, deferrals) are that run, never a duplicate
         own_copy = isinstance(headers, dict) and any(h in headers for h in (HEADER, DEFER_HEADER, RATE_HEADER)) \
             or bool(options.get("retries"))
-        if opts is not None and (opts.unique if unique is None else unique) and not own_copy:
+        # a step of a chain, group or chord is published as usual: suppressing it would leave the
+        # canvas waiting for a result that never comes (celery/canvas.py passes these options)
+        in_canvas = link is not None or link_error is not None or \
+            any(options.get(k) for k in ("chain", "group_id", "chord"))
+        if opts is not None and (opts.unique if unique is None else unique) and not own_copy and not in_canvas:
             return uniqueness.publish(
                 self, args, kwargs, task_id, options,
                 lambda tid, o: super(GuardedTask, self).apply_async(args, kwargs, tid, producer, link, link_error,

@@ -70,7 +70,7 @@ def publish(task: Any, args: Any, kwargs: Any, task_id: str | None, options: dic
     key = task._taskguard.key.render(tuple(args or ()), dict(kwargs or {}))
     task_id = task_id or uuid()
     locks = task.taskguard_locks
-    marked, existing = locks.mark_queued(key, task_id, ttl=mark_ttl(task, options))
+    marked, existing = locks.mark_queued(key, task_id, ttl=mark_ttl(task, options), task=task.name)
     if not marked:
         locks.report_suppressed(key, task.name, existing)
         log.info("task %s: not published, a run of %r is queued or running: %s", task.name, key, existing)
@@ -80,7 +80,7 @@ def publish(task: Any, args: Any, kwargs: Any, task_id: str | None, options: dic
         return send(task_id, options)
     except BaseException:
         try:
-            locks.clear_queued(key, task_id)  # never leave a mark for a message that was not sent
+            locks.clear_queued(key, task_id, task.name)  # never leave a mark for a message that was not sent
         except LeaseBackendError as e:
             log.warning("task %s: could not clear the queued mark of a failed publish (its TTL bounds it): %s",
                         task.name, e)
@@ -94,6 +94,6 @@ def clear(task: Any, request: Any) -> None:
     if not isinstance(key, str) or not key or not getattr(request, "id", None):
         return
     try:
-        task.taskguard_locks.clear_queued(key, request.id)
+        task.taskguard_locks.clear_queued(key, request.id, task.name)
     except (ConfigError, LeaseBackendError) as e:
         log.warning("task %s[%s]: could not clear its queued mark (its TTL bounds it): %s", task.name, request.id, e)

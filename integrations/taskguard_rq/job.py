@@ -32,6 +32,7 @@ from taskguard.run import GuardedRun
 
 from .config import locks_for
 from .handles import drop_handle, load_handle, save_handle
+from .unique import clear_mark
 
 __all__ = ["guarded_job", "skip_count", "META_KEY", "RATE_META_KEY", "ON_SKIP"]
 
@@ -160,24 +161,27 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
     job = get_current_job()
     key = opts.key.render(args, kwargs)
     run_id = job.id if job is not None else None
-    if opts.rate is not None:
-        deferred = _pace(job, locks, name, opts, key, args, kwargs)
-        if deferred is not None:
-            return deferred
-    once = opts.once_policy(args, kwargs, *_result_codec(job)) if opts.once else None
-    run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew, holder={"job": name, "job_id": run_id},
-                     max_hold=opts.max_hold, run_id=run_id, task=name, on_lost=opts.on_lost, limit=opts.limit,
-                     once=once, enforce=opts.enforce)
-    handle = load_handle(locks, run_id) if run_id is not None else None
-    if handle is not None and handle.get("running"):
-        # the handle of an execution that may still be running (an orphaned work-horse): never
-        # take its lease over; wait for it like any earlier execution of this job id
-        handle = None
-    began = run.begin(handle=handle, same_run="wait", same_run_wait=_job_timeout(job))
-    if job is not None:
-        from .unique import clear_mark
-
-        clear_mark(locks, job)  # it started, or will not run: no longer queued
+    try:
+        if opts.rate is not None:
+            deferred = _pace(job, locks, name, opts, key, args, kwargs)
+            if deferred is not None:
+                if not isinstance(deferred, Retry):  # skipped past rate_max_wait: it will not run
+                    clear_mark(locks, job)
+                return deferred  # (a Retry: deferred to its turn, still queued)
+        once = opts.once_policy(args, kwargs, *_result_codec(job)) if opts.once else None
+        run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
+                         holder={"job": name, "job_id": run_id}, max_hold=opts.max_hold, run_id=run_id, task=name,
+                         on_lost=opts.on_lost, limit=opts.limit, once=once, enforce=opts.enforce)
+        handle = load_handle(locks, run_id) if run_id is not None else None
+        if handle is not None and handle.get("running"):
+            # the handle of an execution that may still be running (an orphaned work-horse): never
+            # take its lease over; wait for it like any earlier execution of this job id
+            handle = None
+        began = run.begin(handle=handle, same_run="wait", same_run_wait=_job_timeout(job))
+    except BaseException:
+        clear_mark(locks, job)  # it will not run: no longer queued
+        raise
+    clear_mark(locks, job)  # it started, or will not run: no longer queued
     if not began:
         if run.reason == "once":
             value = run.stored_value()
@@ -266,8 +270,13 @@ def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args:
             log.error("job %s: ignoring a malformed meta[%r] (%s); pacing it afresh", job.id, RATE_META_KEY, e)
     rate_key = opts.rate_key.render(args, kwargs)
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the job runs
-        if not pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                    max_countdown=RATE_MAX_COUNTDOWN, consume=False).go:
+        try:
+            answer = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+                          max_countdown=RATE_MAX_COUNTDOWN, consume=False)
+        except LeaseBackendError as e:
+            log.warning("%s: shadow mode: the rate could not be checked (%s)", name, e)
+            return None
+        if not answer.go:
             locks.report_skip(Skipped(key=rate_key, reason="rate_limited", task=name), shadow=True)
             log.info("%s: shadow mode: would have been rate-limited (%r); running it", name, rate_key)
         return None

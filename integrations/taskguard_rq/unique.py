@@ -78,7 +78,7 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
     base = opts.unique_ttl if opts.unique_ttl is not None else float(options.get("ttl") or DEFAULT_UNIQUE_TTL)
     delay = in_.total_seconds() if in_ is not None else \
         max(0.0, (at.astimezone(timezone.utc) - datetime.now(timezone.utc)).total_seconds()) if at is not None else 0.0
-    marked, existing = locks.mark_queued(key, new_id, ttl=max(base, 1.0) + delay)
+    marked, existing = locks.mark_queued(key, new_id, ttl=max(base, 1.0) + delay, task=fn.taskguard_name)
     if not marked:
         locks.report_suppressed(key, fn.taskguard_name, existing)
         log.info("%s: not enqueued, a job of %r is queued or running: %s", fn.taskguard_name, key, existing)
@@ -88,7 +88,7 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
         return _enqueue(queue, fn, args, kwargs, new_id, at, in_, dict(options, meta=meta))
     except BaseException:
         try:
-            locks.clear_queued(key, new_id)  # never leave a mark for a job that was not enqueued
+            locks.clear_queued(key, new_id, fn.taskguard_name)  # never leave a mark for a job that was not enqueued
         except LeaseBackendError as e:
             log.warning("could not clear the queued mark of a failed enqueue (its TTL bounds it): %s", e)
         raise
@@ -106,10 +106,11 @@ def _handle(job_class: Any, job_id: str, queue: Any) -> Any:
 
 
 def _enqueue(queue: Any, fn: Any, args: tuple, kwargs: dict, job_id: str, at: Any, in_: Any, options: dict) -> Any:
+    # the job's own arguments go as args= / kwargs=, so none of them is taken for an RQ option
     if at is not None:
-        return queue.enqueue_at(at, fn, *args, job_id=job_id, **options, **kwargs)
+        return queue.enqueue_at(at, fn, args=tuple(args), kwargs=kwargs, job_id=job_id, **options)
     if in_ is not None:
-        return queue.enqueue_in(in_, fn, *args, job_id=job_id, **options, **kwargs)
+        return queue.enqueue_in(in_, fn, args=tuple(args), kwargs=kwargs, job_id=job_id, **options)
     return queue.enqueue_call(fn, args=args, kwargs=kwargs, job_id=job_id, **options)
 
 
@@ -120,6 +121,6 @@ def clear_mark(locks: Any, job: Any) -> None:
     if not isinstance(key, str) or not key:
         return
     try:
-        locks.clear_queued(key, job.id)
+        locks.clear_queued(key, job.id, getattr(job.func, "taskguard_name", None) or job.func_name)
     except (ConfigError, LeaseBackendError) as e:
         log.warning("job %s: could not clear its queued mark (its TTL bounds it): %s", job.id, e)
