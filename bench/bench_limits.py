@@ -23,12 +23,12 @@ Redis time per op comes from ``INFO commandstats`` around a separate run of each
 until a slot is free again: taskguard (TTL 2 s, renewed while alive), the sorted-set recipe
 (timeout 2 s) and an ``INCR``/``DECR`` counting semaphore (no expiry: its slots never return).
 
-§4 Publishing with ``unique=True``. A Celery ``apply_async`` of a guarded task to a Redis broker
+§3 Publishing with ``unique=True``. A Celery ``apply_async`` of a guarded task to a Redis broker
 (no worker), in interleaved rounds: plain; ``unique=True`` with a new key each time (the mark
 script, then the publish); ``unique=True`` on a key already queued (the mark script answers, nothing
 is published).
 
-§3 Rate decisions. Contenders, each one decision per op on one shared ``redis.Redis`` client
+§4 Rate decisions. Contenders, each one decision per op on one shared ``redis.Redis`` client
 (hiredis), in interleaved rounds (every round runs every contender ``--ops`` times, the order
 rotated):
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_holder_limits(args, client, locks, admin, prefix)
         bench_sigkill(args.url, admin, prefix)
         bench_unique_publish(args, admin, prefix)
-        print("## §3 rate decisions\n")
+        print("## §4 rate decisions\n")
         contenders = {"taskguard throttle": throttle, "1x PING": ping, "INCR+PEXPIRE fixed window": fixed_window}
         per_round, lat, _orders = interleaved_rounds(contenders, args.ops, args.rounds)
         base = per_round["1x PING"]
@@ -223,7 +223,7 @@ def bench_holder_limits(args, client, locks, admin, prefix) -> None:
         lease.release()
 
 
-# -- §4 publishing with unique=True ------------------------------------------------------------------
+# -- §3 publishing with unique=True ------------------------------------------------------------------
 
 def bench_unique_publish(args: Any, admin: Any, prefix: str) -> None:
     from celery import Celery
@@ -261,7 +261,7 @@ def bench_unique_publish(args: Any, admin: Any, prefix: str) -> None:
             ratios = sorted(a / b for a, b in zip(per_round[name], base))
             rows.append([name, f"{med * 1e6:.1f}", f"{pct(lat[name], .99) * 1e6:.1f}",
                          f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}..{ratios[-1]:.2f})"])
-        print(f"## §4 publishing a guarded Celery task, {args.rounds} interleaved rounds x {ops} publishes\n")
+        print(f"## §3 publishing a guarded Celery task, {args.rounds} interleaved rounds x {ops} publishes\n")
         print(fmt_table(["publish", "us/op", "p99 us", "vs apply_async"], rows, align="lrrr"))
         print("\n   unique=True adds one round trip (the mark script) before the publish; a suppressed publish is"
               "\n   that round trip alone.\n")

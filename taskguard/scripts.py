@@ -363,9 +363,12 @@ for i = 0, n - 1 do
   end
 end
 local ttl = tonumber(ARGV[2])
+-- the key lives at least as long as the mark; a key made only for the mark goes with it (an
+-- acquisition gives it the idle TTL of a fence)
+local pttl = redis.call('PTTL', KEYS[1])
 redis.call('HSET', KEYS[1], 'q:' .. ARGV[4], ARGV[1] .. ' ' .. string.format('%.0f', now + ttl))
-if redis.call('PTTL', KEYS[1]) < ttl then
-  redis.call('PEXPIRE', KEYS[1], math.max(ttl, tonumber(ARGV[3])))
+if pttl < ttl then
+  redis.call('PEXPIRE', KEYS[1], ttl)
 end
 return {1, ARGV[1]}
 """,

@@ -163,3 +163,14 @@ def test_uniqueness_is_per_task_on_a_shared_key(any_locks):
     assert any_locks.mark_queued("site:1", "b2", ttl=5, task="rebuild") == (False, "b1")
     assert any_locks.mark_queued("site:1", "x y", ttl=5, task="spaced") == (True, "x y")  # ids may hold spaces
     lease.release()
+
+
+def test_a_key_made_only_for_a_mark_goes_with_it(redis_url, prefix):
+    from taskguard import RedisLocks
+
+    locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
+    assert locks.mark_queued("only-marked", "r1", ttl=5, task="t")[0]
+    assert 0 < locks.client.pttl(locks._lease_key("only-marked")) <= 5000  # not the 7-day idle TTL of a fence
+    lease = locks.acquire("only-marked", ttl=1).lease  # an acquisition gives it a fence's idle TTL
+    assert locks.client.pttl(locks._lease_key("only-marked")) > 86400 * 1000
+    lease.release()
