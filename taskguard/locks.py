@@ -417,8 +417,9 @@ class Locks:
         """Run ``fn(lease)`` under the lease on ``key`` and return its value.
 
         Returns a :class:`~taskguard.Skipped` (reason ``"held"``, ``"limit"`` or
-        ``"wait_timeout"``) when the lease could not be had (``limit``: as for :meth:`acquire`), and emits a ``skip`` event. With ``renew=True`` the heartbeat
-        keeps the lease alive while ``fn`` runs. After ``fn`` returns, the release itself checks
+        ``"wait_timeout"``) when the lease could not be had (``limit``: as for :meth:`acquire`),
+        and emits a ``skip`` event. With ``renew=True`` the heartbeat keeps the lease alive while
+        ``fn`` runs. After ``fn`` returns, the release itself checks
         that this owner still held the lease; if it did not (or the heartbeat found it lost),
         ``on_lost="raise"`` raises :class:`~taskguard.LeaseLost` and ``on_lost="warn"`` logs,
         reports and returns the value. An exception from ``fn`` propagates unchanged; a Redis
