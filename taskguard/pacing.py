@@ -23,9 +23,11 @@ import math
 import time
 from typing import Any, Mapping
 
+from .errors import LeaseBackendError
 from .locks import Locks
+from .skipped import Skipped
 
-__all__ = ["Pace", "pace", "parse_state"]
+__all__ = ["Pace", "pace", "parse_state", "shadow_check"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,3 +114,24 @@ def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, 
     if max_wait is not None and waited + answer.retry_after > max_wait:
         return Pace(False, skip=True)
     return Pace(False, countdown=min(answer.retry_after, max_countdown), state={"since": since, "turn": None})
+
+
+def shadow_check(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, max_wait: float | None,
+                 max_countdown: float, task: str | None) -> bool:
+    """Shadow mode (``enforce=False``): would a run under ``rate`` for the rate key ``key`` have been
+    deferred or skipped now? The rate is checked, not consumed; a would-be deferral is reported
+    (``skip`` event, reason ``"rate_limited"``, ``shadow=True``). Never raises: a Redis error is
+    logged and answers ``False`` (the run goes ahead either way)."""
+    import logging
+
+    try:
+        answer = pace(locks, key, rate=rate, burst=burst, max_wait=max_wait, max_countdown=max_countdown,
+                      consume=False)
+    except LeaseBackendError as e:
+        logging.getLogger("taskguard").warning("%s: shadow mode: the rate %r could not be checked (%s)",
+                                               task or "run", key, e)
+        return False
+    if answer.go:
+        return False
+    locks.report_skip(Skipped(key=key, reason="rate_limited", task=task), shadow=True)
+    return True

@@ -19,9 +19,9 @@ from typing import Any
 
 from celery.exceptions import Retry
 
-from taskguard import LeaseBackendError, Locks, Skipped
+from taskguard import Locks, Skipped
 from taskguard.handoff import parse_handle, release_handle
-from taskguard.pacing import pace, parse_state
+from taskguard.pacing import pace, parse_state, shadow_check
 from taskguard.policy import GuardOptions
 
 from .headers import DEFER_HEADER, HEADER, RATE_HEADER, read_header
@@ -53,16 +53,10 @@ def pace_run(task: Any, opts: GuardOptions, key: str, args: tuple, kwargs: dict,
     rate_key = opts.rate_key.render(args, kwargs)
     bound = max_countdown(task.app)
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the run goes ahead
-        try:
-            answer = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                          max_countdown=bound, consume=False)
-        except LeaseBackendError as e:
-            log.warning("task %s[%s]: shadow mode: the rate could not be checked (%s)", task.name, req.id, e)
-            return None
-        if not answer.go:
+        if shadow_check(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+                        max_countdown=bound, task=task.name):
             from .skipping import send_event
 
-            locks.report_skip(Skipped(key=rate_key, reason="rate_limited", task=task.name), shadow=True)
             send_event(task, "task-guard-shadow", key=rate_key, reason="rate_limited", holder_ttl=None, leased=False)
         return None
     while True:

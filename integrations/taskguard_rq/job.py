@@ -26,7 +26,7 @@ from typing import Any, Callable
 from rq import Retry, get_current_job
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
-from taskguard.pacing import pace, parse_state
+from taskguard.pacing import pace, parse_state, shadow_check
 from taskguard.policy import GuardOptions
 from taskguard.run import GuardedRun
 
@@ -270,14 +270,8 @@ def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args:
             log.error("job %s: ignoring a malformed meta[%r] (%s); pacing it afresh", job.id, RATE_META_KEY, e)
     rate_key = opts.rate_key.render(args, kwargs)
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the job runs
-        try:
-            answer = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                          max_countdown=RATE_MAX_COUNTDOWN, consume=False)
-        except LeaseBackendError as e:
-            log.warning("%s: shadow mode: the rate could not be checked (%s)", name, e)
-            return None
-        if not answer.go:
-            locks.report_skip(Skipped(key=rate_key, reason="rate_limited", task=name), shadow=True)
+        if shadow_check(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+                        max_countdown=RATE_MAX_COUNTDOWN, task=name):
             log.info("%s: shadow mode: would have been rate-limited (%r); running it", name, rate_key)
         return None
     while True:
