@@ -15,6 +15,7 @@ from taskguard.metrics import Metrics
 from taskguard_celery import guarded_task
 from taskguard_celery.beat import entry_guard, validate_entry_options
 
+from . import ledger
 from .celery_app import make_app
 from .celery_support import EventLog, WorkerProcess, embedded_worker
 
@@ -27,27 +28,7 @@ def app(redis_url, prefix):
 
 
 def _ledger(redis_url, prefix, key):
-    """The holders' entry/exit records, time-ordered: (time, +1/-1, slot, fence)."""
-    r = redis.Redis.from_url(redis_url)
-    out = []
-    for raw in r.lrange(f"{prefix}:ledger:{key}", 0, -1):
-        kind, at, _pid, slot, fence = raw.decode().split()
-        out.append((float(at), 1 if kind == "in" else -1, int(slot), int(fence)))
-    return sorted(out, key=lambda e: (e[0], e[1]))  # an exit before an entry at the same instant
-
-
-def _check_ledger(entries, limit):
-    """Peak holders never above ``limit``; each slot's fences strictly increase. Returns the peak."""
-    inside = peak = 0
-    last: dict[int, int] = {}
-    for _at, step, slot, fence in entries:
-        inside += step
-        peak = max(peak, inside)
-        if step == 1:
-            assert fence > last.get(slot, 0), (slot, fence, last)
-            last[slot] = fence
-    assert peak <= limit, peak
-    return peak
+    return ledger.parse(redis.Redis.from_url(redis_url).lrange(f"{prefix}:ledger:{key}", 0, -1))
 
 
 def test_limit_admits_n_runs_at_once_and_skips_the_rest_with_reason_limit(app, redis_url, prefix):
@@ -68,7 +49,7 @@ def test_limit_admits_n_runs_at_once_and_skips_the_rest_with_reason_limit(app, r
     assert {s["reason"] for s in skipped} == {"limit"}
     assert {e["reason"] for e in skipped_events} == {"limit"} and len(skipped_events) == 3
     assert registry.get_sample_value("taskguard_skips_total", {"task": "tg.export", "reason": "limit", "shadow": "false"}) == 3
-    assert _check_ledger(_ledger(redis_url, prefix, "export:t1"), 2) == 2
+    assert ledger.peak(_ledger(redis_url, prefix, "export:t1"), 2) == 2
     assert app.conf.taskguard_locks.holders("export:t1") == []
 
 
@@ -83,7 +64,7 @@ def test_limit_holds_across_prefork_worker_processes(app, redis_url, prefix):
     assert all(v in (0, 1) for v in values), (values, output)
     entries = _ledger(redis_url, prefix, "export:t1")
     assert len([e for e in entries if e[1] == 1]) == 16
-    assert _check_ledger(entries, 2) == 2
+    assert ledger.peak(entries, 2) == 2
     assert "Traceback" not in output
 
 

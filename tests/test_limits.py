@@ -15,6 +15,8 @@ import pytest
 from taskguard import ConfigError, RedisLocks
 from taskguard.lease import slot_of
 
+from . import ledger as ledger_checks
+
 
 def test_up_to_n_holders_each_with_its_own_slot_and_fence(any_locks):
     got = [any_locks.acquire("exports:t1", ttl=5, limit=3) for _ in range(4)]
@@ -164,25 +166,9 @@ def test_peak_never_exceeds_the_limit_across_processes(redis_url, prefix, tmp_pa
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
-    events = []
-    for line in ledger.read_text().splitlines():
-        kind, at, pid, slot, fence = line.split()
-        events.append((float(at), 0 if kind == "out" else 1, int(slot), int(fence)))
-    events.sort()
-    inside = peak = 0
-    last_fence: dict[int, int] = {}
-    entries = 0
-    for at, kind, slot, fence in events:
-        if kind == 1:
-            entries += 1
-            inside += 1
-            assert fence > last_fence.get(slot, 0), (slot, fence)
-            last_fence[slot] = fence
-        else:
-            inside -= 1
-        peak = max(peak, inside)
-    assert entries > 100 and peak <= 3 and set(last_fence) == {0, 1, 2}
-    assert peak == 3  # the limit was reached, so the bound was tested
+    entries = ledger_checks.parse(ledger.read_text().splitlines())
+    assert sum(1 for e in entries if e[1] == 1) > 100 and {e[2] for e in entries} == {0, 1, 2}
+    assert ledger_checks.peak(entries, 3) == 3  # never above the limit, and it was reached
 
 
 def _hold_forever(url, prefix, ready):

@@ -13,30 +13,12 @@ from rq.job import JobStatus
 
 from taskguard import ConfigError, is_skipped
 
-from . import rq_jobs
+from . import ledger, rq_jobs
 from .test_rq import RQWorker, locks, rq_env, wait_done  # noqa: F401  (rq_env: the fixture)
 
 
 def _ledger(queue, key):
-    raw = queue.connection.lrange("{" + os.environ["TASKGUARD_PREFIX"] + ":ledger:" + key + "}", 0, -1)
-    out = []
-    for line in raw:
-        kind, at, _pid, slot, fence = line.decode().split()
-        out.append((float(at), 1 if kind == "in" else -1, int(slot), int(fence)))
-    return sorted(out, key=lambda e: (e[0], e[1]))
-
-
-def _peak(entries, limit):
-    inside = peak = 0
-    last: dict[int, int] = {}
-    for _at, step, slot, fence in entries:
-        inside += step
-        peak = max(peak, inside)
-        if step == 1:
-            assert fence > last.get(slot, 0)
-            last[slot] = fence
-    assert peak <= limit
-    return peak
+    return ledger.parse(queue.connection.lrange("{" + os.environ["TASKGUARD_PREFIX"] + ":ledger:" + key + "}", 0, -1))
 
 
 def test_limit_across_three_workers_skips_with_reason_limit(rq_env):
@@ -50,7 +32,7 @@ def test_limit_across_three_workers_skips_with_reason_limit(rq_env):
     assert sorted(v for v in values if not is_skipped(v)) == [0, 1], output
     assert len(skipped) == 1 and skipped[0].reason == "limit"
     assert "every slot of lease 'export:t1' held (limit)" in output
-    assert _peak(_ledger(rq_env, "export:t1"), 2) == 2
+    assert ledger.peak(_ledger(rq_env, "export:t1"), 2) == 2
     assert locks().holders("export:t1") == []
 
 
@@ -66,7 +48,7 @@ def test_rq_rate_limit_parks_jobs_over_the_limit_instead_of_skipping(rq_env):
         output = w1.output() + w2.output() + w3.output()
     assert JobStatus.RATE_LIMITED in parked
     assert sorted(job.return_value() for job in jobs) in ([0, 0, 0, 1, 1], [0, 0, 1, 1, 1]), output
-    assert _peak(_ledger(rq_env, "export:t2"), 2) == 2
+    assert ledger.peak(_ledger(rq_env, "export:t2"), 2) == 2
     limit = rq_jobs.export.rate_limit_for("t2")
     assert limit.key == "taskguard:export:t2" and limit.concurrency == 2
 
