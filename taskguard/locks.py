@@ -431,16 +431,7 @@ class Locks:
 
         run = GuardedRun(self, key, ttl=ttl, wait=wait, renew=renew, holder=holder, max_hold=max_hold,
                          on_lost=on_lost, task=task, limit=limit)
-        if not run.begin():
-            return run.skip()
-        with run:
-            try:
-                value = fn(run.lease)
-            except BaseException:
-                run.fail()
-                raise
-        run.finish()
-        return value
+        return run.call(fn)
 
     def once(
         self,
@@ -482,16 +473,7 @@ class Locks:
 
         policy = OncePolicy(fingerprint_of(fingerprint), ttl=check_seconds("once_ttl", once_ttl))
         run = GuardedRun(self, key, ttl=ttl, wait=wait, renew=renew, holder=holder, task=task, once=policy)
-        if not run.begin():
-            return run.stored_value() if run.reason == "once" else run.skip()
-        with run:
-            try:
-                value = fn(run.lease)
-            except BaseException:
-                run.fail()
-                raise
-        run.finish(value)
-        return value
+        return run.call(fn)
 
     # -- publish-time uniqueness -------------------------------------------------------------------
     def mark_queued(self, key: str, run_id: str, *, ttl: float, task: str) -> tuple[bool, str]:

@@ -263,6 +263,22 @@ class GuardedRun:
         return Acquisition(False, None, "running", acq.holder_ttl, acq.holder_run)
 
     # -- the body -------------------------------------------------------------------------------
+    def call(self, fn: Callable[[Any], Any]) -> Any:
+        """The whole run around ``fn(lease)`` for callers without a framework (``with_lease``,
+        ``once``): begin; the skip (or, with a once policy, the stored value) when the lease could
+        not be had; else ``fn``'s value after :meth:`finish`, or ``fn``'s exception after
+        :meth:`fail`."""
+        if not self.begin():
+            return self.stored_value() if self.reason == "once" else self.skip()
+        with self:
+            try:
+                value = fn(self.lease)
+            except BaseException:
+                self.fail()
+                raise
+        self.finish(value)
+        return value
+
     def __enter__(self) -> "GuardedRun":
         self._ctx = running(self)
         self._ctx.__enter__()
