@@ -26,8 +26,8 @@ CHROMIUM = os.environ.get("TASKGUARD_CHROMIUM") or shutil.which("chromium") or "
 def test_flower_tasks_page_shows_skipped_runs_with_state_and_reason(redis_url, prefix, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    assert os.path.exists(CHROMIUM), ("Debian's chromium is needed (apt-get install chromium; .ci/run "
-                                      "installs it), or set TASKGUARD_CHROMIUM")
+    assert os.path.exists(CHROMIUM), ("Debian's chromium is needed: ./run test installs it where "
+                                      "apt-get is usable; else install it or set TASKGUARD_CHROMIUM")
     queue = f"q-{prefix}"
     app = make_app(queue, prefix)
     port = free_port()
