@@ -535,12 +535,23 @@ class Locks:
         return self._delete_record(check_key(key), check_name(name), if_value or "")
 
     def count_record(self, key: str, name: str, *, by: int = 1, ttl: float | None = None) -> int:
-        """Add ``by`` to the integer record ``name`` of ``key`` (created at 0) and return the sum;
-        ``ttl`` (seconds) sets its expiry, ``None`` keeps it. Raises LeaseBackendError."""
+        """Add ``by`` (``int``, may be negative) to the integer record ``name`` of ``key`` (a
+        missing record counts as 0) and return the sum (``int``); ``ttl`` (seconds, float) sets
+        the record's expiry, ``None`` keeps the one it has. One ``INCRBY`` (with ``PEXPIRE`` in one
+        transaction when ``ttl`` is given).
+
+        Raises ConfigError for a ``by`` that is not an ``int``, a bad key, name or ``ttl``, and
+        when the record holds something other than an integer (written by :meth:`put_record`) or
+        the sum would leave the signed 64-bit range; LeaseBackendError when Redis fails."""
         if isinstance(by, bool) or not isinstance(by, int):
             raise ConfigError("by must be an int")
         return self._count_record(check_key(key), check_name(name), by,
                                   None if ttl is None else check_seconds("ttl", ttl))
+
+    @staticmethod
+    def _not_a_counter(key: str, name: str) -> ConfigError:
+        return ConfigError(f"record {name!r} of key {key!r} does not hold an integer (or the sum leaves the "
+                           "signed 64-bit range): count_record counts only records it made")
 
     def get_lease_record(self, key: str, name: str) -> str | None:
         """The lease record ``name`` of ``key`` (written by a holder with

@@ -292,7 +292,12 @@ class MemoryLocks(Locks):
         with self._cond:
             cur = self._live_record(key, name)
             until = self._records.get((key, name), (None, None))[1]
-            total = int(cur or 0) + by
+            try:
+                total = int(cur or 0) + by
+            except ValueError:
+                raise self._not_a_counter(key, name) from None
+            if not -2**63 <= total < 2**63:
+                raise self._not_a_counter(key, name)
             self._records[(key, name)] = (str(total), self._clock() + ttl if ttl is not None else until)
             return total
 

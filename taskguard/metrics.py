@@ -3,7 +3,8 @@
 ==========================================  =========  ====================================
 metric                                      type       labels
 ==========================================  =========  ====================================
-``taskguard_skips_total``                   counter    ``task``, ``reason``
+``taskguard_skips_total``                   counter    ``task``, ``reason``, ``shadow``
+``taskguard_publishes_suppressed_total``    counter    ``task``
 ``taskguard_leases_acquired_total``         counter    ``task``
 ``taskguard_leases_restored_total``         counter    ``task``
 ``taskguard_leases_lost_total``             counter    ``task``

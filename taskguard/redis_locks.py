@@ -9,7 +9,7 @@ import time
 from typing import Any, Iterable, Sequence
 
 import redis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from . import scripts
 from .errors import ConfigError, LeaseBackendError
@@ -474,6 +474,10 @@ class RedisLocks(Locks):
             pipe.incrby(k, by)
             pipe.pexpire(k, _ms(ttl))
             return int(pipe.execute()[0])
+        except ResponseError as e:
+            if "not an integer" in str(e) or "overflow" in str(e):
+                raise self._not_a_counter(key, name) from None
+            raise LeaseBackendError("record", key, _detail(e)) from e
         except RedisError as e:
             raise LeaseBackendError("record", key, _detail(e)) from e
 

@@ -109,8 +109,9 @@ _PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 def check_rate(rate: Any) -> tuple[int, float]:
     """A rate: ``"N/s"``, ``"N/m"``, ``"N/h"``, ``"N/d"`` (N a positive integer) or ``(count,
     seconds)``. Returns ``(count, period seconds)``; the emission interval (period / count) must be
-    at least 1 microsecond and the period at most :data:`MAX_SECONDS`."""
-    shown = rate if isinstance(rate, (str, tuple, list)) else type(rate).__name__
+    at least 1 microsecond and the period at most :data:`MAX_SECONDS`. Spaces around N and the unit
+    are allowed (``"100 / m"``). Raises ConfigError naming the value (or, for another type, the type)."""
+    shown = repr(rate) if isinstance(rate, (str, tuple, list)) else f"a value of type {type(rate).__name__}"
     count: Any = None
     period: Any = None
     if isinstance(rate, str):
@@ -123,7 +124,7 @@ def check_rate(rate: Any) -> tuple[int, float]:
             or isinstance(period, bool) or not isinstance(period, (int, float))
             or not math.isfinite(period) or period <= 0 or period > MAX_SECONDS or period / count < 1e-6):
         raise ConfigError(f"rate must be 'N/s', 'N/m', 'N/h', 'N/d' or (count, seconds) with count >= 1 and at "
-                          f"most one event per microsecond, got {shown!r}")
+                          f"most one event per microsecond, got {shown}")
     return count, float(period)
 
 

@@ -47,6 +47,20 @@ def test_bad_arguments_are_config_errors(any_locks):
         any_locks.count_record("k", "n", by=1.5)
 
 
+def test_counting_a_text_record_is_a_usage_error_not_an_outage(any_locks):
+    """count_record on a record put_record wrote (text), or past the 64-bit range, is a
+    ConfigError naming the record, never a LeaseBackendError (which reads as Redis being down);
+    the record is left as it was."""
+    any_locks.put_record("k", "txt", "hello", ttl=5)
+    with pytest.raises(ConfigError, match="record 'txt' of key 'k' does not hold an integer"):
+        any_locks.count_record("k", "txt", ttl=5)
+    assert any_locks.get_record("k", "txt") == "hello"
+    any_locks.count_record("k", "big", by=2**63 - 1, ttl=5)
+    with pytest.raises(ConfigError, match="record 'big'"):
+        any_locks.count_record("k", "big")
+    assert any_locks.count_record("k", "big", by=-1) == 2**63 - 2
+
+
 def test_lease_records_are_written_only_by_the_holder(any_locks):
     """A lease record is fenced by its lease: the holder writes it (conditions as for records), a
     handle whose lease expired or was taken over cannot, and the record outlives releases."""

@@ -49,6 +49,16 @@ def test_bad_rates_are_config_errors(rate, burst):
         MemoryLocks().throttle("k", rate=rate, burst=burst)
 
 
+def test_rate_errors_name_the_value_or_its_type_and_spaces_are_allowed():
+    from taskguard.validate import check_rate
+
+    with pytest.raises(ConfigError, match=r"got a value of type int$"):
+        check_rate(100)
+    with pytest.raises(ConfigError, match=r"got '100/w'$"):
+        check_rate("100/w")
+    assert check_rate("100 / m") == check_rate("100/m") == (100, 60.0)
+
+
 def _hammer(url, prefix, until, out):
     locks = RedisLocks.from_url(url, prefix=prefix)
     passed = 0
