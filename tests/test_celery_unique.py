@@ -174,3 +174,33 @@ def test_a_key_made_only_for_a_mark_goes_with_it(redis_url, prefix):
     lease = locks.acquire("only-marked", ttl=1).lease  # an acquisition gives it a fence's idle TTL
     assert locks.client.pttl(locks._lease_key("only-marked")) > 86400 * 1000
     lease.release()
+
+
+def test_app_conf_taskguard_metrics_counts_suppressions_in_a_publishing_process(redis_url, prefix):
+    """``app.conf.taskguard_metrics = True`` enables the metrics in a process that only
+    publishes, as ``TASKGUARD_METRICS=1`` does (no worker runs here: the second publish is
+    suppressed by the first one's queued mark)."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+from prometheus_client import REGISTRY
+from tests.celery_app import make_app
+app = make_app("q-{prefix}", "{prefix}", taskguard_metrics=True)
+task = app.tasks["tg.unique_slow"]
+first, second = task.delay("m"), task.delay("m")
+assert first.id == second.id
+print(REGISTRY.get_sample_value("taskguard_publishes_suppressed_total", {{"task": "tg.unique_slow"}}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TASKGUARD_METRICS"}
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().splitlines()[-1] == "1.0"
+    finally:
+        r = redis.Redis.from_url(redis_url)
+        r.delete(f"q-{prefix}", f"{prefix}:log")
+        for k in r.scan_iter(match=f"{prefix}*"):
+            r.delete(k)

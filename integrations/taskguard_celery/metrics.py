@@ -26,6 +26,14 @@ def _wanted(app: Any) -> bool:
     return metrics.enabled_by_env() or bool(app is not None and app.conf.get("taskguard_metrics"))
 
 
+def install_if_wanted(app: Any) -> None:
+    """Install the metrics listener in this process when ``TASKGUARD_METRICS=1`` or
+    ``app.conf.taskguard_metrics`` asks for it. Worker processes do it at start; a process that
+    only publishes (where ``unique=True`` suppressions are counted) does it on its first report."""
+    if _wanted(app):
+        metrics.install()
+
+
 @worker_init.connect(weak=False)
 def _main_process(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)

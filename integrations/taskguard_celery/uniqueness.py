@@ -28,6 +28,7 @@ from kombu.utils.uuid import uuid
 from taskguard import ConfigError, LeaseBackendError
 
 from .headers import UNIQUE_HEADER, read_header
+from .metrics import install_if_wanted
 
 __all__ = ["publish", "clear", "DEFAULT_UNIQUE_TTL"]
 
@@ -72,6 +73,7 @@ def publish(task: Any, args: Any, kwargs: Any, task_id: str | None, options: dic
     locks = task.taskguard_locks
     marked, existing = locks.mark_queued(key, task_id, ttl=mark_ttl(task, options), task=task.name)
     if not marked:
+        install_if_wanted(task.app)  # app.conf.taskguard_metrics counts suppressions here too
         locks.report_suppressed(key, task.name, existing)
         log.info("task %s: not published, a run of %r is queued or running: %s", task.name, key, existing)
         return task.AsyncResult(existing)
