@@ -20,8 +20,19 @@ ROOT = Path(__file__).resolve().parent.parent
     ("examples/limits/demo.py", "result: OK"),
 ])
 def test_example_runs_and_reports_ok(redis_url, script, ok_line):
-    proc = subprocess.run([sys.executable, script], cwd=ROOT, env={**os.environ, "TASKGUARD_REDIS_URL": redis_url},
-                          capture_output=True, text=True, timeout=180)
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(redis_url)
+    demo_keys = "*demo-*"  # every demo names its keys with a fresh "<name>demo-<run>" prefix
+    before = set(client.scan_iter(match=demo_keys, count=1000))
+    try:
+        proc = subprocess.run([sys.executable, script], cwd=ROOT,
+                              env={**os.environ, "TASKGUARD_REDIS_URL": redis_url},
+                              capture_output=True, text=True, timeout=180)
+    finally:  # the demos leave their lease keys (7-day idle TTL) for a user to look at: not the suite
+        made = set(client.scan_iter(match=demo_keys, count=1000)) - before
+        if made:
+            client.delete(*made)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ok_line in proc.stdout
     if "outbox" in script:
