@@ -14,6 +14,10 @@ from pathlib import Path
 import redis
 
 REDIS_SERVER = os.environ.get("TASKGUARD_REDIS_SERVER", "redis-server")
+#: The command-line client beside the server (``redis-cli``; ``valkey-cli`` beside a valkey-server).
+REDIS_CLI = os.environ.get("TASKGUARD_REDIS_CLI") or (
+    os.path.join(os.path.dirname(REDIS_SERVER), "valkey-cli") if os.path.basename(REDIS_SERVER) == "valkey-server"
+    else "redis-cli")
 
 
 def redis_server_binary() -> str:

@@ -14,6 +14,8 @@ from redis.cluster import RedisCluster as ClusterClient
 
 from taskguard import RedisLocks
 
+from .servers import REDIS_CLI
+
 
 def _node_ids(cl) -> dict[int, str]:
     return {p: c.execute_command("CLUSTER", "MYID").decode() for p, c in zip(cl.ports, cl.node_clients())}
@@ -154,7 +156,7 @@ def test_leases_stay_exclusive_and_nothing_is_left_through_a_live_reshard(privat
         t.start()
     try:
         src, dst = cl.ports[0], cl.ports[1]
-        out = subprocess.run(["redis-cli", "--cluster", "reshard", f"127.0.0.1:{src}", "--cluster-from", ids[src],
+        out = subprocess.run([REDIS_CLI, "--cluster", "reshard", f"127.0.0.1:{src}", "--cluster-from", ids[src],
                               "--cluster-to", ids[dst], "--cluster-slots", "600", "--cluster-yes",
                               "--cluster-pipeline", "10"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
