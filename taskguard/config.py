@@ -20,16 +20,14 @@ a URL is only ever shown with its password masked.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 from .urls import check_url
-from .validate import MAX_SECONDS, check_fraction, check_seconds
+from .validate import MAX_SECONDS, check_fraction, check_prefix, check_seconds
 
 __all__ = ["from_env", "read_env", "ENV_VARS"]
 
-_PREFIX_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 
 
 def _show(raw: str) -> str:
@@ -62,10 +60,8 @@ def _fraction(name: str, raw: str) -> float:
 
 
 def parse_prefix(name: str, raw: str) -> str:
-    """A key prefix: 1-64 characters of ``A-Z a-z 0-9 _ - . :``. Raises ConfigError naming ``name``."""
-    if not isinstance(raw, str) or not _PREFIX_RE.fullmatch(raw):
-        raise ConfigError(f"{name} must be 1-64 characters of A-Z a-z 0-9 _ - . :, got {_show(raw)}")
-    return raw
+    """A key prefix (:func:`taskguard.validate.check_prefix`). Raises ConfigError naming ``name``."""
+    return check_prefix(raw, name)
 
 
 def _url(name: str, raw: str) -> str:

@@ -22,7 +22,7 @@ from .lease import Acquisition, HolderInfo, Lease, slot_of, slot_suffix
 from .liveness import process_identity
 from .skipped import Skipped
 from .throttle import Throttle
-from .validate import check_burst, check_limit, check_rate
+from .validate import check_burst, check_limit, check_prefix, check_rate
 from .validate import (MAX_SECONDS, MIN_TTL, check_fraction, check_key, check_name, check_run_id, check_seconds,  # noqa: F401
                        check_token, check_ttl, check_value, encodable)
 
@@ -64,7 +64,8 @@ class Locks:
     """Base of the lease backends. Not used directly.
 
     Args:
-        prefix: prefix of every Redis key this object touches (``str``, non-empty, no braces).
+        prefix: prefix of every Redis key this object touches: 1-64 characters of
+            ``A-Z a-z 0-9 _ - . :`` (:func:`~taskguard.validate.check_prefix`; ConfigError otherwise).
         renew_fraction: the heartbeat renews a lease every ``ttl * renew_fraction`` seconds;
             a number in (0, 0.5], default 1/3.
         max_hold: default bound in seconds on how long the heartbeat keeps renewing one lease
@@ -82,9 +83,7 @@ class Locks:
         shutdown_timeout: float = 5.0,
         listeners: Iterable[Listener] = (),
     ) -> None:
-        if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}\r\n "):
-            raise ConfigError(f"prefix must be a non-empty str without braces or spaces, got {prefix!r}")
-        self.prefix = prefix
+        self.prefix = check_prefix(prefix)
         self.renew_fraction = check_fraction(renew_fraction)
         self.max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
         self.shutdown_timeout = check_seconds("shutdown_timeout", shutdown_timeout)

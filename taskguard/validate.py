@@ -8,12 +8,13 @@ which masks passwords). Adapters and the environment parser call these; nothing 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from .errors import ConfigError
 
 __all__ = ["MAX_SECONDS", "MIN_TTL", "check_seconds", "check_ttl", "check_fraction", "check_key", "check_token",
-           "check_name", "check_value", "check_run_id", "check_rate", "check_burst", "encodable"]
+           "check_name", "check_value", "check_run_id", "check_rate", "check_burst", "check_prefix", "encodable"]
 
 #: Longest duration accepted anywhere, seconds (about 31 years; far inside Redis's PEXPIRE range).
 MAX_SECONDS = 1e9
@@ -62,6 +63,21 @@ def encodable(name: str, value: str) -> str:
     except UnicodeEncodeError:
         raise ConfigError(f"{name} must be valid Unicode text (it holds a lone surrogate), got {value!r}") from None
     return value
+
+
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
+
+
+def check_prefix(prefix: Any, name: str = "prefix") -> str:
+    """A key prefix: 1-64 characters of ``A-Z a-z 0-9 _ - . :`` — the one rule for a prefix given
+    in code (``RedisLocks(prefix=)``), ``TASKGUARD_PREFIX``, ``app.conf.taskguard_prefix`` and the
+    CLI's ``--prefix``, so leases taken anywhere can be listed and released with the CLI. Raises
+    ConfigError naming ``name`` and showing the value (cut at 40 characters)."""
+    if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
+        shown = repr(prefix if len(prefix) <= 40 else prefix[:37] + "...") if isinstance(prefix, str) \
+            else f"a value of type {type(prefix).__name__}"
+        raise ConfigError(f"{name} must be 1-64 characters of A-Z a-z 0-9 _ - . :, got {shown}")
+    return prefix
 
 
 def check_key(key: Any) -> str:

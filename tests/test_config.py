@@ -244,6 +244,33 @@ def test_from_url_rejects_bad_options_naming_them(redis_url, option, value, name
         RedisLocks.from_url(redis_url, **{option: value})
 
 
+@pytest.mark.parametrize("prefix", ["my/app", "x" * 65, "\u00e9", "a b", "{x}", "", 5])
+def test_one_prefix_rule_in_code_environment_celery_and_cli(redis_url, prefix):
+    """A prefix the CLI, ``TASKGUARD_PREFIX`` or ``app.conf.taskguard_prefix`` would refuse is
+    refused in code too (else leases taken from code could not be listed or released with the
+    CLI), with the same rule and message; and one they all take works everywhere."""
+    from click.testing import CliRunner
+
+    from taskguard.cli import main
+
+    builds = [lambda: RedisLocks.from_url(redis_url, prefix=prefix), lambda: MemoryLocks(prefix=prefix)]
+    if isinstance(prefix, str):  # environment values are strings
+        builds.append(lambda: from_env({URL_VAR: redis_url, "TASKGUARD_PREFIX": prefix}))
+    for build in builds:
+        with pytest.raises(ConfigError, match="1-64 characters of A-Z a-z 0-9 _ - . :"):
+            build()
+    if isinstance(prefix, str) and prefix:
+        out = CliRunner().invoke(main, ["leases", "--url", redis_url, "--prefix", prefix])
+        assert out.exit_code != 0 and "1-64 characters" in out.output
+
+
+def test_a_prefix_every_entry_point_takes(redis_url):
+    ok = "my-app.v2:leases_" + "x" * 47
+    assert len(ok) == 64
+    assert RedisLocks.from_url(redis_url, prefix=ok).prefix == ok == MemoryLocks(prefix=ok).prefix
+    assert from_env({URL_VAR: redis_url, "TASKGUARD_PREFIX": ok}).prefix == ok
+
+
 def test_from_url_rejects_a_non_string_url():
     for url in (None, 6379, b"redis://127.0.0.1:6379/0"):
         with pytest.raises(ConfigError, match="url"):
