@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from .errors import LeaseLost
+from .validate import check_callback
 from .events import LeaseEvent
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -187,7 +188,14 @@ class Lease:
             raise LeaseLost(self.key, self.lost_reason or "not held in Redis")
 
     def on_lost(self, callback: Callable[["Lease", str], None]) -> None:
-        """Call ``callback(lease, reason)`` once, on the thread that finds the lease lost."""
+        """Call ``callback(lease, reason)`` once — this :class:`Lease` and the reason (``str``,
+        e.g. ``"not the owner"``) — on the thread that finds the lease lost (often the heartbeat's:
+        keep it short; what it raises is logged, never propagated).
+
+        Raises ConfigError at once when ``callback`` is not callable or cannot be called with
+        those two positional arguments (checked with :func:`inspect.signature`), rather than
+        failing unseen in the heartbeat when the lease is lost."""
+        check_callback("on_lost callback", callback, self, "reason")
         self._lost_callbacks.append(callback)
 
     def __enter__(self) -> "Lease":

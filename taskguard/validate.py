@@ -7,6 +7,7 @@ which masks passwords). Adapters and the environment parser call these; nothing 
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from .errors import ConfigError
 
 __all__ = ["MAX_SECONDS", "MIN_TTL", "check_seconds", "check_ttl", "check_fraction", "check_key", "check_token",
-           "check_name", "check_value", "check_run_id", "check_rate", "check_burst", "check_prefix", "encodable"]
+           "check_name", "check_value", "check_run_id", "check_rate", "check_burst", "check_prefix", "check_callback", "encodable"]
 
 #: Longest duration accepted anywhere, seconds (about 31 years; far inside Redis's PEXPIRE range).
 MAX_SECONDS = 1e9
@@ -78,6 +79,25 @@ def check_prefix(prefix: Any, name: str = "prefix") -> str:
             else f"a value of type {type(prefix).__name__}"
         raise ConfigError(f"{name} must be 1-64 characters of A-Z a-z 0-9 _ - . :, got {shown}")
     return prefix
+
+
+def check_callback(name: str, callback: Any, *args: Any) -> Any:
+    """``callback`` if it can be called with ``args`` (positionally), per
+    :func:`inspect.signature`; else ConfigError naming ``name``, the arguments it is called with
+    and why. A callable whose signature cannot be read (some builtins) is accepted."""
+    if not callable(callback):
+        raise ConfigError(f"{name} must be callable, got a value of type {type(callback).__name__}")
+    try:
+        sig = inspect.signature(callback)
+    except (TypeError, ValueError):
+        return callback
+    try:
+        sig.bind(*args)
+    except TypeError as e:
+        raise ConfigError(f"{name} is called with {len(args)} positional arguments "
+                          f"({', '.join(type(a).__name__ for a in args)}), but its signature {sig} does not "
+                          f"take them: {e}") from None
+    return callback
 
 
 def check_key(key: Any) -> str:

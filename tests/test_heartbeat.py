@@ -212,3 +212,27 @@ def test_renewal_cadence_does_not_drift_by_the_round_trip(redis_url, prefix):
     locks.close()
     client.close()
     proxy.close()
+
+
+def test_an_on_lost_callback_that_cannot_take_lease_and_reason_is_refused_when_registered(redis_url, prefix):
+    """A one-argument callback used to register, then fail unseen (a TypeError logged by the
+    heartbeat) when the lease was lost. Now it is a ConfigError at once; a callback taking
+    ``(lease, reason)`` (or ``*args``) is called with this lease and a reason string."""
+    import pytest
+
+    from taskguard import ConfigError
+
+    c = redis.Redis.from_url(redis_url)
+    locks = RedisLocks(c, prefix=prefix, renew_fraction=0.25)
+    lease = locks.acquire("cb", ttl=0.6, renew=True).lease
+    for bad in (lambda lease: None, lambda: None, lambda a, b, c: None, "not callable"):
+        with pytest.raises(ConfigError, match="on_lost callback"):
+            lease.on_lost(bad)
+    seen = []
+    lease.on_lost(lambda got, reason: seen.append((got, reason)))
+    lease.on_lost(lambda *args: seen.append(args))
+    c.hset("{" + prefix + ":cb}", "o", "taken-over")  # another owner now
+    deadline = time.monotonic() + 3
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [(got is lease, isinstance(reason, str) and reason != "") for got, reason in seen] == [(True, True)] * 2
