@@ -413,15 +413,19 @@ def test_beat_settings_defaults_and_catch_up(tmp_path):
             beat_settings(app, 1.0)
 
 
-def test_a_bad_setting_stops_celery_beat_at_start_naming_it(beat_env):
+@pytest.mark.parametrize("setting, value", [("taskguard_beat_leader_ttl", -5), ("taskguard_beat_catch_up", -1)])
+def test_a_bad_setting_stops_celery_beat_at_start_naming_it(beat_env, setting, value):
     app, queue, prefix, tmp = beat_env
-    beat = BeatProcess(queue, prefix, tmp, "bad", env={"TG_TEST_CONF": json.dumps({"taskguard_beat_leader_ttl": -5})})
+    beat = BeatProcess(queue, prefix, tmp, "bad", env={"TG_TEST_CONF": json.dumps({setting: value})})
     beat.start()
     beat.proc.wait(30)
     out = beat.output()
     beat.stop()
-    say(f"observed: beat exited {beat.proc.returncode}")
-    assert beat.proc.returncode != 0 and "taskguard_beat_leader_ttl" in out
+    say(f"observed: beat exited {beat.proc.returncode}, {len(out.splitlines())} lines of output")
+    assert beat.proc.returncode == 78 and setting in out  # EX_CONFIG
+    # one clear line, not Celery's traceback written one character per log line (stderr is a logger)
+    assert out.count("taskguard beat cannot start:") == 1 and "Traceback" not in out, out[-3000:]
+    assert len(out.splitlines()) < 40, out[-3000:]
 
 
 class _Recorder:

@@ -48,6 +48,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -55,6 +56,7 @@ from typing import Any
 
 from celery.beat import PersistentScheduler, event_t
 from celery.schedules import schedule
+from celery.utils.log import LoggingProxy
 
 from taskguard import ConfigError, LeaseBackendError, LeaseLost, Lease
 from taskguard.keys import KeyTemplate
@@ -62,6 +64,9 @@ from taskguard.validate import check_limit, check_rate, check_ttl
 
 from .config import beat_settings, locks_for
 from .headers import BEAT_HEADER
+
+#: Exit status of a beat refused at start for its configuration (sysexits.h ``EX_CONFIG``).
+EX_CONFIG = 78
 
 __all__ = ["SingletonBeatMixin", "TaskguardScheduler", "latest_due", "slot_id", "BEAT_HEADER", "ENTRY_OPTION",
            "entry_guard", "beat_run"]
@@ -221,13 +226,21 @@ class SingletonBeatMixin:
     max_interval = 1.0
 
     def setup_schedule(self) -> None:
+        """Validate every taskguard setting and entry option, then set up Celery's schedule.
+
+        Raises ConfigError naming the setting or entry. Under ``celery beat`` (stderr redirected
+        to the logger, where Celery would print the traceback one character per log line) the
+        error is logged once at CRITICAL and the process exits with status 78 (``EX_CONFIG``)."""
         try:
-            settings = beat_settings(self.app, float(self.max_interval))  # type: ignore[attr-defined]
+            self._tg_setup()
         except ConfigError as e:
-            # said once, readably, before Celery prints the traceback (beat redirects stderr to
-            # its logger, one character per line)
             log.critical("taskguard beat cannot start: %s", e)
+            if isinstance(sys.stderr, LoggingProxy):  # a celery beat process: a clean exit, no traceback
+                raise SystemExit(EX_CONFIG) from None
             raise
+
+    def _tg_setup(self) -> None:
+        settings = beat_settings(self.app, float(self.max_interval))  # type: ignore[attr-defined]
         super().setup_schedule()  # type: ignore[misc]
         self.taskguard_settings = settings
         self.taskguard_locks = locks_for(self.app)  # type: ignore[attr-defined]
