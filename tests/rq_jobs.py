@@ -142,3 +142,27 @@ def unique_job(name, seconds=0.3):
     _log(f"unique:{name}")
     time.sleep(seconds)
     return name
+
+
+@guarded_job(ttl=5, key="add:{x}:{y}")
+def add(x, y, z=None):
+    _log(f"add:{x}:{y}")
+    return x + y
+
+
+@guarded_job(ttl=5, key="down:{n}")
+def down(n):
+    """Calls itself directly (a new key each level) and another guarded job; logs, after the
+    inner calls, which lease key the job's kept handle record names (the job's own)."""
+    from rq import get_current_job
+
+    from taskguard_rq import load_handle
+    from taskguard_rq.config import locks_for
+
+    _log(f"down:{n}:{current_lease().key}")
+    inner = down(n - 1) if n else []
+    total = add(n, 1)
+    job = get_current_job()
+    handle = load_handle(locks_for(None), job.id) if job is not None else None
+    _log(f"down:{n}:handle:{handle['key'] if handle else None}")
+    return [n] + inner + [total]
