@@ -19,7 +19,7 @@ def same_kind(exc: BaseException, context: str) -> BaseException:
     returned unchanged."""
     try:
         return type(exc)(f"{context}: {exc}")
-    except Exception:
+    except TypeError:  # a constructor taking other arguments
         return exc
 
 

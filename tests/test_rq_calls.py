@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 from rq.job import JobStatus
+from taskguard_rq import enqueue_unique
 
 from taskguard import ConfigError
-from taskguard_rq import enqueue_unique
 
 from . import rq_jobs
 from .test_rq import RQWorker, log, rq_env, wait_done  # noqa: F401 (rq_env: a fixture)

@@ -48,7 +48,7 @@ class _Nested:
 #: calls inside that run (``push_request``). A call that finds one of them on top of its task's
 #: request stack is a direct call from inside that run (recursion, its own errback, which Celery
 #: calls while the failed run's request is still pushed: celery/backends/base.py), not that run.
-_judged: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_judged: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class _DirectCall(Context):
