@@ -22,7 +22,9 @@ def _attempt(name: str) -> int:
 
 def _log(entry: str) -> None:
     r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":log}", entry)
+    key = "{" + os.environ["TASKGUARD_PREFIX"] + ":log}"
+    # with a TTL: another pytest session ending on the shared Redis deletes untimed tgtest- keys
+    r.pipeline().rpush(key, entry).expire(key, 600).execute()
 
 
 @guarded_job(ttl=5, key="slow:{n}")

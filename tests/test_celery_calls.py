@@ -23,7 +23,9 @@ def app(redis_url, prefix):
 
 
 def _note(app, entry: str) -> None:
-    redis.Redis.from_url(app.conf.result_backend).rpush(app.tg_log, entry)
+    # with a TTL: another pytest session ending on the shared Redis deletes untimed tgtest- keys
+    with redis.Redis.from_url(app.conf.result_backend).pipeline() as pipe:
+        pipe.rpush(app.tg_log, entry).expire(app.tg_log, 600).execute()
 
 
 def _guard_keys(app, prefix: str) -> list[bytes]:

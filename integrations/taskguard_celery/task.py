@@ -147,7 +147,7 @@ class GuardedTask(Task):
                 own = _DirectCall(args=args, kwargs=kwargs)
                 self.request_stack.push(own)
                 try:
-                    return self(*args, **kwargs)
+                    return GuardedTask.__call__(self, *args, **kwargs)  # (a subclass's own __call__ ran already)
                 finally:
                     self.request_stack.pop()
             _judged.add(req)
