@@ -8,7 +8,20 @@ from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 
-__all__ = ["KeyTemplate"]
+__all__ = ["KeyTemplate", "same_kind"]
+
+
+def same_kind(exc: BaseException, context: str) -> BaseException:
+    """``exc`` again, its message prefixed with ``context``, keeping its type: an error that the
+    call's own arguments cause (wrong arguments, a key or fingerprint that cannot be made from
+    them) is the caller's, raised as what it is, never as a :class:`ConfigError` (which is the
+    guard's own configuration). An exception type that cannot be made from one message is
+    returned unchanged."""
+    try:
+        return type(exc)(f"{context}: {exc}")
+    except TypeError:  # a constructor taking other arguments
+        return exc
+
 
 
 class KeyTemplate:
@@ -29,8 +42,14 @@ class KeyTemplate:
     Raises:
         ConfigError: at construction, when a template names a parameter ``fn`` does not have
             (and ``fn`` takes no ``**kwargs``), is not a valid format string, or ``spec`` is
-            neither a ``str`` nor a callable; at :meth:`render`, when the call's arguments do not
-            bind to the signature or a callable returns something other than a non-empty ``str``.
+            neither a ``str`` nor a callable; at :meth:`render`, when a callable returns
+            something other than a non-empty ``str`` (the guard's own configuration).
+        TypeError: at :meth:`bind` and :meth:`render`, when the call's arguments do not bind to
+            the signature, as calling ``fn`` with them would (Python's message, prefixed with
+            ``fn``'s name and signature).
+        Exception: at :meth:`render`, what the call's arguments make the key fail with, with its
+            own type: a template's field or attribute they lack (``KeyError``,
+            ``AttributeError``, ``IndexError``, ...), whatever a key callable raises.
     """
 
     def __init__(self, spec: str | Callable[..., str], fn: Callable[..., Any], *, skip_self: bool = False) -> None:
@@ -89,7 +108,8 @@ class KeyTemplate:
         return isinstance(self.spec, str) and not self.fields
 
     def bind(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """The call's arguments by parameter name, defaults applied (``**kwargs`` flattened)."""
+        """The call's arguments by parameter name, defaults applied (``**kwargs`` flattened).
+        Raises TypeError when they do not bind to the signature (as calling the function would)."""
         if self._simple and len(args) <= len(self._positional):
             values = dict(zip(self._positional, args))
             for name, value in kwargs.items():
@@ -105,7 +125,8 @@ class KeyTemplate:
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as e:
-            raise ConfigError(f"arguments do not match {self.fn_name}{self.signature}: {e}") from None
+            # the caller's wrong arguments, not the guard's configuration: what calling fn would raise
+            raise same_kind(e, f"{self.fn_name}{self.signature}") from None
         bound.apply_defaults()
         values = dict(bound.arguments)
         for p in self.signature.parameters.values():
@@ -114,19 +135,19 @@ class KeyTemplate:
         return values
 
     def render(self, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> str:
-        """The lease key for one call. Raises ConfigError (see the class docstring)."""
+        """The lease key for one call. Raises TypeError, ConfigError or what the arguments make
+        the key fail with (see the class docstring)."""
         if self.is_fixed:
             return self.spec  # type: ignore[return-value]
         values = self.bind(tuple(args), kwargs or {})
         if isinstance(self.spec, str):
             missing = [f for f in self.fields if f not in values]
             if missing:
-                raise ConfigError(f"key template {self.spec!r} needs {', '.join(map(repr, missing))}, not passed")
+                raise KeyError(f"key template {self.spec!r} needs {', '.join(map(repr, missing))}, not passed")
             try:
                 return self.spec.format_map(values)
             except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
-                raise ConfigError(f"key template {self.spec!r} failed on the call's arguments: "
-                                  f"{type(e).__name__}: {e}") from None
+                raise same_kind(e, f"key template {self.spec!r} failed on the call's arguments") from None
         key = self.spec(**values)
         if not isinstance(key, str) or not key:
             raise ConfigError(f"key callable {self.spec!r} must return a non-empty str, got {type(key).__name__}")

@@ -28,6 +28,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from .errors import ConfigError
+from .keys import same_kind
 
 __all__ = ["Fingerprint", "OncePolicy", "fingerprint_of", "encode_record", "decode_record", "DEFAULT_ONCE_TTL",
            "DEFAULT_ONCE_MAX_BYTES"]
@@ -40,12 +41,14 @@ DEFAULT_ONCE_MAX_BYTES = 1 << 20
 
 def fingerprint_of(values: Any) -> str:
     """SHA-256 (hex) of ``values`` JSON-normalised: keys sorted, tuples as lists, no spaces.
-    Raises ConfigError naming the type that has no JSON form (pass ``fingerprint=`` then)."""
+    Raises what ``json.dumps`` raises for a value with no JSON form (``TypeError`` naming its
+    type, ``ValueError`` for NaN or infinity; pass ``fingerprint=`` then): the call's arguments
+    cannot be serialised, which is the caller's error, not a :class:`ConfigError`."""
     try:
         text = json.dumps(values, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"cannot fingerprint the call's arguments for once=True ({e}); pass fingerprint= "
-                          f"(argument names, or a callable returning a str)") from None
+        raise same_kind(e, "cannot fingerprint the call's arguments for once=True; pass fingerprint= "
+                           "(argument names, or a callable returning a str)") from None
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -74,7 +77,11 @@ class Fingerprint:
         self.spec = tuple(spec)
 
     def of(self, args: tuple, kwargs: Mapping[str, Any]) -> str:
-        """The fingerprint of one call. Raises ConfigError when it cannot be computed."""
+        """The fingerprint of one call. Raises what the call's arguments cause with its own type:
+        ``TypeError`` when they do not bind to the signature (:meth:`KeyTemplate.bind`) or have
+        no JSON form (:func:`fingerprint_of`), ``KeyError`` when a named argument is not passed,
+        whatever a fingerprint callable raises; ConfigError when the callable returns something
+        other than a non-empty ``str``."""
         values = self.template.bind(tuple(args), kwargs)
         if callable(self.spec):
             out = self.spec(**values)
@@ -85,7 +92,7 @@ class Fingerprint:
         if self.spec is not None:
             missing = [n for n in self.spec if n not in values]
             if missing:
-                raise ConfigError(f"fingerprint needs {', '.join(map(repr, missing))}, not passed")
+                raise KeyError(f"fingerprint needs {', '.join(map(repr, missing))}, not passed")
             values = {n: values[n] for n in self.spec}
         return fingerprint_of(values)
 

@@ -190,8 +190,9 @@ class GuardOptions:
 
     def once_policy(self, args: tuple, kwargs: dict, dumps: Any = None, loads: Any = None) -> Any:
         """The :class:`~taskguard.once.OncePolicy` of one call (``None`` without ``once``), its
-        value stored with ``dumps`` / read with ``loads`` (default JSON). Raises ConfigError when
-        the call's arguments cannot be fingerprinted."""
+        value stored with ``dumps`` / read with ``loads`` (default JSON). Raises what
+        :meth:`taskguard.once.Fingerprint.of` raises when the call's arguments cannot be
+        fingerprinted (their own error: ``TypeError``, ``KeyError``...)."""
         if not self.once:
             return None
         from .once import OncePolicy

@@ -22,7 +22,9 @@ def _attempt(name: str) -> int:
 
 def _log(entry: str) -> None:
     r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":log}", entry)
+    key = "{" + os.environ["TASKGUARD_PREFIX"] + ":log}"
+    # with a TTL: another pytest session ending on the shared Redis deletes untimed tgtest- keys
+    r.pipeline().rpush(key, entry).expire(key, 600).execute()
 
 
 @guarded_job(ttl=5, key="slow:{n}")
@@ -142,3 +144,26 @@ def unique_job(name, seconds=0.3):
     _log(f"unique:{name}")
     time.sleep(seconds)
     return name
+
+
+@guarded_job(ttl=5, key="add:{x}:{y}")
+def add(x, y, z=None):
+    _log(f"add:{x}:{y}")
+    return x + y
+
+
+@guarded_job(ttl=5, key="down:{n}")
+def down(n):
+    """Calls itself directly (a new key each level) and another guarded job; logs, after the
+    inner calls, which lease key the job's kept handle record names (the job's own)."""
+    from rq import get_current_job
+    from taskguard_rq import load_handle
+    from taskguard_rq.config import locks_for
+
+    _log(f"down:{n}:{current_lease().key}")
+    inner = down(n - 1) if n else []
+    total = add(n, 1)
+    job = get_current_job()
+    handle = load_handle(locks_for(None), job.id) if job is not None else None
+    _log(f"down:{n}:handle:{handle['key'] if handle else None}")
+    return [n] + inner + [total]

@@ -7,10 +7,12 @@ The guard runs where the body runs (``Task.__call__``): worker executions, direc
 from __future__ import annotations
 
 import logging
+import weakref
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 from celery import Task, shared_task
+from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 from celery.utils.time import maybe_iso8601
 
@@ -39,6 +41,19 @@ class _Nested:
 
     def __init__(self, tag: Any, lease: Any) -> None:
         self.tag, self.lease = tag, lease
+
+
+#: The requests whose run a ``GuardedTask.__call__`` has judged already (the worker's or
+#: ``apply()``'s, pushed by Celery's tracer), and the copies ``Task.__call__`` makes of them for
+#: calls inside that run (``push_request``). A call that finds one of them on top of its task's
+#: request stack is a direct call from inside that run (recursion, its own errback, which Celery
+#: calls while the failed run's request is still pushed: celery/backends/base.py), not that run.
+_judged: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class _DirectCall(Context):
+    """The request a direct call from inside a run of its task is judged by: what a direct call
+    from outside any run has (``called_directly``, no id), with the call's arguments."""
 
 
 class GuardedTask(Task):
@@ -125,6 +140,17 @@ class GuardedTask(Task):
         if opts is None:
             return super().__call__(*args, **kwargs)
         req = self.request
+        if not req.called_directly:
+            if req in _judged:
+                # the request on the stack is the enclosing run's: this is a direct call made
+                # inside it, judged by its own call as one from outside any run would be
+                own = _DirectCall(args=args, kwargs=kwargs)
+                self.request_stack.push(own)
+                try:
+                    return GuardedTask.__call__(self, *args, **kwargs)  # (a subclass's own __call__ ran already)
+                finally:
+                    self.request_stack.pop()
+            _judged.add(req)
         if opts.on_skip == "ignore" and getattr(req, "chord", None):
             raise ConfigError(f"task {self.name!r}: on_skip='ignore' is refused inside a chord "
                               "(the chord would never complete); use on_skip='result'")
@@ -227,7 +253,23 @@ class GuardedTask(Task):
             # the tracer already pushed this request (celery/app/trace.py): run the body as it
             # would for a task without its own __call__
             return self.run(*args, **kwargs)
+        if isinstance(req, _DirectCall) and self.request_stack.top is req:
+            # a direct call inside a run: the body gets the request Task.__call__ gives it there
+            # (pushed from the enclosing run's), as without taskguard
+            self.request_stack.pop()
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                self.request_stack.push(req)
         return super().__call__(*args, **kwargs)
+
+    def push_request(self, *args: Any, **kwargs: Any) -> None:
+        """Celery's ``Task.push_request``; a request pushed over one whose run was judged (a
+        direct call's, which Celery builds from it) is not a run of its own either."""
+        judged = self.request in _judged
+        super().push_request(*args, **kwargs)
+        if judged:
+            _judged.add(self.request)
 
     @staticmethod
     def _enclosing_run(key: str, locks: Locks) -> GuardedRun | None:

@@ -65,8 +65,9 @@ def mark_ttl(task: Any, options: dict) -> float:
 def publish(task: Any, args: Any, kwargs: Any, task_id: str | None, options: dict,
             send: Callable[[str, dict], Any]) -> Any:
     """Publish ``task`` unless a run of its key is queued or running; returns the new or the
-    existing run's ``AsyncResult``. ``send(task_id, options)`` publishes. Raises ConfigError when
-    the arguments do not fit the key template, LeaseBackendError when Redis fails (nothing is
+    existing run's ``AsyncResult``. ``send(task_id, options)`` publishes. Raises TypeError when
+    the arguments do not bind to the task's signature (and what the key fails with on them, with
+    its own type: :class:`taskguard.keys.KeyTemplate`), LeaseBackendError when Redis fails (nothing is
     published then), and whatever ``send`` raises (the mark is cleared first)."""
     key = task._taskguard.key.render(tuple(args or ()), dict(kwargs or {}))
     task_id = task_id or uuid()

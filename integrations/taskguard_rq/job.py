@@ -18,6 +18,7 @@ token.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import time
@@ -152,6 +153,13 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
     return decorate(func) if func is not None else decorate
 
 
+#: The job whose execution this context is performing through :func:`_perform`. RQ's
+#: ``get_current_job()`` gives that job to everything its function calls, so a guarded function
+#: called directly from inside it (recursion, another guarded job called as a function) sees it
+#: too: it is a direct call, judged by its own call, not that job's execution.
+_performing: contextvars.ContextVar[Any] = contextvars.ContextVar("taskguard_rq_performing", default=None)
+
+
 def _job_timeout(job: Any) -> float:
     timeout = getattr(job, "timeout", None)
     return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else DEFAULT_JOB_TIMEOUT
@@ -159,6 +167,18 @@ def _job_timeout(job: Any) -> float:
 
 def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks, args: tuple, kwargs: dict) -> Any:
     job = get_current_job()
+    if job is None or _performing.get() is job:
+        return _run(fn, name, opts, locks, args, kwargs, None)  # a direct call
+    token = _performing.set(job)
+    try:
+        return _run(fn, name, opts, locks, args, kwargs, job)
+    finally:
+        _performing.reset(token)
+
+
+def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks, args: tuple, kwargs: dict,
+         job: Any) -> Any:
+    """One guarded run: ``job``'s execution, or a direct call (``job`` ``None``)."""
     key = opts.key.render(args, kwargs)
     run_id = job.id if job is not None else None
     try:

@@ -53,7 +53,8 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
             ``ttl``, ``retry``, ``meta``, ...).
 
     Returns the new or the existing ``rq.job.Job``. Raises ConfigError for a function that is not
-    a guarded job or arguments that do not fit its key, LeaseBackendError when Redis fails
+    a guarded job, TypeError for arguments that do not bind to its signature (and what a key
+    fails with on them, with its own type: :class:`taskguard.keys.KeyTemplate`), LeaseBackendError when Redis fails
     (nothing enqueued), and what RQ raises (the mark is cleared first)."""
     from rq.job import Job
 
