@@ -1,0 +1,201 @@
+"""Redis at maxmemory with ``noeviction`` (what the README asks for): every script a holder needs
+goes on working, a new acquisition fails closed and says why. A suite-owned redis-server (never
+the shared one): its maxmemory is set just under what it uses, so Redis refuses writes."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import redis
+
+from taskguard import LeaseBackendError, RedisLocks
+from taskguard.once import decode_record
+
+from .servers import RedisServer, fill_to_maxmemory, free_maxmemory
+
+
+@pytest.fixture
+def private():
+    srv = RedisServer().start()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def oom(private):
+    """(locks, client) on the private server; ``full()`` brings it to maxmemory."""
+    client = redis.Redis(port=private.port)
+    locks = RedisLocks.from_url(private.url, prefix=f"tgtest-{uuid.uuid4().hex[:8]}", socket_timeout=2,
+                                renew_fraction=0.25)
+
+    class Box:
+        pass
+
+    box = Box()
+    box.locks, box.client = locks, client
+    box.full = lambda: fill_to_maxmemory(client)
+    yield box
+    free_maxmemory(client)
+    locks.close(timeout=2)
+    client.close()
+
+
+def _refused(client: redis.Redis) -> bool:
+    try:
+        client.set("probe", "x", ex=60)
+    except redis.exceptions.OutOfMemoryError:
+        return True
+    return False
+
+
+def test_new_acquisition_at_maxmemory_fails_closed_and_says_why(oom):
+    oom.full()
+    with pytest.raises(LeaseBackendError) as err:
+        oom.locks.acquire("new", ttl=5)
+    assert err.value.operation == "acquire"
+    assert "maxmemory (OOM)" in str(err.value) and "no new lease" in str(err.value)
+    with pytest.raises(LeaseBackendError):
+        oom.locks.with_lease("new", lambda lease: "never", ttl=5)  # never a Skipped, never run
+    assert _refused(oom.client)
+
+
+def test_renew_claim_record_and_reads_of_a_holder_at_maxmemory(oom):
+    locks = oom.locks
+    lease = locks.acquire("k", ttl=3).lease
+    kept = locks.acquire("kept", ttl=3).lease
+    oom.full()
+    # RENEW: extends, as before the limit
+    assert lease.renew(20)
+    info = locks.holder("k")
+    assert info is not None and info.ttl > 15 and info.fencing_token == lease.fencing_token
+    # lease records (beat's slot claims): written while held
+    assert lease.put_record("slot", "claimed 1", if_absent=True)
+    assert lease.put_record("slot", "published 1", if_value="claimed 1")
+    assert locks.get_lease_record("k", "slot") == "published 1"
+    # CLAIM of a persisted handle (a retry's): same fence, fresh owner token
+    acq = locks.claim("kept", kept.owner_token, ttl=10, run_id="run-kept")
+    assert acq.acquired and acq.lease.fencing_token == kept.fencing_token
+    assert locks.holder("kept").ttl > 8
+    # reads
+    lease.ensure_held(verify=True)
+    assert [h.fencing_token for h in locks.holders("k")] == [lease.fencing_token]
+    # RELEASE by the holder, and without a token (release_run of a dead run)
+    assert lease.release()
+    assert locks.holder("k") is None
+    assert locks.release_run("kept", "run-kept")
+    assert locks.holder("kept") is None
+    assert _refused(oom.client)
+
+
+def test_heartbeat_keeps_leases_at_maxmemory(oom):
+    """The heartbeat's pipelined RENEW: ttl 1.2 s, renewed every 0.3 s, for 4 s at maxmemory."""
+    events = []
+    oom.locks.add_listener(events.append)
+    leases = [oom.locks.acquire(f"hb{i}", ttl=1.2, renew=True).lease for i in range(3)]
+    oom.full()
+    time.sleep(4.0)
+    assert _refused(oom.client)
+    assert not [e for e in events if e.kind == "renew" and e.status == "error"]
+    for lease in leases:
+        assert not lease.lost
+        assert oom.locks.holder(lease.key).ttl > 0.5
+        assert lease.release()
+
+
+def test_noscript_at_maxmemory_falls_back_to_eval(oom):
+    """After SCRIPT FLUSH (a restart, a failover) the EVAL fallback caches the script again at
+    maxmemory: the renewal goes through."""
+    lease = oom.locks.acquire("k", ttl=3).lease
+    oom.full()
+    oom.client.script_flush()
+    assert lease.renew(10)
+    assert oom.locks.holder("k").ttl > 8
+    assert lease.release()
+
+
+def test_release_writes_its_finished_marker_at_maxmemory(oom):
+    """A finishing run's marker is written at maxmemory, held or not: refusing it would let a
+    redelivered copy of a run that finished run again."""
+    locks = oom.locks
+    held = locks.acquire("a", ttl=5, run_id="run-a").lease
+    lapsed = locks.acquire("b", ttl=0.3, run_id="run-b").lease
+    oom.full()
+    time.sleep(0.5)  # b's lease expires
+    assert held.release(finished=True, finished_ttl=60)
+    assert not lapsed.release(finished=True, finished_ttl=60)
+    for key, run in (("a", "run-a"), ("b", "run-b")):
+        assert 0 < oom.client.pttl(locks._done_key(key, run)) <= 60000
+    assert _refused(oom.client)
+
+
+def test_once_record_written_at_maxmemory(oom):
+    """The completion record of a once run that completes while Redis is at maxmemory is stored
+    (its size is bounded by once_max_bytes): refusing it would run the completed work again."""
+    locks = oom.locks
+    calls = []
+
+    def body(lease):
+        calls.append(lease.fencing_token)
+        oom.full()  # Redis reaches maxmemory while the work runs
+        return {"paid": 42}
+
+    assert locks.once("pay:1", body, ttl=5) == {"paid": 42}
+    assert _refused(oom.client)
+    assert decode_record(locks._get_completion("pay:1"))["fp"] is not None
+    assert locks.once("pay:1", body, ttl=5) == {"paid": 42}  # the stored value, without the body
+    assert len(calls) == 1
+
+
+def test_once_record_of_a_lapsed_lease_written_at_maxmemory(oom):
+    """RELEASE_STORING when the lease had lapsed: the run did complete, the record is stored."""
+    locks = oom.locks
+
+    def body(lease):
+        oom.full()
+        time.sleep(0.6)  # ttl 0.3 and no renewal: the lease lapses while the body runs
+        return "done"
+
+    from taskguard.once import OncePolicy, fingerprint_of
+    from taskguard.run import GuardedRun
+
+    run = GuardedRun(locks, "pay:2", ttl=0.3, renew=False, on_lost="warn",
+                     once=OncePolicy(fingerprint_of(None), ttl=60))
+    assert run.call(body) == "done"
+    assert _refused(oom.client)
+    assert locks._get_completion("pay:2") is not None
+
+
+def test_waiting_acquire_at_maxmemory_answers_held_not_oom(oom):
+    """With wait > 0 the waiter mark is refused at maxmemory: the acquire still answers held /
+    wait_timeout (the waiter polls), never the OOM error."""
+    locks = oom.locks
+    lease = locks.acquire("k", ttl=5, renew=True).lease
+    oom.full()
+    started = time.monotonic()
+    acq = locks.acquire("k", ttl=5, wait=1.0)
+    assert not acq.acquired and acq.reason == "wait_timeout" and acq.holder_ttl > 0
+    assert 0.9 < time.monotonic() - started < 3.0
+    assert locks.acquire("k", ttl=5, wait=0).reason == "held"
+    # a waiter that outlives the holder: the release (its signal) goes through at maxmemory;
+    # the waiter then finds the lease free and its acquisition is refused, saying why
+    result: list = []
+
+    def waiter():
+        try:
+            result.append(locks.acquire("k", ttl=5, wait=3.0))
+        except LeaseBackendError as e:
+            result.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.5)
+    assert lease.release()
+    t.join(5)
+    assert len(result) == 1 and isinstance(result[0], LeaseBackendError) and "OOM" in str(result[0])
+    free_maxmemory(oom.client)
+    again = locks.acquire("k", ttl=5)
+    assert again.acquired and again.lease.fencing_token > lease.fencing_token
+    assert again.lease.release()
