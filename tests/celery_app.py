@@ -197,6 +197,23 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         time.sleep(seconds)
         return {"fence": fence, "lost": self.lease.lost, "pool_patched": _gevent_patched()}
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.hold3", ttl=3, key="hold3")
+    def hold3(self, name, seconds=11.0):
+        """Holds a ttl=3 lease for ``seconds`` (the maxmemory test): logs its start and end."""
+        fence = self.lease.fencing_token
+        note(f"hold3:{name}:start:{fence}:{time.time():.3f}")
+        time.sleep(seconds)
+        note(f"hold3:{name}:end:{fence}:{time.time():.3f}")
+        return {"fence": fence, "lost": self.lease.lost}
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.hold3_wait", ttl=3, key="hold3", wait=1.5,
+              blocking_wait=True)
+    def hold3_wait(self, name, seconds=0.0):
+        note(f"hold3:{name}:start:{self.lease.fencing_token}:{time.time():.3f}")
+        time.sleep(seconds)
+        note(f"hold3:{name}:end:{self.lease.fencing_token}:{time.time():.3f}")
+        return name
+
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.slot_tick", ttl=30, key="slot-tick")
     def slot_tick(self, seconds=0.0):
         """A guarded beat task: logs its slot, leader fence, time and task id."""

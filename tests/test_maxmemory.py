@@ -199,3 +199,49 @@ def test_waiting_acquire_at_maxmemory_answers_held_not_oom(oom):
     again = locks.acquire("k", ttl=5)
     assert again.acquired and again.lease.fencing_token > lease.fencing_token
     assert again.lease.release()
+
+
+# -- real processes ---------------------------------------------------------------------------------
+
+def test_celery_holder_keeps_its_lease_through_maxmemory(redis_url, prefix, private):
+    """Run A (ttl 3, an 11 s body) on a real prefork worker holds its lease while the lease Redis
+    sits at maxmemory for 6 s: A ends SUCCESS with its lease never lost; B of the same key is
+    skipped ``held`` (wait=0) or ``wait_timeout`` (wait=1.5), never an OOM error; the two bodies
+    never overlap. The broker and the log are on the shared Redis."""
+    from taskguard import as_skipped, is_skipped
+
+    from .celery_app import make_app
+    from .celery_support import WorkerProcess, body_log
+
+    queue = f"q-{prefix}"
+    lease_conf = {"taskguard_locks": None, "taskguard_redis_url": private.url, "taskguard_prefix": prefix}
+    app = make_app(queue, prefix, **lease_conf)
+    client = redis.Redis(port=private.port)
+    worker = WorkerProcess(queue, prefix, concurrency=3, conf=lease_conf)
+    try:
+        with worker:
+            a = app.tasks["tg.hold3"].delay("a", seconds=11.0)
+            deadline = time.monotonic() + 30
+            while not any(e.startswith("hold3:a:start") for e in body_log(app)):
+                assert time.monotonic() < deadline, worker.output()
+                time.sleep(0.1)
+            # an expiring log: a parallel suite's session end deletes keys without a TTL under tgtest-*
+            redis.Redis.from_url(redis_url).expire(app.tg_log, 600)
+            fill_to_maxmemory(client)
+            full_at = time.monotonic()
+            b = app.tasks["tg.hold3"].delay("b", seconds=0).get(timeout=20)
+            c = app.tasks["tg.hold3_wait"].delay("c").get(timeout=20)
+            assert _refused(client)  # still at maxmemory
+            time.sleep(max(0.0, 6.0 - (time.monotonic() - full_at)))
+            assert _refused(client)
+            free_maxmemory(client)
+            out = a.get(timeout=30)
+            assert a.status == "SUCCESS" and out["lost"] is False, worker.output()
+            assert is_skipped(b) and as_skipped(b).reason == "held", b
+            assert is_skipped(c) and as_skipped(c).reason == "wait_timeout", c
+            log = body_log(app)
+            assert [e.split(":")[1:3] for e in log] == [["a", "start"], ["a", "end"]], log
+            assert "LeaseLost" not in worker.output()
+    finally:
+        redis.Redis.from_url(redis_url).delete(queue, app.tg_log)
+        client.close()
