@@ -142,3 +142,10 @@ def unique_job(name, seconds=0.3):
     _log(f"unique:{name}")
     time.sleep(seconds)
     return name
+
+
+@guarded_job(ttl=3, key="lbr:{name}")
+def lease_retried(name):
+    """Enqueued with retry=Retry(...): RQ retries it while the lease store is down."""
+    _log(f"lbr:{name}:{current_lease().fencing_token}")
+    return name
