@@ -21,7 +21,9 @@ def _attempt(name: str) -> int:
 
 
 def _log(entry: str) -> None:
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    # TG_TEST_LOG_URL: a log kept apart from the leases (a test that fills the lease store)
+    r = redis.Redis.from_url(os.environ.get("TG_TEST_LOG_URL") or
+                             os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":log}", entry)
 
 
@@ -148,4 +150,20 @@ def unique_job(name, seconds=0.3):
 def lease_retried(name):
     """Enqueued with retry=Retry(...): RQ retries it while the lease store is down."""
     _log(f"lbr:{name}:{current_lease().fencing_token}")
+    return name
+
+
+@guarded_job(ttl=3, key="hold3")
+def hold3(name, seconds=11.0):
+    """Holds a ttl=3 lease for ``seconds`` (the maxmemory test), logging its start and end."""
+    lease = current_lease()
+    _log(f"hold3:{name}:start:{lease.fencing_token}")
+    time.sleep(seconds)
+    _log(f"hold3:{name}:end:{lease.fencing_token}")
+    return {"fence": lease.fencing_token, "lost": lease.lost}
+
+
+@guarded_job(ttl=3, key="hold3", wait=1.5, blocking_wait=True)
+def hold3_wait(name):
+    _log(f"hold3:{name}:start:{current_lease().fencing_token}")
     return name

@@ -247,3 +247,53 @@ def test_celery_holder_keeps_its_lease_through_maxmemory(redis_url, prefix, priv
     finally:
         redis.Redis.from_url(redis_url).delete(queue, app.tg_log)
         client.close()
+
+
+def test_rq_holder_keeps_its_lease_through_maxmemory(private, monkeypatch):
+    """The same with real ``rq worker -w taskguard_rq.GuardedWorker`` processes: A (ttl 3, 11 s)
+    holds through 6 s at maxmemory and finishes; B (wait=0) returns Skipped ``held``, C (wait=1.5)
+    ``wait_timeout``; never two bodies at once. The queue and the log on a second private server."""
+    from rq import Queue
+    from rq.job import JobStatus
+
+    import taskguard_rq
+    from taskguard import as_skipped, is_skipped
+
+    from . import rq_jobs
+    from .test_rq import RQWorker, wait_done
+
+    other = RedisServer().start()
+    prefix = f"tgtest-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("TASKGUARD_REDIS_URL", private.url)
+    monkeypatch.setenv("TASKGUARD_PREFIX", prefix)
+    monkeypatch.setenv("TG_TEST_LOG_URL", other.url)
+    monkeypatch.setattr(taskguard_rq.config, "_default", None)
+    conn, client = redis.Redis(port=other.port), redis.Redis(port=private.port)
+    queue = Queue(f"q-{prefix}", connection=conn)
+    logkey = "{" + prefix + ":log}"
+    try:
+        with RQWorker(queue, url=other.url) as w1, RQWorker(queue, url=other.url) as w2:
+            a = queue.enqueue(rq_jobs.hold3, "a", 11.0, job_timeout=60)
+            deadline = time.monotonic() + 30
+            while not conn.lrange(logkey, 0, -1):
+                assert time.monotonic() < deadline, w1.output() + w2.output()
+                time.sleep(0.1)
+            fill_to_maxmemory(client)
+            full_at = time.monotonic()
+            b = queue.enqueue(rq_jobs.hold3, "b", 0.0)
+            assert wait_done(b, timeout=20) == JobStatus.FINISHED, w1.output() + w2.output()
+            c = queue.enqueue(rq_jobs.hold3_wait, "c")
+            assert wait_done(c, timeout=20) == JobStatus.FINISHED, w1.output() + w2.output()
+            time.sleep(max(0.0, 6.0 - (time.monotonic() - full_at)))
+            assert _refused(client)
+            free_maxmemory(client)
+            assert wait_done(a, timeout=30) == JobStatus.FINISHED, w1.output() + w2.output()
+        assert a.return_value()["lost"] is False
+        assert is_skipped(b.return_value()) and as_skipped(b.return_value()).reason == "held"
+        assert is_skipped(c.return_value()) and as_skipped(c.return_value()).reason == "wait_timeout"
+        log = [x.decode() for x in conn.lrange(logkey, 0, -1)]
+        assert [e.split(":")[1:3] for e in log] == [["a", "start"], ["a", "end"]], log
+    finally:
+        conn.close()
+        client.close()
+        other.close()
