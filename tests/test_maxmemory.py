@@ -297,3 +297,50 @@ def test_rq_holder_keeps_its_lease_through_maxmemory(private, monkeypatch):
         conn.close()
         client.close()
         other.close()
+
+
+def test_beat_leader_keeps_publishing_through_maxmemory(redis_url, prefix, private, tmp_path):
+    """Two ``celery beat -S taskguard`` (leader TTL 3 s, an entry every second) with their leases on
+    a private Redis that sits at maxmemory for 6 s: the leader keeps its lease (renewals) and
+    claims and confirms its slots (lease records), so publishing goes on with no gap and no hand-over;
+    each slot runs once."""
+    import json
+
+    from .celery_app import make_app
+    from .celery_support import BeatProcess, WorkerProcess
+    from .test_celery_beat import check_once_per_slot, ticks
+
+    queue = f"q-{prefix}"
+    lease_conf = {"taskguard_locks": None, "taskguard_redis_url": private.url, "taskguard_prefix": prefix}
+    app = make_app(queue, prefix)
+    client = redis.Redis(port=private.port)
+    shared = redis.Redis.from_url(redis_url)
+    shared.rpush(app.tg_log, "begin")  # expiring: a parallel suite's session end deletes keys without a TTL
+    shared.expire(app.tg_log, 600)
+    env = {"TG_TEST_CONF": json.dumps({**lease_conf, "taskguard_beat_leader_ttl": 3})}
+    try:
+        with WorkerProcess(queue, prefix, pool="threads", concurrency=4):
+            beats = [BeatProcess(queue, prefix, tmp_path, n, env=env).start() for n in ("a", "b")]
+            deadline = time.monotonic() + 30
+            while len(ticks(app)) < 3 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            fill_to_maxmemory(client)
+            full_from = time.time()
+            time.sleep(6.0)
+            assert _refused(client)
+            full_until = time.time()
+            free_maxmemory(client)
+            time.sleep(2.0)
+            stopped = time.time()
+            for b in beats:
+                b.stop()
+        runs = ticks(app)
+        during = [r for r in runs if full_from <= r[2] <= full_until]
+        assert len(during) >= 4, (runs, [b.output() for b in beats])
+        times = [r[2] for r in runs if r[2] <= stopped]
+        assert max(b - a for a, b in zip(times, times[1:])) < 2.5, runs
+        assert len({r[1] for r in runs}) == 1  # one leader throughout: no hand-over
+        check_once_per_slot(runs, runs[0][2], stopped)
+    finally:
+        shared.delete(queue, app.tg_log)
+        client.close()
