@@ -235,6 +235,19 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
             raise self.retry(countdown=1.0)  # keeps the lease; its retry claims it
         return self.lease.fencing_token
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.late_lease", ttl=3, key="ll:{name}", acks_late=True,
+              autoretry_for=(LeaseBackendError,), retry_kwargs={"countdown": 0.5}, max_retries=10)
+    def late_lease(self, name):
+        """acks_late, its broker the lease Redis (the acks_late fallback test)."""
+        note(f"ll:{name}:{self.request.retries}:{self.lease.fencing_token}")
+        return name
+
+    @task_prerun.connect(weak=False)
+    def late_lease_pause(sender=None, task_id=None, **_):
+        # the first execution of tg.late_lease pauses before its guard: the test stops Redis then
+        if getattr(sender, "app", None) is app and sender.name == "tg.late_lease" and attempt(f"ll:{task_id}") == 1:
+            time.sleep(3.0)
+
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.hold3", ttl=3, key="hold3")
     def hold3(self, name, seconds=11.0):
         """Holds a ttl=3 lease for ``seconds`` (the maxmemory test): logs its start and end."""

@@ -164,3 +164,44 @@ def test_a_retry_whose_claim_fails_is_retried_and_claims_the_kept_lease(outage):
     assert len(log) == 2 and log[0].startswith("rtc:c:0:"), log
     assert int(log[0].split(":")[3]) == fence and int(log[1].split(":")[3]) == fence
     assert len(_runs(starts, "tg.retry_then_claim")) >= 3
+
+
+def test_acks_late_when_the_broker_is_the_lease_redis_that_is_down(redis_url, prefix):
+    """The broker and the lease store are one Redis, down when the run asks for its lease: the
+    retry cannot be published. With acks_late the message is not lost: it stays unacknowledged
+    (the reject cannot reach the broker either) and comes back when the broker does; the run then
+    takes its lease and the body runs once. (The documented fallback; the Redis transport brings
+    unacked messages back after its visibility_timeout, 3 s here.)"""
+    from .celery_support import WorkerProcess
+    from .test_celery_failures import REDIS_REDELIVERY
+
+    server = RedisServer(appendonly=True).start()
+    queue = f"q-{prefix}"
+    conf = {"taskguard_locks": None, "taskguard_redis_url": server.url, "taskguard_prefix": prefix,
+            "broker_transport_options": REDIS_REDELIVERY}
+    app = make_app(queue, prefix, broker=server.url, **conf)
+    shared = redis.Redis.from_url(redis_url)
+    shared.rpush(app.tg_log, "begin")
+    shared.expire(app.tg_log, 600)
+    worker = WorkerProcess(queue, prefix, broker=server.url, conf=conf)
+    res = None
+    try:
+        with worker:
+            res = app.tasks["tg.late_lease"].delay("a")
+            deadline = time.monotonic() + 30
+            while not shared.get(f"{prefix}:attempt:ll:{res.id}") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            server.stop()  # during the first execution's pause, before its guard
+            time.sleep(6.0)
+            server.start()
+            # Celery 5.x's main process may die of its own broker connection loss (kombu's restore
+            # of unacked messages on a dead connection); a supervisor starts it again: so do we
+            with WorkerProcess(queue, prefix, broker=server.url, conf=conf) as again:
+                assert res.get(timeout=60) == "a", worker.output() + again.output()
+        assert "reject requeue=True" in worker.output()
+        log = [x.decode() for x in shared.lrange(app.tg_log, 0, -1) if x != b"begin"]  # (not the broker's Redis)
+        assert len(log) == 1 and log[0].startswith("ll:a:"), log
+        assert int(shared.get(f"{prefix}:attempt:ll:{res.id}")) >= 2
+    finally:
+        shared.delete(app.tg_log, *([f"{prefix}:attempt:ll:{res.id}"] if res is not None else []))
+        server.close()
