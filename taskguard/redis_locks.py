@@ -9,7 +9,7 @@ import time
 from typing import Any, Iterable, Sequence
 
 import redis
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
 
 from . import scripts
 from .errors import ConfigError, LeaseBackendError
@@ -30,7 +30,13 @@ SIGNAL_TTL = 10.0
 
 
 def _detail(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}"
+    text = f"{type(err).__name__}: {err}"
+    if isinstance(err, OutOfMemoryError):
+        # what refuses at maxmemory (noeviction): every first write that may grow memory -- a new
+        # acquisition, a record, a rate -- while the holders' scripts go on (see taskguard.scripts)
+        return ("Redis is at maxmemory (OOM) and refuses new writes: no new lease can be taken until memory "
+                f"is freed or maxmemory raised; leases already held keep renewing ({text})")
+    return text
 
 
 def _socket_timeout(client: Any) -> float | None:
@@ -351,7 +357,8 @@ class RedisLocks(Locks):
         keys: tuple[str, ...] = (self._lease_key(key), self._completion_key(key))
         if finished_run and finished_ttl is not None:
             keys += (self._done_key(key, finished_run),)
-        args = (owner, "", _ms(finished_ttl or 1.0), secrets.token_hex(4), finished_run, record, _ms(record_ttl))
+        args = (owner, _ms(self.fence_idle_ttl), _ms(finished_ttl or 1.0), secrets.token_hex(4), finished_run, record,
+                _ms(record_ttl))
         return self._signalled(key, int(self._run("release", key, scripts.RELEASE_STORING, keys, args)))
 
     def _get_completion(self, key: str) -> str | None:

@@ -163,7 +163,13 @@ class GuardedRun:
             return False
         self.lease = acq.lease
         self.state = "running"
-        if self.once is not None and self._completed():  # completed between the check and the lease
+        try:
+            completed = self.once is not None and self._completed()  # completed between the check and the lease
+        except BaseException:  # Redis failed, or another fingerprint completed it: the body will not run
+            self.hand_back()
+            self.lease, self.state = None, "new"
+            raise
+        if completed:
             self.hand_back()
             self.lease, self.state = None, "new"
             return False

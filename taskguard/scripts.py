@@ -179,7 +179,9 @@ end
 if same or live >= limit or not free then
   local wait_ms = tonumber(ARGV[5])
   if wait_ms > 0 and (tonumber(v[6]) or 0) < now + wait_ms then
-    redis.call('HSET', KEYS[1], 'w', string.format('%.0f', now + wait_ms))
+    -- pcall: at maxmemory the mark is refused and the caller waits all the same (it polls instead
+    -- of being woken by the release signal); the answer stays "held"
+    redis.pcall('HSET', KEYS[1], 'w', string.format('%.0f', now + wait_ms))
   end
   if same then
     return {0, same[1], same[2]}
@@ -223,15 +225,31 @@ _SLOT = """
 local s = string.match(ARGV[1], '#%d+$') or ''
 """
 
+# Redis at maxmemory (``noeviction``) refuses a script's *first* command that may grow memory
+# (``HSET``, ``SET``...), never a later one: once a script has written, Redis cannot stop it half-way
+# (Redis 6.2 and 7.x, Valkey). A holder's scripts (renew, claim, a lease record, the records a
+# release writes) therefore write first with ``keep_ttl``: the lease key's TTL set again (kept, or
+# raised to ``to`` ms when under ``floor`` ms), a write that never grows memory. A holder keeps its
+# lease at maxmemory; an acquisition, whose first write is its ``HSET``, is refused: new leases fail
+# closed. (``#!lua flags=allow-oom`` would need Redis 7.0, and a ``#!lua`` script without it is
+# refused at maxmemory even when it only reads.)
+_KEEP_TTL = """
+local function keep_ttl(floor, to)
+  local pttl = redis.call('PTTL', KEYS[1])
+  if pttl < floor then pttl = to end
+  redis.call('PEXPIRE', KEYS[1], pttl)
+end
+"""
+
 # KEYS[1] lease; ARGV[1] owner token, ARGV[2] TTL ms, ARGV[3] idle TTL ms of the key -> 1 renewed,
 # 0 not the owner (or expired). An expired lease is never revived, and a renewal only ever extends:
 # a late renewal with a short TTL (a heartbeat round racing a retry's stretch) cannot cut a longer
 # expiry back. When the key's own life runs shorter than the lease, it is given the idle TTL again
 # (once per idle period, not per renewal), so the fence and the lease records outlive a holder that
-# held the lease for longer than the idle TTL and then died.
+# held the lease for longer than the idle TTL and then died. Works at maxmemory (see ``_KEEP_TTL``).
 RENEW = Script(
     "renew",
-    _NOW + _SLOT + """
+    _NOW + _SLOT + _KEEP_TTL + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s)
 local exp = tonumber(v[2])
 if v[1] ~= ARGV[1] or not exp or exp <= now then
@@ -239,17 +257,15 @@ if v[1] ~= ARGV[1] or not exp or exp <= now then
 end
 local ttl = tonumber(ARGV[2])
 if now + ttl > exp then
+  keep_ttl(ttl, math.max(ttl, tonumber(ARGV[3])))  -- first: at maxmemory the HSET then goes through
   redis.call('HSET', KEYS[1], 'x' .. s, string.format('%.0f', now + ttl))
-  if redis.call('PTTL', KEYS[1]) < ttl then
-    redis.call('PEXPIRE', KEYS[1], math.max(ttl, tonumber(ARGV[3])))
-  end
 end
 return 1
 """,
 )
 
 # KEYS[1] lease, optional KEYS[2] finished marker of the finishing run
-# ARGV[1] owner token, ARGV[2] (unused, kept for the argument layout), ARGV[3] finished marker TTL ms (with
+# ARGV[1] owner token, ARGV[2] idle TTL ms of the key, ARGV[3] finished marker TTL ms (with
 # KEYS[2]), ARGV[4] a random nonce unique to this release call, ARGV[5] the identity of the run
 # that finished ('': the run did not finish, e.g. it hands its message back)
 # -> 1 released, 2 released and someone waits (the caller then signals), 0 not the owner (or
@@ -258,9 +274,11 @@ return 1
 # Idempotent: the released hash keeps ``~`` + the call's nonce + 8 hex digits of the owner token's
 # SHA1 as its owner, so a client retry of this very call still answers 1 (a new release call with
 # the same token answers 0; another owner's call never matches).
+# At maxmemory: the holder's first write is the HDEL, the marker's is ``keep_ttl`` (``_KEEP_TTL``), so
+# the release and its marker go through.
 RELEASE = Script(
     "release",
-    _NOW + _SLOT + """
+    _NOW + _SLOT + _KEEP_TTL + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w')
 local exp = tonumber(v[2])
 -- this very call's mark: its nonce and 8 hex digits of the owner token's SHA1 (never the token)
@@ -284,6 +302,7 @@ if v[1] == tomb then
   return 1
 end
 if KEYS[2] then
+  keep_ttl(1, tonumber(ARGV[2]))  -- first: at maxmemory the marker then goes through
   redis.call('SET', KEYS[2], '1', 'PX', ARGV[3])
 end
 return 0
@@ -293,15 +312,17 @@ return 0
 # A release that also stores the run's completion record (``once=True``, :mod:`taskguard.once`),
 # atomically: no call can find the lease free and the record missing after a run completed.
 # KEYS[1] lease, KEYS[2] the completion record, optional KEYS[3] finished marker
-# ARGV[1] owner token, ARGV[2] (unused), ARGV[3] finished marker TTL ms (with KEYS[3]), ARGV[4] a
+# ARGV[1] owner token, ARGV[2] idle TTL ms of the key, ARGV[3] finished marker TTL ms (with KEYS[3]), ARGV[4] a
 # nonce unique to this call, ARGV[5] the identity of the run that finished, ARGV[6] the record,
 # ARGV[7] the record's TTL ms
 # -> as RELEASE. The record is written whether or not the lease was still held (the run did
 #    complete), and never over an existing record: the first completion stored stays (a run that
-#    lost its lease and one that took the key over cannot replace each other's record).
+#    lost its lease and one that took the key over cannot replace each other's record). At maxmemory
+#    the record is written all the same (its first write never grows memory, as for RELEASE): its size
+#    is bounded by ``once_max_bytes``.
 RELEASE_STORING = Script(
     "release_storing",
-    _NOW + _SLOT + """
+    _NOW + _SLOT + _KEEP_TTL + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w')
 local exp = tonumber(v[2])
 local tomb = '~' .. ARGV[4] .. string.sub(redis.sha1hex(ARGV[1]), 1, 8)
@@ -320,6 +341,7 @@ end
 if v[1] == tomb then
   return 1
 end
+keep_ttl(1, tonumber(ARGV[2]))  -- first: at maxmemory the record then goes through
 redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[7], 'NX')
 if KEYS[3] then
   redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
@@ -403,10 +425,11 @@ return 1
 # One-shot claim of a persisted handle: swap the owner token, keep the fence, record the holder.
 # KEYS[1] lease; ARGV[1] persisted owner token, ARGV[2] new owner token (same slot suffix), ARGV[3] TTL ms,
 # ARGV[4] holder JSON, ARGV[5] run id ('' if none), ARGV[6] idle TTL ms of the key (as for RENEW)
-# -> {1, fence} claimed; {0, ms left} another owner holds it; {0, -2} no live lease.
+# -> {1, fence} claimed; {0, ms left} another owner holds it; {0, -2} no live lease. Works at
+# maxmemory (``_KEEP_TTL``).
 CLAIM = Script(
     "claim",
-    _NOW + _SLOT + """
+    _NOW + _SLOT + _KEEP_TTL + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'f' .. s)
 local exp = tonumber(v[2])
 if not exp or exp <= now then
@@ -414,11 +437,9 @@ if not exp or exp <= now then
 end
 if v[1] == ARGV[1] then
   local ttl = tonumber(ARGV[3])
+  keep_ttl(ttl, math.max(ttl, tonumber(ARGV[6])))  -- first: at maxmemory the HSET then goes through
   redis.call('HSET', KEYS[1], 'o' .. s, ARGV[2], 'h' .. s, ARGV[4], 'r' .. s, ARGV[5], 'x' .. s,
              string.format('%.0f', now + ttl))
-  if redis.call('PTTL', KEYS[1]) < ttl then
-    redis.call('PEXPIRE', KEYS[1], math.max(ttl, tonumber(ARGV[6])))
-  end
   return {1, tonumber(v[3])}
 end
 if v[1] == ARGV[2] then  -- a client retry of this very claim, which did run (idempotent)
@@ -529,10 +550,11 @@ return redis.call('DEL', KEYS[1])
 # KEYS[1] lease; ARGV[1] owner token, ARGV[2] field, ARGV[3] value, ARGV[4] condition (as for
 # PUT_RECORD), ARGV[5] the value expected by 'eq' / 'absent_or_eq'
 # -> 1 written (or it already holds exactly this value: a client retry of this call), 0 the
-#    condition did not hold, -1 this owner does not hold the lease (nothing written).
+#    condition did not hold, -1 this owner does not hold the lease (nothing written). Works at
+#    maxmemory (``_KEEP_TTL``): a holder's records (beat's slot claims) go on being written.
 PUT_LEASE_RECORD = Script(
     "put_lease_record",
-    _NOW + _SLOT + """
+    _NOW + _SLOT + _KEEP_TTL + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, ARGV[2])
 local exp = tonumber(v[2])
 if v[1] ~= ARGV[1] or not exp or exp <= now then
@@ -544,6 +566,7 @@ local cond = ARGV[4]
 if cond == 'absent' and cur then return 0 end
 if cond == 'eq' and cur ~= ARGV[5] then return 0 end
 if cond == 'absent_or_eq' and cur and cur ~= ARGV[5] then return 0 end
+keep_ttl(exp - now, exp - now)  -- first: at maxmemory the HSET then goes through
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 return 1
 """,

@@ -13,7 +13,7 @@ from celery import Celery, chain, group
 from celery.exceptions import Reject, SoftTimeLimitExceeded
 from celery.signals import task_prerun
 
-from taskguard import RedisLocks
+from taskguard import LeaseBackendError, RedisLocks
 from taskguard_celery import GuardedTask, current_lease
 
 REDIS_URL = os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -196,6 +196,74 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         fence = self.lease.fencing_token
         time.sleep(seconds)
         return {"fence": fence, "lost": self.lease.lost, "pool_patched": _gevent_patched()}
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.lease_autoretry", ttl=3, key="lar:{name}",
+              autoretry_for=(LeaseBackendError,), retry_backoff=1, retry_backoff_max=2, retry_jitter=False,
+              max_retries=6)
+    def lease_autoretry(self, name):
+        """Retried by autoretry_for while the lease store is down (backoff 1, 2, 2... s)."""
+        note(f"lar:{name}:{self.request.retries}:{self.lease.fencing_token}")
+        return self.request.retries
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.lease_autoretry_short", ttl=3, key="lars:{name}",
+              autoretry_for=(LeaseBackendError,), retry_kwargs={"countdown": 0.2, "max_retries": 2})
+    def lease_autoretry_short(self, name):
+        note(f"lars:{name}:{self.request.retries}")
+        return self.request.retries
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.any_autoretry", ttl=3,
+              key=lambda name, amount=0: "" if name == "bad" else f"aar:{name}", once=True,
+              fingerprint=("name", "amount"), on_skip="raise", autoretry_for=(Exception,),
+              retry_kwargs={"countdown": 0.2}, max_retries=3)
+    def any_autoretry(self, name, amount=0):
+        """autoretry_for=(Exception,): only a LeaseBackendError before the body is retried."""
+        note(f"aar:{name}:{self.request.retries}")
+        return {"name": name, "amount": amount, "retries": self.request.retries}
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.rated_autoretry", ttl=3, key="rar:{name}",
+              rate=(100, 1.0), rate_key="rar", autoretry_for=(LeaseBackendError,), retry_kwargs={"countdown": 0.3},
+              max_retries=30)
+    def rated_autoretry(self, name):
+        note(f"rar:{name}:{self.request.retries}")
+        return self.request.retries
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.retry_then_claim", ttl=5, key="rtc:{name}",
+              autoretry_for=(LeaseBackendError,), retry_kwargs={"countdown": 0.3}, max_retries=30)
+    def retry_then_claim(self, name):
+        note(f"rtc:{name}:{self.request.retries}:{self.lease.fencing_token}")
+        if self.request.retries == 0:
+            raise self.retry(countdown=1.0)  # keeps the lease; its retry claims it
+        return self.lease.fencing_token
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.late_lease", ttl=3, key="ll:{name}", acks_late=True,
+              autoretry_for=(LeaseBackendError,), retry_kwargs={"countdown": 0.5}, max_retries=10)
+    def late_lease(self, name):
+        """acks_late, its broker the lease Redis (the acks_late fallback test)."""
+        note(f"ll:{name}:{self.request.retries}:{self.lease.fencing_token}")
+        return name
+
+    @task_prerun.connect(weak=False)
+    def late_lease_pause(sender=None, task_id=None, **_):
+        # the first execution of tg.late_lease pauses before its guard: the test stops Redis then
+        if getattr(sender, "app", None) is app and sender.name == "tg.late_lease" and attempt(f"ll:{task_id}") == 1:
+            time.sleep(3.0)
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.hold3", ttl=3, key="hold3")
+    def hold3(self, name, seconds=11.0):
+        """Holds a ttl=3 lease for ``seconds`` (the maxmemory test): logs its start and end."""
+        fence = self.lease.fencing_token
+        note(f"hold3:{name}:start:{fence}:{time.time():.3f}")
+        time.sleep(seconds)
+        note(f"hold3:{name}:end:{fence}:{time.time():.3f}")
+        return {"fence": fence, "lost": self.lease.lost}
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.hold3_wait", ttl=3, key="hold3", wait=1.5,
+              blocking_wait=True)
+    def hold3_wait(self, name, seconds=0.0):
+        note(f"hold3:{name}:start:{self.lease.fencing_token}:{time.time():.3f}")
+        time.sleep(seconds)
+        note(f"hold3:{name}:end:{self.lease.fencing_token}:{time.time():.3f}")
+        return name
 
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.slot_tick", ttl=30, key="slot-tick")
     def slot_tick(self, seconds=0.0):

@@ -21,7 +21,9 @@ def _attempt(name: str) -> int:
 
 
 def _log(entry: str) -> None:
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    # TG_TEST_LOG_URL: a log kept apart from the leases (a test that fills the lease store)
+    r = redis.Redis.from_url(os.environ.get("TG_TEST_LOG_URL") or
+                             os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     key = "{" + os.environ["TASKGUARD_PREFIX"] + ":log}"
     # with a TTL: another pytest session ending on the shared Redis deletes untimed tgtest- keys
     r.pipeline().rpush(key, entry).expire(key, 600).execute()
@@ -167,3 +169,26 @@ def down(n):
     handle = load_handle(locks_for(None), job.id) if job is not None else None
     _log(f"down:{n}:handle:{handle['key'] if handle else None}")
     return [n] + inner + [total]
+
+
+@guarded_job(ttl=3, key="lbr:{name}")
+def lease_retried(name):
+    """Enqueued with retry=Retry(...): RQ retries it while the lease store is down."""
+    _log(f"lbr:{name}:{current_lease().fencing_token}")
+    return name
+
+
+@guarded_job(ttl=3, key="hold3")
+def hold3(name, seconds=11.0):
+    """Holds a ttl=3 lease for ``seconds`` (the maxmemory test), logging its start and end."""
+    lease = current_lease()
+    _log(f"hold3:{name}:start:{lease.fencing_token}")
+    time.sleep(seconds)
+    _log(f"hold3:{name}:end:{lease.fencing_token}")
+    return {"fence": lease.fencing_token, "lost": lease.lost}
+
+
+@guarded_job(ttl=3, key="hold3", wait=1.5, blocking_wait=True)
+def hold3_wait(name):
+    _log(f"hold3:{name}:start:{current_lease().fencing_token}")
+    return name

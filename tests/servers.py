@@ -168,3 +168,25 @@ class RedisCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def fill_to_maxmemory(client: redis.Redis, prefix: str = "filler") -> int:
+    """Bring the private server ``client`` talks to to maxmemory with ``noeviction`` (what the
+    README asks for): maxmemory just above what it uses, then filler keys (expiring in an hour)
+    until Redis refuses a write; then maxmemory is pinned 128 KiB under what it uses, so it stays
+    refusing while client buffers come and go. Returns the number of filler keys. Never for the
+    shared Redis."""
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + 64 * 1024)
+    for i in range(100000):
+        try:
+            client.set(f"{prefix}:{i}", "x" * 1024, ex=3600)
+        except redis.exceptions.OutOfMemoryError:
+            client.config_set("maxmemory", int(client.info("memory")["used_memory"]) - 128 * 1024)
+            return i
+    raise RuntimeError("the server never reached maxmemory")
+
+
+def free_maxmemory(client: redis.Redis) -> None:
+    """Lift the limit :func:`fill_to_maxmemory` set (the filler keys stay until they expire)."""
+    client.config_set("maxmemory", 0)

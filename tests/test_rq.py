@@ -49,10 +49,12 @@ def rq_env(redis_url, prefix, monkeypatch):
 
 
 class RQWorker:
-    def __init__(self, queue: Queue, *extra: str, worker_class: str = "taskguard_rq.GuardedWorker"):
+    def __init__(self, queue: Queue, *extra: str, worker_class: str = "taskguard_rq.GuardedWorker",
+                 url: str | None = None):
+        """``url``: the worker's own Redis (``-u``; default the leases' TASKGUARD_REDIS_URL)."""
         self.queue = queue
         self.log_path = Path(tempfile.gettempdir()) / f"tg-rq-{queue.name}-{time.time_ns()}.log"
-        self.args = [sys.executable, "-m", "rq.cli", "worker", "-u", os.environ["TASKGUARD_REDIS_URL"],
+        self.args = [sys.executable, "-m", "rq.cli", "worker", "-u", url or os.environ["TASKGUARD_REDIS_URL"],
                      "-w", worker_class, "--with-scheduler", *extra, queue.name]
 
     def __enter__(self):

@@ -168,3 +168,41 @@ def test_an_unknown_same_run_mode_is_a_config_error(locks):
     with pytest.raises(ConfigError, match="same_run"):
         run_of(locks).begin(same_run="ignore")
     assert locks.holder("k") is None
+
+
+def test_an_error_after_the_lease_is_taken_and_before_the_body_leaves_nothing_held(redis_server):
+    """once=True looks at the completion record again once it holds the lease. When that look
+    fails (Redis gone: LeaseBackendError) or finds another fingerprint (IdempotencyConflict), the
+    body will not run: the lease is handed back (released, or, with Redis gone, no longer renewed
+    so its TTL ends it), never kept renewed by the heartbeat for a run that is not running."""
+    import redis as redis_py
+
+    from taskguard import IdempotencyConflict, LeaseBackendError, RedisLocks
+    from taskguard.once import OncePolicy, encode_record, fingerprint_of
+
+    locks = RedisLocks.from_url(redis_server.url, prefix="tgtest-begin", connect_timeout=0.3, socket_timeout=0.3,
+                                retries=0, renew_fraction=0.2)
+    client = redis_py.Redis.from_url(redis_server.url)
+    policy = OncePolicy(fingerprint_of("mine"), ttl=60)
+    other = encode_record(OncePolicy(fingerprint_of("other"), ttl=60), "theirs", "k1")
+    hook: list = []
+    locks.add_listener(lambda e: hook[0](e) if hook and e.kind == "acquire" and e.status == "acquired" else None)
+    try:
+        # another fingerprint completed the key between the first look and the lease
+        hook[:] = [lambda e: client.set(locks._completion_key("k1"), other, px=60000)]
+        with pytest.raises(IdempotencyConflict):
+            GuardedRun(locks, "k1", ttl=1.0, run_id="r1", task="t", once=policy).begin()
+        assert locks.holder("k1") is None
+        # Redis goes away right after the lease was taken
+        hook[:] = [lambda e: redis_server.stop()]
+        with pytest.raises(LeaseBackendError):
+            GuardedRun(locks, "k2", ttl=1.0, run_id="r2", task="t", once=policy).begin()
+        hook[:] = []
+        time.sleep(0.5)
+        redis_server.start()  # appendonly: the lease comes back, and must not be renewed any more
+        time.sleep(1.5)  # past its TTL (1 s): renewed every 0.2 s, it would still be held
+        assert locks.holder("k2") is None
+    finally:
+        hook[:] = []
+        locks.close(timeout=1)
+        client.close()

@@ -14,9 +14,9 @@ from typing import Any, Callable
 from celery import Task, shared_task
 from celery.app.task import Context
 from celery.exceptions import Reject, Retry
-from celery.utils.time import maybe_iso8601
+from celery.utils.time import get_exponential_backoff_interval, maybe_iso8601
 
-from taskguard import ConfigError, Locks
+from taskguard import ConfigError, LeaseBackendError, Locks
 from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions
@@ -139,6 +139,50 @@ class GuardedTask(Task):
         opts = self._taskguard
         if opts is None:
             return super().__call__(*args, **kwargs)
+        entered: list[bool] = []  # set when the body is called: errors from there on are the body's
+        try:
+            return self._guarded_call(opts, args, kwargs, entered)
+        except LeaseBackendError as exc:
+            if entered:
+                raise
+            return self._retry_before_body(exc)
+
+    def _retry_before_body(self, exc: LeaseBackendError) -> Any:
+        """Redis failed before the body ran (acquire, claim, the rate, the once record...): the
+        body never ran. Celery's ``autoretry_for`` wraps ``run``, which this task never reached,
+        so do what it would have done: when ``autoretry_for`` covers :class:`LeaseBackendError`
+        (and ``dont_autoretry_for`` does not), retry with the task's ``retry_kwargs``,
+        ``retry_backoff``, ``retry_backoff_max``, ``retry_jitter`` and ``max_retries``, computed as
+        celery/app/autoretry.py does (``get_exponential_backoff_interval``); past ``max_retries``
+        the ``LeaseBackendError`` itself is raised. Else it is raised at once.
+
+        If the retry cannot be published (the broker is the Redis that is down), Celery's
+        ``Reject(requeue=False)`` would drop the message: an ``acks_late`` task rejects it with
+        ``requeue=True`` instead (the broker delivers it again; if the broker cannot even take
+        the reject, the unacknowledged message comes back by itself); any other task fails
+        with the ``LeaseBackendError``."""
+        autoretry_for = tuple(getattr(self, "autoretry_for", None) or ())
+        dont = tuple(getattr(self, "dont_autoretry_for", None) or ())
+        if not autoretry_for or not isinstance(exc, autoretry_for) or (dont and isinstance(exc, dont)):
+            raise exc
+        retry_kwargs = dict(getattr(self, "retry_kwargs", None) or {})
+        backoff = float(getattr(self, "retry_backoff", False) or 0)
+        if backoff:
+            retry_kwargs["countdown"] = get_exponential_backoff_interval(
+                factor=int(max(1.0, backoff)), retries=self.request.retries,
+                maximum=int(getattr(self, "retry_backoff_max", 600)),
+                full_jitter=getattr(self, "retry_jitter", True))
+        try:
+            raise self.retry(exc=exc, **retry_kwargs)
+        except Reject as rej:  # the retry was not published
+            if getattr(self, "acks_late", False):
+                raise Reject(exc, requeue=True) from rej
+            raise exc from rej
+        finally:
+            if "max_retries" in retry_kwargs and hasattr(self, "override_max_retries"):
+                del self.override_max_retries  # (Celery's retry sets it; autoretry removes it too)
+
+    def _guarded_call(self, opts: GuardOptions, args: tuple, kwargs: dict, entered: list[bool]) -> Any:
         req = self.request
         if not req.called_directly:
             if req in _judged:
@@ -168,6 +212,7 @@ class GuardedTask(Task):
         if outer is not None:
             # a nested call of the same key in this thread (eager mode's replace() runs the
             # replacement inside the caller): it runs under the caller's lease
+            entered.append(True)
             with running(_Nested(self, outer.lease)):
                 return self._body(req, args, kwargs)
         handle = header if isinstance(header, dict) and "owner" in header else None
@@ -225,6 +270,7 @@ class GuardedTask(Task):
         identity.end_chain(self, run)
         if not opts.enforce and run.reason is not None:
             skipping.report_shadow(self, run)
+        entered.append(True)
         with run:
             try:
                 result = self._body(req, args, kwargs)
