@@ -546,17 +546,17 @@ return -2
 
 # KEYS[1] record; ARGV[1] value, ARGV[2] TTL ms, ARGV[3] condition: 'any' (always), 'absent' (only
 # if no record exists), 'eq' (only if the record exists and equals ARGV[4]), 'absent_or_eq' (no
-# record, or one equal to ARGV[4]) -> 1 written (or the record already holds exactly this value),
-# 0 the condition did not hold.
-# Re-sent: the value is the call's nonce. A conditional write re-sent by a client after it ran
-# finds its own value and answers 1 again; callers that must tell their write from another's
-# write a value unique to the call (as the adapters do), as for PUT_LEASE_RECORD.
+# record, or one equal to ARGV[4]) -> 1 written, 0 the condition did not hold.
+# Not answered as the first send when re-sent (with DELETE_RECORD, the only ones besides THROTTLE):
+# a plain string record has no room for a call's nonce that its readers would not see, and two
+# calls writing the same value must stay apart (``if_absent`` with a fixed value is a claim). A
+# conditional write re-sent after it ran answers 0: callers that must tell that apart write a
+# value unique to the call and read it back (the adapters' deferral records do).
 PUT_RECORD = Script(
     "put_record",
     """
 local cur = redis.call('GET', KEYS[1])
 local cond = ARGV[3]
-if cur == ARGV[1] and cond ~= 'any' then return 1 end
 if cond == 'absent' and cur then return 0 end
 if cond == 'eq' and cur ~= ARGV[4] then return 0 end
 if cond == 'absent_or_eq' and cur and cur ~= ARGV[4] then return 0 end
@@ -566,7 +566,7 @@ return 1
 )
 
 # KEYS[1] record; ARGV[1] '' (delete whatever is there) or the value it must hold -> 1 deleted,
-# 0 absent or holding another value.
+# 0 absent or holding another value (so 0 when re-sent after it deleted: see PUT_RECORD).
 DELETE_RECORD = Script(
     "delete_record",
     """

@@ -71,6 +71,11 @@ def warm(locks: RedisLocks) -> None:
         locks.client.script_load(s.source)
 
 
+def no_mark(raw: bytes | None) -> bool:
+    """A queued-mark field that names no run: absent, or a cleared mark ("~<nonce>")."""
+    return raw is None or raw.startswith(b"~")
+
+
 def test_a_unique_mark_during_a_latency_spike_is_published_or_leaves_no_mark(private_redis, prefix):
     """The issue's input, in the core: ``mark_queued`` during a 1.6 s stall with a 1 s socket
     timeout. Before the fix, redis-py 8 re-sent the QUEUE script, whose second run found the
@@ -82,7 +87,7 @@ def test_a_unique_mark_during_a_latency_spike_is_published_or_leaves_no_mark(pri
         with stalled(private_redis, 1.6):
             marked, found = locks.mark_queued("k", "run-1", ttl=3600, task="t")
     except LeaseBackendError:
-        assert locks.client.hget(locks._lease_key("k"), "q:t") is None  # raised: no mark left
+        assert no_mark(locks.client.hget(locks._lease_key("k"), "q:t"))  # raised: no mark left
     else:
         assert (marked, found) == (True, "run-1")  # answered: publish it
         assert locks.client.hget(locks._lease_key("k"), "q:t").startswith(b"run-1 ")
@@ -196,8 +201,9 @@ def test_a_mark_of_an_older_version_is_still_read(client, prefix):
 def test_the_other_scripts_answer_a_resend_as_they_did(client, prefix):
     """The rest of the kind, each with its own call nonce: ACQUIRE (the owner token, also under
     a limit), RENEW and OWNS (the token; a renewal only extends), CLAIM (the new token),
-    PUT_LEASE_RECORD (the value: beat's slot claim and confirm), PUT_RECORD (the value), SIGNAL
-    (always 1; one element to pop) and HOLDERS (reads only)."""
+    PUT_LEASE_RECORD (the value: beat's slot claim and confirm), SIGNAL (always 1; one element
+    to pop) and HOLDERS (reads only). (PUT_RECORD and DELETE_RECORD, plain string records, and
+    THROTTLE are the documented exceptions: see taskguard/scripts.py.)"""
     locks = RedisLocks(client, prefix=prefix)
     lk = locks._lease_key("o")
     acquire = ("tok-1", 30000, "{}", 60000, 0, "run-1", "0", "", 1)
@@ -222,13 +228,6 @@ def test_the_other_scripts_answer_a_resend_as_they_did(client, prefix):
         args = ("tok-3", "d:slot", value, cond, expect)
         first, state, second = _resend(client, scripts.PUT_LEASE_RECORD, (lk,), args)
         assert int(first) == int(second) == 1 and _state(client, prefix) == state
-    rk = locks._record_key("o", "defer")
-    for cond, value, expect in (("absent", "nonce-a", ""), ("absent_or_eq", "nonce-b", "nonce-a"),
-                                ("eq", "nonce-c", "nonce-b"), ("any", "nonce-d", "")):
-        first, _, second = _resend(client, scripts.PUT_RECORD, (rk,), (value, 60000, cond, expect))
-        assert int(first) == int(second) == 1, cond
-        assert client.get(rk) == value.encode()
-    assert int(scripts.PUT_RECORD(client, (rk,), ("nonce-e", 60000, "absent", ""))) == 0  # a new call: refused
     sk = locks._signal_key("o")
     assert int(scripts.SIGNAL(client, (sk,), (10000,))) == int(scripts.SIGNAL(client, (sk,), (10000,))) == 1
     assert client.llen(sk) == 1
@@ -258,7 +257,7 @@ def test_a_unique_celery_publish_during_a_latency_spike_goes_out_or_raises_leavi
             result = None
         mark = locks.client.hget(locks._lease_key("u:a"), "q:tg.unique_slow")
         if result is None:  # raised (redis-py 5): nothing published, no mark
-            assert broker.llen(f"q-{prefix}") == 0 and mark is None
+            assert broker.llen(f"q-{prefix}") == 0 and no_mark(mark)
         else:  # answered (redis-py 8 re-sent it): published, and the mark names it
             assert broker.llen(f"q-{prefix}") == 1 and mark.startswith(result.id.encode() + b" ")
         with embedded_worker(app):
@@ -289,7 +288,7 @@ def test_a_unique_rq_enqueue_during_a_latency_spike_goes_out_or_raises_leaving_n
             job = None
         mark = locks.client.hget(locks._lease_key("uq:a"), "q:" + rq_jobs.unique_job.taskguard_name)
         if job is None:
-            assert rq_env.count == 0 and mark is None
+            assert rq_env.count == 0 and no_mark(mark)
         else:
             assert rq_env.job_ids == [job.id] and mark.startswith(job.id.encode() + b" ")
     finally:
