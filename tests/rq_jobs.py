@@ -142,3 +142,13 @@ def unique_job(name, seconds=0.3):
     _log(f"unique:{name}")
     time.sleep(seconds)
     return name
+
+
+@guarded_job(ttl=5, key="uo:{name}")
+def unique_outcome(name, seconds=0.0, fail=False):
+    """Logs ``outcome:NAME``, then fails when asked (for reused explicit job ids)."""
+    _log(f"outcome:{name}")
+    time.sleep(seconds)
+    if fail:
+        raise RuntimeError(f"{name} fails")
+    return name
