@@ -57,9 +57,19 @@ failover) they are re-sent with ``EVAL``, which also caches them again. ``NOSCRI
 as a lease answer. Pipelines call ``EVALSHA`` directly, so redis-py's ``Pipeline.load_scripts``
 (one ``SCRIPT EXISTS`` round trip per execute) is never involved.
 
-Every script is idempotent: redis-py may re-send a command after a timeout or a dropped
-connection although the server ran it (its ``Retry`` policy), so a second run of the same call
-must give the same answer.
+**A re-sent call answers as its first send did.** redis-py may re-send a command after a timeout
+or a dropped connection although the server ran it (its ``Retry`` policy: redis-py 6+ re-sends
+and returns the second answer; redis-py 5 raises after the first run). So every call that writes
+carries a nonce of its own, recorded with what it wrote, and a second run that finds it answers
+as the first did: ACQUIRE and CLAIM by their fresh owner token, RELEASE / RELEASE_STORING /
+RELEASE_WITHOUT_TOKEN by a nonce argument kept with the answer in the slot's release record
+``n`` (until the slot's next release, so also after another holder took the slot), QUEUE by a
+nonce in the mark and UNQUEUE by the "~<nonce>" it leaves in the cleared mark's place,
+PUT_LEASE_RECORD by its value; RENEW only extends, SIGNAL always answers 1 (a re-send may wake
+one more waiter, which looks again), HOLDERS and OWNS only read. The nonce records live in the
+lease hash, bounded (one per slot or per task), and go with it. The exceptions, each said at its
+script: THROTTLE (a re-send counts twice, on the strict side), and PUT_RECORD / DELETE_RECORD
+(plain string records: a conditional write or a delete re-sent after it ran answers 0).
 """
 
 from __future__ import annotations
