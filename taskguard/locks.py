@@ -483,13 +483,25 @@ class Locks:
         run_id)``. Other tasks sharing the key neither suppress nor are suppressed. The mark is
         cleared by :meth:`clear_queued` (the run took its lease, was skipped, revoked, or its
         publish failed) and otherwise expires. One single-key script. Raises ConfigError for bad
-        arguments, LeaseBackendError when Redis fails."""
+        arguments, LeaseBackendError when Redis fails: the call may have marked ``run_id`` before
+        its answer was lost (a timeout), so the mark is cleared first (one try; when that fails
+        too, the mark's ``ttl`` bounds it), and the caller publishes nothing."""
         run_id = check_run_id(run_id)
         if run_id is None:
             raise ConfigError("run_id is required")
         if not isinstance(task, str) or not task:
             raise ConfigError(f"task must be a non-empty str, got {task!r}")
-        return self._mark_queued_one(check_key(key), run_id, check_seconds("ttl", ttl), encodable("task", task))
+        key, task = check_key(key), encodable("task", task)
+        ttl = check_seconds("ttl", ttl)
+        try:
+            return self._mark_queued_one(key, run_id, ttl, task)
+        except LeaseBackendError:
+            try:
+                self._clear_queued_one(key, run_id, task)
+            except LeaseBackendError as e:
+                log.warning("could not clear the queued mark of %r after a failed mark (its TTL bounds it): %s",
+                            key, e)
+            raise
 
     def clear_queued(self, key: str, run_id: str, task: str) -> bool:
         """Clear the queued mark of ``task`` on ``key`` if it names ``run_id``. Returns ``True``

@@ -39,6 +39,12 @@ def _detail(err: BaseException) -> str:
     return text
 
 
+def _nonce() -> str:
+    """A nonce unique to one script call (8 hex digits), recorded with what the call wrote, so a
+    client re-send of the call finds it and answers as the call did (see :mod:`taskguard.scripts`)."""
+    return secrets.token_hex(4)
+
+
 def _socket_timeout(client: Any) -> float | None:
     pool = getattr(client, "connection_pool", None)
     if pool is not None:
@@ -337,17 +343,18 @@ class RedisLocks(Locks):
         keys: tuple[str, ...] = (self._lease_key(key),)
         if finished_run is not None and finished_ttl is not None:
             keys += (self._done_key(key, finished_run),)
-        args = (owner, _ms(self.fence_idle_ttl), _ms(finished_ttl or 1.0), secrets.token_hex(4), finished_run or "")
+        args = (owner, _ms(self.fence_idle_ttl), _ms(finished_ttl or 1.0), _nonce(), finished_run or "")
         return self._signalled(key, int(self._run("release", key, scripts.RELEASE, keys, args)))
 
     def _mark_queued_one(self, key: str, run_id: str, ttl: float, task: str) -> tuple[bool, str]:
         res = self._run("queue", key, scripts.QUEUE, (self._lease_key(key),),
-                        (run_id, _ms(ttl), _ms(self.fence_idle_ttl), task))
+                        (run_id, _ms(ttl), _ms(self.fence_idle_ttl), task, _nonce()))
         found = res[1].decode() if isinstance(res[1], bytes) else res[1]
         return int(res[0]) == 1, found
 
     def _clear_queued_one(self, key: str, run_id: str, task: str) -> bool:
-        return int(self._run("queue", key, scripts.UNQUEUE, (self._lease_key(key),), (run_id, task))) == 1
+        return int(self._run("queue", key, scripts.UNQUEUE, (self._lease_key(key),),
+                             (run_id, task, _nonce()))) == 1
 
     def _completion_key(self, key: str) -> str:
         return self._lease_key(key) + ":once"
@@ -357,7 +364,7 @@ class RedisLocks(Locks):
         keys: tuple[str, ...] = (self._lease_key(key), self._completion_key(key))
         if finished_run and finished_ttl is not None:
             keys += (self._done_key(key, finished_run),)
-        args = (owner, _ms(self.fence_idle_ttl), _ms(finished_ttl or 1.0), secrets.token_hex(4), finished_run, record,
+        args = (owner, _ms(self.fence_idle_ttl), _ms(finished_ttl or 1.0), _nonce(), finished_run, record,
                 _ms(record_ttl))
         return self._signalled(key, int(self._run("release", key, scripts.RELEASE_STORING, keys, args)))
 
@@ -387,12 +394,12 @@ class RedisLocks(Locks):
         return False, None, (pttl / 1000.0 if pttl >= 0 else float(pttl))
 
     def _release_run(self, key: str, run_id: str) -> bool:
-        code = int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (self._lease_key(key),), (run_id,)))
+        code = int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (self._lease_key(key),), (run_id, _nonce())))
         return self._signalled(key, code)
 
     def _force_release_one(self, key: str) -> bool:
         return self._signalled(key, int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN,
-                                                  (self._lease_key(key),), ("",))))
+                                                  (self._lease_key(key),), ("", _nonce()))))
 
     def leases(self, pattern: str = "*", count: int = 1000) -> list[HolderInfo]:
         """Held leases whose key matches the glob ``pattern`` (SCAN; at most ``count`` results),

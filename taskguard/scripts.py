@@ -57,9 +57,19 @@ failover) they are re-sent with ``EVAL``, which also caches them again. ``NOSCRI
 as a lease answer. Pipelines call ``EVALSHA`` directly, so redis-py's ``Pipeline.load_scripts``
 (one ``SCRIPT EXISTS`` round trip per execute) is never involved.
 
-Every script is idempotent: redis-py may re-send a command after a timeout or a dropped
-connection although the server ran it (its ``Retry`` policy), so a second run of the same call
-must give the same answer.
+**A re-sent call answers as its first send did.** redis-py may re-send a command after a timeout
+or a dropped connection although the server ran it (its ``Retry`` policy: redis-py 6+ re-sends
+and returns the second answer; redis-py 5 raises after the first run). So every call that writes
+carries a nonce of its own, recorded with what it wrote, and a second run that finds it answers
+as the first did: ACQUIRE and CLAIM by their fresh owner token, RELEASE / RELEASE_STORING /
+RELEASE_WITHOUT_TOKEN by a nonce argument kept with the answer in the slot's release record
+``n`` (until the slot's next release, so also after another holder took the slot), QUEUE by a
+nonce in the mark and UNQUEUE by the "~<nonce>" it leaves in the cleared mark's place,
+PUT_LEASE_RECORD by its value; RENEW only extends, SIGNAL always answers 1 (a re-send may wake
+one more waiter, which looks again), HOLDERS and OWNS only read. The nonce records live in the
+lease hash, bounded (one per slot or per task), and go with it. The exceptions, each said at its
+script: THROTTLE (a re-send counts twice, on the strict side), and PUT_RECORD / DELETE_RECORD
+(plain string records: a conditional write or a delete re-sent after it ran answers 0).
 """
 
 from __future__ import annotations
@@ -241,6 +251,19 @@ local function keep_ttl(floor, to)
 end
 """
 
+# A release re-sent by the client after it ran: the slot's release record (field ``n`` + slot
+# suffix, read as v[4]) holds the call's mark ``tomb`` followed by the answer it gave (1 or 2);
+# it stays until the slot's next release, so it is found even after another holder took the
+# slot in between. (A release of an older version left only ``o`` = tomb: answered 1.)
+_RELEASED = """
+if v[4] and string.sub(v[4], 1, #tomb) == tomb then
+  return tonumber(string.sub(v[4], #tomb + 1)) or 1
+end
+if v[1] == tomb then
+  return 1
+end
+"""
+
 # KEYS[1] lease; ARGV[1] owner token, ARGV[2] TTL ms, ARGV[3] idle TTL ms of the key -> 1 renewed,
 # 0 not the owner (or expired). An expired lease is never revived, and a renewal only ever extends:
 # a late renewal with a short TTL (a heartbeat round racing a retry's stretch) cannot cut a longer
@@ -271,35 +294,34 @@ return 1
 # -> 1 released, 2 released and someone waits (the caller then signals), 0 not the owner (or
 #    expired). A finishing run is named the key's last finished run (field ``l``) and, with
 #    KEYS[2], gets its own marker, set whether or not the lease was still held: the run is over.
-# Idempotent: the released hash keeps ``~`` + the call's nonce + 8 hex digits of the owner token's
-# SHA1 as its owner, so a client retry of this very call still answers 1 (a new release call with
-# the same token answers 0; another owner's call never matches).
+# Re-sent: the slot's release record ``n`` (``_RELEASED``) keeps the call's nonce with its answer,
+# so a client re-send of this very call answers as it did (also after the next holder took the
+# slot); a new release call with the same token answers 0; another owner's call never matches.
 # At maxmemory: the holder's first write is the HDEL, the marker's is ``keep_ttl`` (``_KEEP_TTL``), so
 # the release and its marker go through.
 RELEASE = Script(
     "release",
     _NOW + _SLOT + _KEEP_TTL + """
-local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w')
+local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w', 'n' .. s)
 local exp = tonumber(v[2])
 -- this very call's mark: its nonce and 8 hex digits of the owner token's SHA1 (never the token)
 local tomb = '~' .. ARGV[4] .. string.sub(redis.sha1hex(ARGV[1]), 1, 8)
+""" + _RELEASED + """
 if v[1] == ARGV[1] and exp and exp > now then
+  local code = 1
+  if (tonumber(v[3]) or 0) > now then
+    code = 2
+  end
   redis.call('HDEL', KEYS[1], 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s, 'w')
   if ARGV[5] ~= '' then
-    redis.call('HSET', KEYS[1], 'o' .. s, tomb, 'l', ARGV[5])
+    redis.call('HSET', KEYS[1], 'o' .. s, tomb, 'n' .. s, tomb .. code, 'l', ARGV[5])
   else
-    redis.call('HSET', KEYS[1], 'o' .. s, tomb)
+    redis.call('HSET', KEYS[1], 'o' .. s, tomb, 'n' .. s, tomb .. code)
   end
   if KEYS[2] then
     redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
   end
-  if (tonumber(v[3]) or 0) > now then
-    return 2
-  end
-  return 1
-end
-if v[1] == tomb then
-  return 1
+  return code
 end
 if KEYS[2] then
   keep_ttl(1, tonumber(ARGV[2]))  -- first: at maxmemory the marker then goes through
@@ -315,31 +337,30 @@ return 0
 # ARGV[1] owner token, ARGV[2] idle TTL ms of the key, ARGV[3] finished marker TTL ms (with KEYS[3]), ARGV[4] a
 # nonce unique to this call, ARGV[5] the identity of the run that finished, ARGV[6] the record,
 # ARGV[7] the record's TTL ms
-# -> as RELEASE. The record is written whether or not the lease was still held (the run did
-#    complete), and never over an existing record: the first completion stored stays (a run that
-#    lost its lease and one that took the key over cannot replace each other's record). At maxmemory
-#    the record is written all the same (its first write never grows memory, as for RELEASE): its size
-#    is bounded by ``once_max_bytes``.
+# -> as RELEASE (and re-sent, answers as RELEASE does). The record is written whether or not the
+#    lease was still held (the run did complete), and never over an existing record: the first
+#    completion stored stays (a run that lost its lease and one that took the key over cannot
+#    replace each other's record). At maxmemory the record is written all the same (its first
+#    write never grows memory, as for RELEASE): its size is bounded by ``once_max_bytes``.
 RELEASE_STORING = Script(
     "release_storing",
     _NOW + _SLOT + _KEEP_TTL + """
-local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w')
+local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w', 'n' .. s)
 local exp = tonumber(v[2])
 local tomb = '~' .. ARGV[4] .. string.sub(redis.sha1hex(ARGV[1]), 1, 8)
+""" + _RELEASED + """
 if v[1] == ARGV[1] and exp and exp > now then
+  local code = 1
+  if (tonumber(v[3]) or 0) > now then
+    code = 2
+  end
   redis.call('HDEL', KEYS[1], 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s, 'w')
-  redis.call('HSET', KEYS[1], 'o' .. s, tomb, 'l', ARGV[5])
+  redis.call('HSET', KEYS[1], 'o' .. s, tomb, 'n' .. s, tomb .. code, 'l', ARGV[5])
   redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[7], 'NX')
   if KEYS[3] then
     redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[3])
   end
-  if (tonumber(v[3]) or 0) > now then
-    return 2
-  end
-  return 1
-end
-if v[1] == tomb then
-  return 1
+  return code
 end
 keep_ttl(1, tonumber(ARGV[2]))  -- first: at maxmemory the record then goes through
 redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[7], 'NX')
@@ -350,21 +371,40 @@ return 0
 """,
 )
 
+# A queued mark "<run id> <expiry ms> ~<nonce>" (or "<run id> <expiry ms>", written by older
+# versions) -> run id, expiry, nonce (nil for an old mark); nil for anything else (a cleared mark).
+_MARK = """
+local function mark(q)
+  local id, exp, nonce = string.match(q, '^(.*) (%d+) ~(%w+)$')
+  if id then
+    return id, exp, nonce
+  end
+  id, exp = string.match(q, '^(.*) (%d+)$')
+  return id, exp, nil
+end
+"""
+
 # Publish-time uniqueness (``unique=True``): one queued run per (key, task), marked in the lease
 # hash itself (field ``q:TASK`` = "<run id> <expiry ms>"), so the check and the mark are one
 # single-key script, atomic with the lease: a publish finds the run of the same task that is
 # queued (an unexpired mark) or running (a live holder whose metadata names the task: its task /
 # job id), else marks itself. Another task sharing the key never suppresses it.
 # KEYS[1] lease; ARGV[1] the new run's id, ARGV[2] mark TTL ms, ARGV[3] idle TTL ms of the key,
-# ARGV[4] the task (job) name
+# ARGV[4] the task (job) name, ARGV[5] a nonce unique to this call (letters and digits)
 # -> {1, ARGV[1]} marked: publish it; {0, id} a run is queued or running: that one's id.
+# The mark is "<run id> <expiry ms> ~<nonce>" (``_MARK`` reads it, and the nonce-less marks of
+# older versions): a client re-send of this very call finds its own nonce and answers {1, ARGV[1]}
+# again (a new call with the same run id answers {0, run id}: that run is queued).
 QUEUE = Script(
     "queue",
-    _NOW + """
+    _NOW + _MARK + """
 local v = redis.call('HMGET', KEYS[1], 'q:' .. ARGV[4], 'm')
 if v[1] then
-  local id, exp = string.match(v[1], '^(.*) (%d+)$')
+  local id, exp, nonce = mark(v[1])
   if id and tonumber(exp) > now then
+    if nonce == ARGV[5] then
+      return {1, id}
+    end
     return {0, id}
   end
 end
@@ -388,7 +428,7 @@ local ttl = tonumber(ARGV[2])
 -- the key lives at least as long as the mark; a key made only for the mark goes with it (an
 -- acquisition gives it the idle TTL of a fence)
 local pttl = redis.call('PTTL', KEYS[1])
-redis.call('HSET', KEYS[1], 'q:' .. ARGV[4], ARGV[1] .. ' ' .. string.format('%.0f', now + ttl))
+redis.call('HSET', KEYS[1], 'q:' .. ARGV[4], ARGV[1] .. ' ' .. string.format('%.0f', now + ttl) .. ' ~' .. ARGV[5])
 if pttl < ttl then
   redis.call('PEXPIRE', KEYS[1], ttl)
 end
@@ -396,14 +436,20 @@ return {1, ARGV[1]}
 """,
 )
 
-# KEYS[1] lease; ARGV[1] a run id, ARGV[2] the task name -> 1 the task's queued mark named that
-# run and is cleared, 0 it did not.
+# KEYS[1] lease; ARGV[1] a run id, ARGV[2] the task name, ARGV[3] a nonce unique to this call
+# -> 1 the task's queued mark named that run and is cleared, 0 it did not.
+# The cleared mark is replaced by "~<nonce>" (never read as a mark; overwritten by the next mark,
+# gone with the key), so a client re-send of this very call answers 1 again.
 UNQUEUE = Script(
     "unqueue",
-    """
+    _MARK + """
 local q = redis.call('HGET', KEYS[1], 'q:' .. ARGV[2])
-if q and string.match(q, '^(.*) %d+$') == ARGV[1] then
+if q == '~' .. ARGV[3] then
+  return 1
+end
+if q and mark(q) == ARGV[1] then
   redis.call('HDEL', KEYS[1], 'q:' .. ARGV[2])
+  redis.call('HSET', KEYS[1], 'q:' .. ARGV[2], '~' .. ARGV[3])
   return 1
 end
 return 0
@@ -451,28 +497,42 @@ return {0, exp - now}
 
 # Release without the owner token: on behalf of a run known to be over (e.g. by a Celery worker's
 # main process after its child died), or by an operator's force. KEYS[1] lease; ARGV[1] the run
-# id whose lease to release ('' = every holder) -> 1 released, 2 released and someone waits,
-# 0 no slot is held by that run (or none is held at all).
+# id whose lease to release ('' = every holder), ARGV[2] a nonce unique to this call
+# -> 1 released, 2 released and someone waits, 0 no slot is held by that run (or none is held).
+# Re-sent: each slot it released keeps "~<nonce>:" and the answer as its release record (``n``,
+# as RELEASE), so a client re-send of this very call answers as it did.
 RELEASE_WITHOUT_TOKEN = Script(
     "release_without_token",
     _NOW + """
 local n = tonumber(redis.call('HGET', KEYS[1], 'm')) or 1
-local code = 0
+local tomb = '~' .. ARGV[2] .. ':'
+local freed = {}
 for i = 0, n - 1 do
   local s = ''
   if i > 0 then s = '#' .. i end
-  local v = redis.call('HMGET', KEYS[1], 'x' .. s, 'r' .. s)
+  local v = redis.call('HMGET', KEYS[1], 'x' .. s, 'r' .. s, 'n' .. s)
+  if v[3] and string.sub(v[3], 1, #tomb) == tomb then
+    return tonumber(string.sub(v[3], #tomb + 1)) or 1
+  end
   local exp = tonumber(v[1])
   if exp and exp > now and (ARGV[1] == '' or v[2] == ARGV[1]) then
-    redis.call('HDEL', KEYS[1], 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s)
-    redis.call('HSET', KEYS[1], 'o' .. s, '~')
-    code = 1
+    freed[#freed + 1] = s
     if ARGV[1] ~= '' then break end
   end
 end
-if code == 1 and (tonumber(redis.call('HGET', KEYS[1], 'w')) or 0) > now then
+if #freed == 0 then
+  return 0
+end
+local code = 1
+if (tonumber(redis.call('HGET', KEYS[1], 'w')) or 0) > now then
+  code = 2
+end
+for _, s in ipairs(freed) do
+  redis.call('HDEL', KEYS[1], 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s)
+  redis.call('HSET', KEYS[1], 'o' .. s, '~', 'n' .. s, tomb .. code)
+end
+if code == 2 then
   redis.call('HDEL', KEYS[1], 'w')
-  return 2
 end
 return code
 """,
@@ -517,8 +577,11 @@ return -2
 # KEYS[1] record; ARGV[1] value, ARGV[2] TTL ms, ARGV[3] condition: 'any' (always), 'absent' (only
 # if no record exists), 'eq' (only if the record exists and equals ARGV[4]), 'absent_or_eq' (no
 # record, or one equal to ARGV[4]) -> 1 written, 0 the condition did not hold.
-# A conditional write re-sent by a client retry after it ran answers 0: callers that must tell
-# that apart write a value unique to the call and read it back.
+# Not answered as the first send when re-sent (with DELETE_RECORD, the only ones besides THROTTLE):
+# a plain string record has no room for a call's nonce that its readers would not see, and two
+# calls writing the same value must stay apart (``if_absent`` with a fixed value is a claim). A
+# conditional write re-sent after it ran answers 0: callers that must tell that apart write a
+# value unique to the call and read it back (the adapters' deferral records do).
 PUT_RECORD = Script(
     "put_record",
     """
@@ -533,7 +596,7 @@ return 1
 )
 
 # KEYS[1] record; ARGV[1] '' (delete whatever is there) or the value it must hold -> 1 deleted,
-# 0 absent or holding another value.
+# 0 absent or holding another value (so 0 when re-sent after it deleted: see PUT_RECORD).
 DELETE_RECORD = Script(
     "delete_record",
     """

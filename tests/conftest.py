@@ -24,6 +24,11 @@ SHARED_BOOKKEEPING = ("_kombu.binding.*", "unacked*", "rq:queues", "rq:workers",
                       "rq:scheduler*", "rq:wip*", "rq:*:intermediate", "celery*")
 
 
+#: The key prefixes handed out in this session (the ``prefix`` fixture): the session sweeps only
+#: keys of its own, never the live keys of another session running on the same Redis at once.
+_SESSION_PREFIXES: set[str] = set()
+
+
 def _untimed(c, patterns):
     return {k for pattern in patterns for k in c.scan_iter(match=pattern, count=1000) if c.ttl(k) == -1}
 
@@ -31,8 +36,9 @@ def _untimed(c, patterns):
 @pytest.fixture(scope="session", autouse=True)
 def no_untimed_keys_left_behind():
     """After the session: no key without a TTL that the suite made stays in the shared Redis —
-    the tests' own keys (their prefixes, queues and workers all contain ``tgtest-``) and the
-    shared bookkeeping keys that did not exist before the suite ran."""
+    the tests' own keys (their prefixes, queues and workers all contain the test's prefix) and
+    the shared bookkeeping keys that did not exist before the suite ran. Only this session's
+    prefixes: another session's live keys (its queues, logs, jobs) are left alone."""
     c = redis.Redis.from_url(SHARED_URL, socket_connect_timeout=2)
     try:
         before = _untimed(c, SHARED_BOOKKEEPING)
@@ -42,7 +48,7 @@ def no_untimed_keys_left_behind():
     if before is None:
         return
     try:
-        ours = {k for k in c.scan_iter(match="*tgtest-*", count=1000) if c.ttl(k) == -1}
+        ours = _untimed(c, [f"*{p}*" for p in sorted(_SESSION_PREFIXES)])
         ours |= _untimed(c, SHARED_BOOKKEEPING) - before
         for key in ("rq:queues", "rq:workers"):  # sets that existed before: drop the suite's members
             if key in before:
@@ -79,6 +85,7 @@ def client(redis_url):
 def prefix(redis_url):
     """A key prefix unique to the test; its keys are deleted afterwards."""
     p = f"tgtest-{uuid.uuid4().hex[:12]}"
+    _SESSION_PREFIXES.add(p)
     yield p
     c = redis.Redis.from_url(redis_url)
     keys = [k for pattern in ("{" + p + ":*", f"*{p}*") for k in c.scan_iter(match=pattern, count=1000)]

@@ -192,3 +192,13 @@ def hold3(name, seconds=11.0):
 def hold3_wait(name):
     _log(f"hold3:{name}:start:{current_lease().fencing_token}")
     return name
+
+
+@guarded_job(ttl=5, key="uo:{name}")
+def unique_outcome(name, seconds=0.0, fail=False):
+    """Logs ``outcome:NAME``, then fails when asked (for reused explicit job ids)."""
+    _log(f"outcome:{name}")
+    time.sleep(seconds)
+    if fail:
+        raise RuntimeError(f"{name} fails")
+    return name

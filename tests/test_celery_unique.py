@@ -29,7 +29,7 @@ def _queued(app, key, task="tg.unique_slow"):
     """The task's queued mark on ``key``, as the lease hash holds it (or None)."""
     locks = app.conf.taskguard_locks
     raw = locks.client.hget(locks._lease_key(key), "q:" + task)
-    return raw.decode() if raw else None
+    return raw.decode() if raw and not raw.startswith(b"~") else None  # "~<nonce>": a cleared mark
 
 
 def test_ten_concurrent_publishes_of_one_key_make_one_message_and_one_run(app, redis_url, prefix):

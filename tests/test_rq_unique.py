@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import pytest
 from rq.job import JobStatus
@@ -45,8 +46,9 @@ def test_a_running_job_is_returned_and_an_explicit_job_id_uses_rqs_own_unique(rq
         while locks().holder("uq:b") is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert enqueue_unique(rq_env, rq_jobs.unique_job, ("b",)).id == running.id
-        mine = enqueue_unique(rq_env, rq_jobs.unique_job, ("c",), job_id="report-c")
-        assert enqueue_unique(rq_env, rq_jobs.unique_job, ("c",), job_id="report-c").id == mine.id
+        report = f"report-c-{uuid.uuid4().hex}"  # an id of this test's own (the Redis is shared)
+        mine = enqueue_unique(rq_env, rq_jobs.unique_job, ("c",), job_id=report)
+        assert enqueue_unique(rq_env, rq_jobs.unique_job, ("c",), job_id=report).id == mine.id
         assert wait_done(running) == wait_done(mine) == JobStatus.FINISHED
 
 
@@ -77,3 +79,51 @@ def test_a_scheduled_unique_job_keeps_its_own_keyword_arguments(rq_env):
     job = enqueue_unique(rq_env, rq_jobs.unique_job, ("j",), {"seconds": 0.25}, in_=timedelta(seconds=1), ttl=600)
     assert job.kwargs == {"seconds": 0.25} and job.ttl == 600
     assert enqueue_unique(rq_env, rq_jobs.unique_job, ("j",)).id == job.id
+
+
+def test_an_explicit_job_id_that_is_over_is_enqueued_again_and_a_live_one_is_returned(rq_env):
+    """Issue 22, input 7: RQ keeps a finished job 500 s and a failed one a year, and its own
+    ``unique=True`` refused the id all that time; the promise is "unless a job of this key is
+    queued or running". A job of the id that is over is deleted (registries, result) and the new
+    one runs; a live one is returned."""
+    ids = {n: f"report-{n}-{uuid.uuid4().hex}" for n in "fgh"}  # (not "tgtest-": swept while in use)
+    with RQWorker(rq_env):
+        done = enqueue_unique(rq_env, rq_jobs.unique_outcome, ("f",), job_id=ids["f"])
+        failed = enqueue_unique(rq_env, rq_jobs.unique_outcome, ("g",), {"fail": True}, job_id=ids["g"])
+        assert wait_done(done) == JobStatus.FINISHED and wait_done(failed) == JobStatus.FAILED
+        assert ids["g"] in rq_env.failed_job_registry.get_job_ids()
+        again = enqueue_unique(rq_env, rq_jobs.unique_outcome, ("f",), job_id=ids["f"])
+        retried = enqueue_unique(rq_env, rq_jobs.unique_outcome, ("g",), job_id=ids["g"])
+        assert wait_done(again) == wait_done(retried) == JobStatus.FINISHED
+        assert ids["g"] not in rq_env.failed_job_registry.get_job_ids()  # not listed as failed any more
+        assert rq_env.finished_job_registry.get_job_ids().count(ids["f"]) == 1
+        running = enqueue_unique(rq_env, rq_jobs.unique_outcome, ("h",), {"seconds": 1.5}, job_id=ids["h"])
+        deadline = time.monotonic() + 10
+        while running.get_status(refresh=True) != JobStatus.STARTED and time.monotonic() < deadline:
+            time.sleep(0.05)
+        same = enqueue_unique(rq_env, rq_jobs.unique_outcome, ("h",), job_id=ids["h"])  # running: returned
+        assert same.id == running.id and same.kwargs == {"seconds": 1.5}
+        assert wait_done(running) == JobStatus.FINISHED
+    entries = log(rq_env)
+    assert [entries.count(f"outcome:{n}") for n in "fgh"] == [2, 2, 1]
+
+
+def test_concurrent_enqueues_of_an_explicit_id_that_is_over_make_one_job(rq_env):
+    ids = {"k": f"report-k-{uuid.uuid4().hex}"}
+    with RQWorker(rq_env):
+        first = enqueue_unique(rq_env, rq_jobs.unique_outcome, ("k",), job_id=ids["k"])
+        assert wait_done(first) == JobStatus.FINISHED
+        jobs: list = []
+        barrier = threading.Barrier(8)
+
+        def enqueue():
+            barrier.wait()
+            jobs.append(enqueue_unique(rq_env, rq_jobs.unique_outcome, ("k",), {"seconds": 1.0}, job_id=ids["k"]))
+
+        threads = [threading.Thread(target=enqueue) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(jobs) == 8 and len({j.id for j in jobs}) == 1 and wait_done(jobs[0]) == JobStatus.FINISHED
+    assert log(rq_env).count("outcome:k") == 2  # the first run and exactly one new one

@@ -10,8 +10,12 @@ itself fails, and otherwise by its TTL (``unique_ttl``, default the job's queued
 hour, plus the delay of a scheduled job).
 
 Where the job id *is* the key (``job_id=`` given), RQ's own ``unique=True`` (RQ >= 2.8: the id
-check and the enqueue in one step, ``DuplicateJobError`` when the id exists) does the work and
-the existing job is returned.
+check and the enqueue in one step, ``DuplicateJobError`` when the id exists) does the work: a job
+of that id that is queued, started, scheduled, deferred (or in any other state but over) is
+returned; one that is over (finished, failed, stopped or canceled), which RQ keeps for its
+``result_ttl`` / ``failure_ttl``, is deleted with its registry entries and its results
+(``Job.delete``, atomically with a last look at its status) and the new job is enqueued under
+the id: the old job's result is gone.
 
 The lease stays the correctness boundary: uniqueness only saves queue space.
 """
@@ -46,7 +50,9 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
         queue: an ``rq.Queue``.
         fn: a ``@guarded_job`` function (its ``key`` template names the key).
         args, kwargs: the job's arguments.
-        job_id: an explicit job id: the id is then the key, and RQ's own ``unique=True`` decides.
+        job_id: an explicit job id: the id is then the key, and RQ's own ``unique=True`` decides
+            while a job of the id is live; a job of the id that is over is deleted (its result
+            with it) and the new one enqueued.
         at / in_: schedule the job (``Queue.enqueue_at`` / ``enqueue_in``; a worker with
             ``--with-scheduler`` runs it).
         options: other ``Queue.enqueue_call`` options (``job_timeout``, ``result_ttl``,
@@ -67,12 +73,15 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
     except ImportError:  # RQ < 2.8: no unique= of its own; the keyed mark below, under the given id
         DuplicateJobError = None  # noqa: N806
     if job_id is not None and DuplicateJobError is not None:
-        try:
-            return _enqueue(queue, fn, args, kwargs, job_id, at, in_, dict(options, unique=True))
-        except DuplicateJobError:
-            log.info("job %s is queued or running: not enqueued again", job_id)
-            locks_for(getattr(fn, "taskguard_locks", None)).report_suppressed(job_id, fn.taskguard_name, job_id)
-            return _handle(Job, job_id, queue)
+        for _ in range(_ROUNDS):
+            try:
+                return _enqueue(queue, fn, args, kwargs, job_id, at, in_, dict(options, unique=True))
+            except DuplicateJobError:
+                if not _delete_if_over(Job, job_id, queue.connection):
+                    break
+        log.info("job %s is queued or running: not enqueued again", job_id)
+        locks_for(getattr(fn, "taskguard_locks", None)).report_suppressed(job_id, fn.taskguard_name, job_id)
+        return _handle(Job, job_id, queue)
     key = opts.key.render(tuple(args), kwargs)
     locks = locks_for(getattr(fn, "taskguard_locks", None))
     new_id = job_id or str(uuid.uuid4())
@@ -93,6 +102,44 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
         except LeaseBackendError as e:
             log.warning("could not clear the queued mark of a failed enqueue (its TTL bounds it): %s", e)
         raise
+
+
+#: The states of a job that is over: its id may be enqueued again (every other state, known or
+#: not — queued, started, scheduled, deferred, RQ 3's rate_limited and ready_to_enqueue, a job
+#: being created — blocks it).
+OVER = frozenset({"finished", "failed", "stopped", "canceled"})
+#: How many times an explicit id is tried when the job found under it was over and deleted.
+_ROUNDS = 3
+
+
+def _delete_if_over(job_class: Any, job_id: str, connection: Any) -> bool:
+    """Delete the job ``job_id`` if it is over (:data:`OVER`), with its registry entries and
+    results, in one transaction watching the job's hash: a job enqueued under the id meanwhile is
+    never deleted. Returns ``True`` when the id may be tried again (deleted, gone, or changed
+    meanwhile), ``False`` when a job of the id is live."""
+    from redis.exceptions import WatchError
+    from rq.exceptions import InvalidJobOperation, NoSuchJobError
+    from rq.results import Result
+
+    key = job_class.key_for(job_id)
+    with connection.pipeline() as pipe:
+        try:
+            pipe.watch(key)
+            status = pipe.hget(key, "status")
+            if status is None:
+                return True  # gone meanwhile (or never saved): enqueue again
+            if (status.decode() if isinstance(status, bytes) else status) not in OVER:
+                return False
+            job = job_class.fetch(job_id, connection=connection)
+            pipe.multi()
+            job.delete(pipeline=pipe)
+            pipe.delete(Result.get_key(job_id))  # RQ 2's delete leaves the job's results
+            pipe.execute()
+        except (WatchError, NoSuchJobError, InvalidJobOperation):
+            return True  # changed or deleted meanwhile: look again
+    log.info("job %s was over (%s): deleted with its result, enqueued again", job_id,
+             status.decode() if isinstance(status, bytes) else status)
+    return True
 
 
 def _handle(job_class: Any, job_id: str, queue: Any) -> Any:
