@@ -96,7 +96,7 @@ def unique_sequence(locks, key, enforce):
 
 def rate_sequence(locks, key, enforce, max_wait, gaps=(0, 0, 0, 0)):
     """rate (1, 2 s): a call after each gap (seconds slept before it)."""
-    kw = dict(rate=(1, 2.0), burst=None, max_wait=max_wait, max_countdown=30.0)
+    kw = {"rate": (1, 2.0), "burst": None, "max_wait": max_wait, "max_countdown": 30.0}
     out = []
     for gap in gaps:
         time.sleep(gap)
