@@ -228,3 +228,31 @@ def test_solar_entries_across_dst_changes_run_at_each_event_once(tmp_path, redis
         say(f"{ev}: {[f'{t:%m-%d %H:%M:%S}' for t in got[ev]]}")
         assert len(got[ev]) == len(expected) == 4
         assert all(abs((g - e).total_seconds()) <= 1 for g, e in zip(got[ev], expected)), (got[ev], expected)
+
+
+# Public reports turned into tests: (zone, crontab fields, minutes, hours, start, end)
+REPORTS = {
+    # celery#10107: an hourly crontab skips the second 1 AM of the US/Pacific fall-back
+    "celery-10107-hourly-fall-back": ("US/Pacific", {"minute": "0"}, {0}, None,
+                                      utc(2026, 11, 1, 6, 30), utc(2026, 11, 1, 11, 30)),
+    # django-celery-beat#134, celery#9653: a daily 16:04 New York entry ran an hour late on the DST day
+    "celery-9653-daily-after-spring-forward": ("America/New_York", {"minute": "4", "hour": "16"}, {4}, {16},
+                                               utc(2026, 3, 7, 20, 30), utc(2026, 3, 8, 20, 30)),
+    # celery PR #10608 review: a 2-hour change (Antarctica/Troll) and a 45-minute zone (Pacific/Chatham)
+    "celery-10608-troll-2h-fall-back": ("Antarctica/Troll", {"minute": "0", "hour": "23"}, {0}, {23},
+                                        utc(2026, 10, 24, 20, 0), utc(2026, 10, 25, 23, 30)),
+    "celery-10608-chatham-spring-forward": ("Pacific/Chatham", {"minute": "50", "hour": "3"}, {50}, {3},
+                                            utc(2026, 9, 26, 12, 0), utc(2026, 9, 27, 16, 0)),
+    # a gap at midnight (America/Santiago, first Sunday of September): 00:30 does not exist
+    "santiago-midnight-gap": ("America/Santiago", {"minute": "30", "hour": "0"}, {30}, {0},
+                              utc(2026, 9, 5, 20, 0), utc(2026, 9, 6, 8, 0)),
+}
+
+
+@pytest.mark.parametrize("case", list(REPORTS))
+def test_reported_dst_cases_run_at_vixie_crons_instants(tmp_path, redis_url, prefix, case):
+    zone, fields, minutes, hours, start, end = REPORTS[case]
+    got = run_beat(tmp_path, redis_url, prefix, zone, {"e": crontab(**fields)}, start, end, loop=30.0)["e"]
+    expected = vixie(minutes, hours, zone, start, end)
+    say(f"{case}: published {[f'{t:%m-%d %H:%M}' for t in got]}, expected {[f'{t:%m-%d %H:%M}' for t in expected]}")
+    assert expected and got == expected
