@@ -60,6 +60,9 @@ def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
 
+#: Record of a key holding shadow mode's queued mark of a task (``shadow-q:<task>``: the run id).
+SHADOW_QUEUED = "shadow-q:"
+
 class Locks:
     """Base of the lease backends. Not used directly.
 
@@ -475,17 +478,25 @@ class Locks:
         return run.call(fn)
 
     # -- publish-time uniqueness -------------------------------------------------------------------
-    def mark_queued(self, key: str, run_id: str, *, ttl: float, task: str) -> tuple[bool, str]:
+    def mark_queued(self, key: str, run_id: str, *, ttl: float, task: str, shadow: bool = False) -> tuple[bool, str]:
         """Before publishing run ``run_id`` of task ``task`` on ``key`` (``unique=True``):
         atomically, if a run of that task on ``key`` is queued (marked and unexpired) or running
         (a live holder whose metadata names the task, with its task / job id), answer ``(False,
         that run's id)``; else mark ``run_id`` as queued for ``ttl`` seconds and answer ``(True,
         run_id)``. Other tasks sharing the key neither suppress nor are suppressed. The mark is
         cleared by :meth:`clear_queued` (the run took its lease, was skipped, revoked, or its
-        publish failed) and otherwise expires. One single-key script. Raises ConfigError for bad
-        arguments, LeaseBackendError when Redis fails: the call may have marked ``run_id`` before
-        its answer was lost (a timeout), so the mark is cleared first (one try; when that fails
-        too, the mark's ``ttl`` bounds it), and the caller publishes nothing."""
+        publish failed) and otherwise expires. One single-key script.
+
+        ``shadow=True`` (shadow mode: the caller publishes whatever the answer, and reports a
+        ``False``): the same decision against a *shadow* mark of its own (the record
+        ``shadow-q:<task>`` of ``key``), never the enforced mark, so that each publish is told
+        what enforcement would first have answered; a live holder of the task counts as running,
+        as above. Checked and set in two steps (a report only, never a guard).
+
+        Raises ConfigError for bad arguments, LeaseBackendError when Redis fails: the call may
+        have marked ``run_id`` before its answer was lost (a timeout), so the mark is cleared
+        first (one try; when that fails too, the mark's ``ttl`` bounds it), and the caller
+        publishes nothing."""
         run_id = check_run_id(run_id)
         if run_id is None:
             raise ConfigError("run_id is required")
@@ -493,6 +504,8 @@ class Locks:
             raise ConfigError(f"task must be a non-empty str, got {task!r}")
         key, task = check_key(key), encodable("task", task)
         ttl = check_seconds("ttl", ttl)
+        if shadow:
+            return self._mark_queued_shadow(key, run_id, ttl, task)
         try:
             return self._mark_queued_one(key, run_id, ttl, task)
         except LeaseBackendError:
@@ -503,10 +516,24 @@ class Locks:
                             key, e)
             raise
 
-    def clear_queued(self, key: str, run_id: str, task: str) -> bool:
-        """Clear the queued mark of ``task`` on ``key`` if it names ``run_id``. Returns ``True``
-        when it did. Raises LeaseBackendError when Redis fails."""
+    def clear_queued(self, key: str, run_id: str, task: str, shadow: bool = False) -> bool:
+        """Clear the queued mark of ``task`` on ``key`` if it names ``run_id`` (``shadow=True``:
+        the shadow mark, see :meth:`mark_queued`). Returns ``True`` when it did. Raises
+        LeaseBackendError when Redis fails."""
+        if shadow:
+            return self.delete_record(key, SHADOW_QUEUED + task, if_value=run_id)
         return self._clear_queued_one(check_key(key), run_id, task)
+
+    def _mark_queued_shadow(self, key: str, run_id: str, ttl: float, task: str) -> tuple[bool, str]:
+        for info in self.holders(key):
+            meta = info.holder if isinstance(info.holder, dict) else {}
+            if task in (meta.get("task"), meta.get("job")):
+                found = meta.get("task_id") or meta.get("job_id")
+                if isinstance(found, str) and found:
+                    return False, found
+        if self.put_record(key, SHADOW_QUEUED + task, run_id, ttl=ttl, if_absent=True):
+            return True, run_id
+        return False, self.get_record(key, SHADOW_QUEUED + task) or run_id
 
     def _mark_queued_one(self, key: str, run_id: str, ttl: float, task: str) -> tuple[bool, str]:
         raise NotImplementedError
@@ -514,10 +541,12 @@ class Locks:
     def _clear_queued_one(self, key: str, run_id: str, task: str) -> bool:
         raise NotImplementedError
 
-    def report_suppressed(self, key: str, task: str | None, existing: str) -> None:
+    def report_suppressed(self, key: str, task: str | None, existing: str, shadow: bool = False) -> None:
         """Emit the ``publish`` event (status ``"suppressed"``) of a publish that found ``existing``
-        queued or running (adapters; the metric ``taskguard_publishes_suppressed_total``)."""
-        self._emit("publish", key, "suppressed", task=task)
+        queued or running (adapters; the metric ``taskguard_publishes_suppressed_total``).
+        ``shadow=True``: shadow mode would have suppressed it (it was published; the metric
+        ``taskguard_skips_total{reason="unique",shadow="true"}``)."""
+        self._emit("publish", key, "suppressed", task=task, shadow=shadow)
 
     # -- records (small values kept for callers under a lease key's hash tag) ---------------------
     def put_record(self, key: str, name: str, value: str, *, ttl: float, if_absent: bool = False,
@@ -571,7 +600,7 @@ class Locks:
 
     # -- rates ----------------------------------------------------------------------------------
     def throttle(self, key: str, *, rate: Any, burst: int | None = None, book_within: float = 0.0,
-                 consume: bool = True) -> Throttle:
+                 consume: bool = True, shadow: bool = False) -> Throttle:
         """One call under a cluster-wide rate for ``key``: ``rate`` is ``"N/s"``, ``"N/m"``,
         ``"N/h"``, ``"N/d"`` or ``(count, seconds)``; ``burst`` (default 1: evenly spaced) calls
         may pass at once. Over any window of ``t`` seconds at most ``burst + t x count / period``
@@ -583,7 +612,10 @@ class Locks:
         turn is reserved for it, so come back at ``retry_after`` and go ahead without asking
         again; denied callers then get distinct turns instead of stampeding at the same instant.
         ``consume=False`` only checks: the answer a call would get now, with nothing counted or
-        booked (shadow mode).
+        booked. ``shadow=True`` counts (and books) in the *shadow* state of ``key``, a rate state
+        of its own that enforced calls never see and that never consumes theirs: shadow mode's
+        calls, so that each gets the answer enforcement would have given it (see
+        :func:`taskguard.pacing.shadow_check`).
 
         Returns a :class:`~taskguard.throttle.Throttle`. Raises ConfigError for a bad rate,
         burst or key, LeaseBackendError when Redis fails."""
@@ -592,11 +624,11 @@ class Locks:
         book = check_seconds("book_within", book_within, allow_zero=True)
         interval_us = max(int(round(period / count * 1e6)), 1)
         code, wait_us, remaining = self._throttle_one(check_key(key), interval_us, (burst - 1) * interval_us,
-                                                      int(book * 1e6) if consume else 0, consume)
+                                                      int(book * 1e6) if consume else 0, consume, bool(shadow))
         return Throttle(allowed=code == 1, retry_after=wait_us / 1e6, remaining=remaining, booked=code == 2)
 
     def _throttle_one(self, key: str, interval_us: int, tau_us: int, book_us: int,
-                      consume: bool = True) -> tuple[int, int, int]:
+                      consume: bool = True, shadow: bool = False) -> tuple[int, int, int]:
         raise NotImplementedError
 
     def _put_lease_record(self, lease: Lease, name: str, value: str, if_absent: bool, if_value: str | None) -> bool:

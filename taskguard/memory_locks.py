@@ -55,6 +55,7 @@ class MemoryLocks(Locks):
         self._records: dict[tuple[str, str], tuple[str, float | None]] = {}
         self._lease_records: dict[tuple[str, str], str] = {}  # (key, name) -> value, kept like the fence
         self._tats: dict[str, int] = {}  # throttles: key -> theoretical arrival time, µs
+        self._shadow_tats: dict[str, int] = {}  # the same, for shadow mode's calls (throttle(shadow=True))
         self._completions: dict[str, tuple[str, float]] = {}  # once=True: key -> (record, until)
         self._queued: dict[tuple[str, str], tuple[str, float]] = {}  # unique: (key, task) -> (run id, until)
         self._clock = clock
@@ -239,14 +240,15 @@ class MemoryLocks(Locks):
         return value
 
     def _throttle_one(self, key: str, interval_us: int, tau_us: int, book_us: int,
-                      consume: bool = True) -> tuple[int, int, int]:
+                      consume: bool = True, shadow: bool = False) -> tuple[int, int, int]:
         from .throttle import gcra
 
+        tats = self._shadow_tats if shadow else self._tats
         with self._cond:
             now_us = int(self._clock() * 1e6)
-            code, wait, remaining, new_tat = gcra(self._tats.get(key), now_us, interval_us, tau_us, book_us)
+            code, wait, remaining, new_tat = gcra(tats.get(key), now_us, interval_us, tau_us, book_us)
             if new_tat is not None and consume:
-                self._tats[key] = new_tat
+                tats[key] = new_tat
             return code, wait, remaining
 
     def _put_lease_record_one(self, key: str, owner: str, name: str, value: str, cond: str, expect: str) -> int:

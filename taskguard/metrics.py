@@ -81,7 +81,10 @@ class Metrics:
         elif event.kind == "claim" and event.status == "claimed":
             self.restored.labels(task=task).inc()
         elif event.kind == "publish" and event.status == "suppressed":
-            self.suppressed.labels(task=task).inc()
+            if event.shadow:  # shadow mode: published anyway; counted as a would-be skip
+                self.skips.labels(task=task, reason="unique", shadow="true").inc()
+            else:
+                self.suppressed.labels(task=task).inc()
         elif event.kind == "skip":
             self.skips.labels(task=task, reason=event.status, shadow="true" if event.shadow else "false").inc()
         elif event.kind == "lost":

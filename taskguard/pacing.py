@@ -74,7 +74,7 @@ def parse_state(value: Any) -> dict | None:
 
 def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, max_wait: float | None,
          max_countdown: float, state: Mapping[str, Any] | None = None, now: float | None = None,
-         consume: bool = True) -> Pace:
+         consume: bool = True, shadow: bool = False) -> Pace:
     """Decide whether a run under ``rate`` for the rate key ``key`` goes now (see the module doc).
 
     Args:
@@ -89,8 +89,10 @@ def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, 
         state: what the deferred run carried back (:func:`parse_state`), or ``None`` for a
             fresh run.
         now: Unix epoch seconds (default: :func:`time.time`).
-        consume: ``False`` (shadow mode): only check — the answer says what would happen, nothing
-            is counted or booked.
+        consume: ``False``: only check — the answer says what would happen, nothing is counted
+            or booked.
+        shadow: count (and book) in the rate's shadow state (:meth:`Locks.throttle`), never in
+            the enforced one: shadow mode.
 
     Returns a :class:`Pace`. Raises LeaseBackendError when Redis fails.
     """
@@ -104,7 +106,7 @@ def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, 
     horizon = max(0.0, max_countdown if max_wait is None else min(max_countdown, max_wait - waited))
     # (horizon 0: the run may not wait any longer, e.g. rate_max_wait=0: it goes when the rate has
     # room now and is skipped when not; nothing is booked)
-    answer = locks.throttle(key, rate=rate, burst=burst, book_within=horizon, consume=consume)
+    answer = locks.throttle(key, rate=rate, burst=burst, book_within=horizon, consume=consume, shadow=shadow)
     if answer.allowed:
         return GO
     if horizon <= 0:
@@ -119,14 +121,19 @@ def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, 
 def shadow_check(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, max_wait: float | None,
                  max_countdown: float, task: str | None) -> bool:
     """Shadow mode (``enforce=False``): would a run under ``rate`` for the rate key ``key`` have been
-    deferred or skipped now? The rate is checked, not consumed; a would-be deferral is reported
+    deferred or skipped now? Decided by :func:`pace` exactly as for an enforced run, but counted in
+    the rate's *shadow state* (a separate key: ``throttle(..., shadow=True)``), so that for a given
+    sequence of arrivals each run's answer is the first decision enforcement would have made for
+    it (a would-be deferral books its turn there, as an enforced one does), while the enforced
+    rate is never consumed. (Enforcement would then bring deferred runs back, changing the
+    sequence; shadow mode does not imitate that.) A would-be deferral or skip is reported
     (``skip`` event, reason ``"rate_limited"``, ``shadow=True``). Never raises: a Redis error is
     logged and answers ``False`` (the run goes ahead either way)."""
     import logging
 
     try:
         answer = pace(locks, key, rate=rate, burst=burst, max_wait=max_wait, max_countdown=max_countdown,
-                      consume=False)
+                      shadow=True)
     except LeaseBackendError as e:
         logging.getLogger("taskguard").warning("%s: shadow mode: the rate %r could not be checked (%s)",
                                                task or "run", key, e)

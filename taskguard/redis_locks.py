@@ -445,8 +445,9 @@ class RedisLocks(Locks):
 
     # -- rates -----------------------------------------------------------------------------------
     def _throttle_one(self, key: str, interval_us: int, tau_us: int, book_us: int,
-                      consume: bool = True) -> tuple[int, int, int]:
-        res = self._run("throttle", key, scripts.THROTTLE, (self._lease_key(key) + ":t",),
+                      consume: bool = True, shadow: bool = False) -> tuple[int, int, int]:
+        # the shadow state (shadow mode's calls) is a key of its own, beside the enforced one
+        res = self._run("throttle", key, scripts.THROTTLE, (self._lease_key(key) + (":ts" if shadow else ":t"),),
                         (interval_us, tau_us, book_us, "0" if consume else "1"))
         return int(res[0]), int(res[1]), int(res[2])
 

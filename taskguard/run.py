@@ -32,7 +32,7 @@ from .liveness import holder_is_dead
 from .locks import ON_LOST, Locks
 from .skipped import Skipped
 
-__all__ = ["GuardedRun", "SAME_RUN"]
+__all__ = ["GuardedRun", "SAME_RUN", "SHADOW_ONCE"]
 
 log = logging.getLogger("taskguard")
 
@@ -40,6 +40,9 @@ log = logging.getLogger("taskguard")
 #: id: ``"report"`` — return with reason ``"running"`` (the caller defers this copy);
 #: ``"wait"`` — wait for that execution to end (bounded), then run.
 SAME_RUN = ("report", "wait")
+#: Record of a key holding shadow mode's completion (``once``): a digest of the fingerprint of the
+#: first shadow run that completed while it held the lease, for ``once_ttl``.
+SHADOW_ONCE = "shadow-once"
 
 
 class GuardedRun:
@@ -70,7 +73,10 @@ class GuardedRun:
         enforce: ``False`` for shadow mode: :meth:`begin` evaluates the guard (lease, limit,
             once) and reports what it would have done — ``skip`` events with ``shadow=True`` —
             but always lets the body run, with :attr:`lease` ``None`` when the lease could not
-            be had; it never waits, and a shadow run stores no completion record.
+            be had; it never waits, and a shadow run stores no completion record: with a once
+            policy, a shadow run that would have run and completes records its fingerprint's
+            digest in a shadow record of its own (:data:`SHADOW_ONCE`), against which later
+            shadow runs report ``"once"`` or ``"idempotency_conflict"`` as enforcement would.
 
     Attributes:
         lease: the held :class:`~taskguard.Lease` after a successful :meth:`begin`, else ``None``.
@@ -215,6 +221,10 @@ class GuardedRun:
                         would = "once"
                 except IdempotencyConflict:
                     would = "idempotency_conflict"
+                if would is None:  # what earlier shadow runs of the key would have stored
+                    done = self.locks.get_record(self.key, SHADOW_ONCE)
+                    if done is not None:
+                        would = "once" if done == self._shadow_digest() else "idempotency_conflict"
             acq = None
             if handle is not None:
                 try:
@@ -240,6 +250,19 @@ class GuardedRun:
             self.locks.report_skip(Skipped(key=self.key, reason=would, task=self.task, holder_ttl=self.holder_ttl),
                                    shadow=True)
         return True
+
+    def _shadow_digest(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(self.once.fingerprint.encode()).hexdigest()
+
+    def _store_shadow_completion(self) -> None:
+        """Shadow mode, once policy: this run would have run (it holds the lease) and completed:
+        record it in the key's shadow completion record (the first one stays). Never raises."""
+        try:
+            self.locks.put_record(self.key, SHADOW_ONCE, self._shadow_digest(), ttl=self.once.ttl, if_absent=True)
+        except LeaseBackendError as e:
+            log.warning("%s: shadow mode: could not record the completion of %r: %s", self._who(), self.key, e)
 
     def _acquire(self, wait: float, refuse_finished: bool = False) -> Acquisition:
         return self.locks.acquire(self.key, ttl=self.ttl, wait=wait, holder=self.holder, renew=self.renew,
@@ -304,6 +327,9 @@ class GuardedRun:
         :class:`~taskguard.LeaseLost`. A Redis error while releasing is logged (the TTL bounds
         the lease), never raised; a once value that cannot be stored raises ConfigError (the
         lease is released, nothing stored)."""
+        if self.once is not None and not self.enforce and self.state == "running" and self.lease is not None \
+                and self.reason is None:
+            self._store_shadow_completion()  # before the release: the next holder sees it
         lease = self._end("finished")
         if lease is None:
             return

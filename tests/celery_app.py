@@ -455,6 +455,17 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         time.sleep(seconds)
         return {"leased": self.lease is not None, "slot": self.lease.slot if self.lease else None}
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.shadow_rated", ttl=5, key="srate:{n}", enforce=False,
+              rate=(1, 2.0), rate_key="srate")
+    def shadow_rated(self, n):
+        return {"n": n, "leased": self.lease is not None}
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.shadow_unique", ttl=5, key="su:{name}", enforce=False,
+              unique=True, unique_ttl=60)
+    def shadow_unique(self, name, seconds=0.0):
+        time.sleep(seconds)
+        return {"name": name, "leased": self.lease is not None}
+
     if os.environ.get("TG_TEST_BEAT"):
         app.conf.beat_schedule = {
             "tick": {"task": os.environ.get("TG_TEST_BEAT_TASK", "tg.tick"), "schedule": float(os.environ["TG_TEST_BEAT"])},

@@ -151,3 +151,41 @@ def test_shadow_mode_runs_the_body_when_the_lease_redis_is_down(redis_url, prefi
     app = make_app(f"q-{prefix}", prefix, taskguard_locks=RedisLocks.from_url(
         f"redis://127.0.0.1:{free_port()}/0", prefix=prefix, connect_timeout=0.5, retries=0))
     assert app.tasks["tg.shadowed"]("down", seconds=0) == {"leased": False, "slot": None}
+
+
+def test_shadow_rate_reports_each_would_be_deferral_with_a_worker(app):
+    """Issue input: ``enforce=False, rate=(1, 2)``, four calls in one second. Before, zero would-be
+    ``rate_limited`` (the check only peeked); now three, as enforcement would have deferred three.
+    Every call runs at once, and the enforced rate is not consumed."""
+    locks = app.conf.taskguard_locks
+    with EventLog(app, tasks=["tg.shadow_rated"]) as events, embedded_worker(app, concurrency=4):
+        results = [app.tasks["tg.shadow_rated"].delay(n) for n in range(4)]
+        started = time.monotonic()
+        values = [r.get(timeout=10) for r in results]
+        elapsed = time.monotonic() - started
+        shadow = events.wait_for("task-guard-shadow", 3)
+        skipped = events.of("task-skipped")
+    print(f"    4 shadow calls ran in {elapsed:.2f}s; would-be: {[e['reason'] for e in shadow]}")
+    assert sorted(v["n"] for v in values) == [0, 1, 2, 3] and elapsed < 5
+    assert [e["reason"] for e in shadow] == ["rate_limited"] * 3 and not skipped
+    assert locks.throttle("srate", rate=(1, 2.0)).allowed  # the enforced rate: untouched
+
+
+def test_shadow_unique_publishes_every_call_and_reports_the_would_be_suppressions(app):
+    """``enforce=False, unique=True``: three publishes while the first run is queued or running. Before,
+    the second and third were suppressed (uniqueness was enforced in shadow mode); now all three
+    are published and run, and two would-be suppressions are reported."""
+    locks = app.conf.taskguard_locks
+    seen: list = []
+    remove = locks.add_listener(seen.append)
+    try:
+        with embedded_worker(app, concurrency=4):
+            results = [app.tasks["tg.shadow_unique"].delay("a", seconds=0.5) for _ in range(3)]
+            values = [r.get(timeout=10) for r in results]
+    finally:
+        remove()
+    suppressed = [e for e in seen if e.kind == "publish" and e.status == "suppressed"]
+    print(f"    {len(values)} runs; would-be suppressed publishes: {len(suppressed)}")
+    assert len({r.id for r in results}) == 3 and all(v["name"] == "a" for v in values)
+    assert len(suppressed) == 2 and all(e.shadow for e in suppressed)
+    assert locks.mark_queued("su:a", "probe", ttl=1, task="tg.shadow_unique") == (True, "probe")  # enforced: untouched

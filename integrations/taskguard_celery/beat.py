@@ -49,13 +49,12 @@ import math
 import os
 import socket
 import sys
-import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from celery.beat import PersistentScheduler, event_t
-from celery.schedules import schedule
+from celery.schedules import schedule, solar
 from celery.utils.log import LoggingProxy
 
 from taskguard import ConfigError, LeaseBackendError, LeaseLost, Lease
@@ -80,6 +79,8 @@ ENTRY_OPTION_KEYS = ("key", "ttl", "limit", "rate", "rate_key")
 SLOT_RECORD = "slot:"
 #: Most schedule instants walked to find the latest due one (a week of an every-minute crontab).
 MAX_WALK = 20000
+#: Seconds within which two instants of a solar entry name one slot (see :func:`slot_slack`).
+SEARCH_SLACK = 60.0
 #: Seconds a finished slot's run is remembered by the worker, at least (see :func:`beat_run`).
 SLOT_KEEP_MIN = 300.0
 
@@ -89,30 +90,152 @@ def _is_interval(sched: Any) -> bool:
     return isinstance(sched, schedule)
 
 
+#: How far (hours) a zone's UTC offset may move at one change: the margin of the local-time walk.
+MAX_SHIFT_HOURS = 4
+#: Days searched for a crontab's next instant (a crontab that never fires, e.g. 31 February).
+CRON_SEARCH_DAYS = 5 * 366
+
+
+def _zone(sched: Any) -> Any:
+    """The zone a non-interval schedule reads its fields in: its own clock's (``nowfun`` or the
+    app's ``timezone``)."""
+    return sched.maybe_make_aware(sched.now()).tzinfo
+
+
+def _cron_wildcard_hour(sched: Any) -> bool:
+    """Is the crontab's hour field a wildcard (``"*"``, ``"*/2"``)? Such an entry runs at every
+    real instant whose local time matches, also twice in a repeated hour; an entry for fixed hours
+    runs a repeated local time once and a skipped one at the end of the gap (see :func:`_cron_fires`)."""
+    return str(getattr(sched, "_orig_hour", "*")).strip().startswith("*")
+
+
+def _offset(tz: Any, ts: float) -> timedelta:
+    return datetime.fromtimestamp(ts, tz).utcoffset() or timedelta(0)
+
+
+def _gap_end(tz: Any, before: float, after: float) -> float:
+    """The first second (Unix) of the new offset, for a change between ``before`` (old offset)
+    and ``after`` (new offset)."""
+    lo, hi = math.floor(before), math.ceil(after)
+    new = _offset(tz, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _offset(tz, mid) == new:
+            hi = mid
+        else:
+            lo = mid
+    return float(hi)
+
+
+def _cron_fires(tz: Any, wall: datetime, wild: bool) -> list[float]:
+    """The UTC instants (Unix seconds, ascending) at which the local time ``wall`` (naive) of
+    ``tz`` is due, by Vixie cron's rules for daylight-saving changes: a local time that occurs
+    once fires once; a repeated one (autumn) fires at both instants for a wildcard-hour entry and
+    at the first only for a fixed-hour one; a skipped one (the spring gap) does not fire for a
+    wildcard-hour entry, and fires at the first instant after the gap for a fixed-hour one."""
+    first = wall.replace(tzinfo=tz, fold=0).timestamp()
+    second = wall.replace(tzinfo=tz, fold=1).timestamp()
+    if first == second:
+        return [first]
+    if datetime.fromtimestamp(first, tz).replace(tzinfo=None) == wall:  # repeated: fold 0 is the earlier
+        return [first, second] if wild else [first]
+    return [] if wild else [_gap_end(tz, second, first)]  # skipped (in a gap fold 1 is the earlier)
+
+
+def _cron_walls(sched: Any, start: datetime, days: int) -> Any:
+    """The local times (naive, ascending, whole minutes) at or after ``start`` that match the
+    crontab's fields, over at most ``days`` days (day of week, of month and month all match, as
+    Celery's crontab requires)."""
+    hours, minutes = sorted(sched.hour), sorted(sched.minute)
+    day = start.date()
+    for _ in range(days):
+        if day.month in sched.month_of_year and day.day in sched.day_of_month and \
+                day.isoweekday() % 7 in sched.day_of_week:
+            for h in hours:
+                for m in minutes:
+                    wall = datetime(day.year, day.month, day.day, h, m)
+                    if wall >= start:
+                        yield wall
+        day += timedelta(days=1)
+
+
+def _naive_utc(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, timezone.utc).replace(tzinfo=None)
+
+
+def cron_instants(sched: Any, after: float, until: float, tz: Any = None) -> list[float]:
+    """The UTC instants (Unix seconds, ascending) in ``(after, until]`` at which the crontab
+    ``sched`` is due in its zone (``tz``, default :func:`_zone`), by :func:`_cron_fires`."""
+    tz = _zone(sched) if tz is None else tz
+    if until <= after:
+        return []
+    offs = (_offset(tz, after), _offset(tz, until))
+    lo = _naive_utc(after) + min(offs) - timedelta(minutes=1)
+    hi = _naive_utc(until) + max(offs)
+    wild, out = _cron_wildcard_hour(sched), set()
+    for wall in _cron_walls(sched, lo.replace(second=0, microsecond=0), (hi.date() - lo.date()).days + 1):
+        if wall > hi:
+            break
+        out.update(t for t in _cron_fires(tz, wall, wild) if after < t <= until)
+    return sorted(out)
+
+
+def cron_next(sched: Any, after: float, tz: Any = None) -> float | None:
+    """The first UTC instant (Unix seconds) after ``after`` at which the crontab ``sched`` is due
+    (:func:`cron_instants`' rules), or ``None`` when it is not due within :data:`CRON_SEARCH_DAYS`."""
+    tz = _zone(sched) if tz is None else tz
+    lo = _naive_utc(after) + min(_offset(tz, after), _offset(tz, after + 86400.0)) - timedelta(minutes=1)
+    wild, best = _cron_wildcard_hour(sched), None
+    for wall in _cron_walls(sched, lo.replace(second=0, microsecond=0), CRON_SEARCH_DAYS):
+        fires = _cron_fires(tz, wall, wild)
+        if best is not None and fires and fires[0] > best:
+            break  # the first instant of a later local time only grows: nothing earlier follows
+        for t in fires:
+            if t > after and (best is None or t < best):
+                best = t
+    return best
+
+
+def _is_crontab(sched: Any) -> bool:
+    return all(hasattr(sched, f) for f in ("hour", "minute", "day_of_week", "day_of_month", "month_of_year"))
+
+
 def latest_due(entry: Any, lookback: float, now_ts: float | None = None) -> tuple[float | None, float]:
     """``(instant, next_in)``: the latest instant (Unix seconds) at which ``entry`` fell due, at
-    most ``lookback`` seconds ago (``None`` when none did), and the seconds until its next one.
+    most ``lookback`` seconds before ``now_ts`` (``None`` when none did), and the seconds until its
+    next one.
 
-    Interval entries: epoch-aligned window starts (``now_ts``, default ``time.time()``). Other
-    schedules (crontab, solar) walk their own ``remaining_estimate`` forward from ``now -
-    lookback`` at the schedule's clock (``schedule.now()``, in UTC instants), so a repeated local
-    hour at the autumn DST change yields each UTC instant once. Raises what the schedule raises
-    (``NotImplementedError`` for a schedule without ``remaining_estimate``)."""
+    ``now_ts`` is the scheduler's clock (Unix seconds); default: the schedule's own clock
+    (``schedule.now()``: the app's ``now`` or the entry's ``nowfun``). Interval entries:
+    epoch-aligned window starts. Crontab entries: their local times in their zone, mapped to UTC
+    instants by Vixie cron's rules at daylight-saving changes (:func:`_cron_fires`): a
+    wildcard-hour entry runs at every real instant its fields match (also through a repeated
+    hour), a fixed-hour entry runs a repeated local time once and a skipped one right after the
+    gap. Other schedules (solar) walk their own ``remaining_estimate``, UTC instants throughout.
+    Raises what the schedule raises (``NotImplementedError`` for a schedule without
+    ``remaining_estimate``)."""
     sched = entry.schedule
+    if now_ts is None:
+        now_ts = sched.maybe_make_aware(sched.now()).timestamp()
     if _is_interval(sched):
-        now_ts = time.time() if now_ts is None else now_ts
         secs = max(sched.run_every.total_seconds(), 0.001)
         window = math.floor(now_ts / secs)
         instant = window * secs
         return (instant if now_ts - instant <= lookback else None), (window + 1) * secs - now_ts
-    now = sched.maybe_make_aware(sched.now())
-    now_ts = now.timestamp()
-    # whole seconds: remaining_estimate reads the clock again, so ``now + remaining`` drifts by
-    # microseconds from call to call; instants compared or recorded must not
+    if _is_crontab(sched):
+        tz = _zone(sched)
+        due = cron_instants(sched, now_ts - lookback, now_ts, tz)
+        nxt = cron_next(sched, now_ts, tz)
+        return (due[-1] if due else None), (3600.0 if nxt is None else nxt - now_ts)
+    base = sched.maybe_make_aware(sched.now())  # remaining_estimate counts from the schedule's clock
+    # in UTC seconds: an aware local datetime plus a timedelta is wall-clock arithmetic, an hour off
+    # across a DST change; whole seconds: remaining_estimate reads the clock again, so ``base +
+    # remaining`` drifts by microseconds from call to call; instants compared or recorded must not
+    base_ts = base.timestamp()
     t_ts, latest, nxt_ts = now_ts - lookback, None, None
     for _ in range(MAX_WALK):
-        t = datetime.fromtimestamp(t_ts, timezone.utc).astimezone(now.tzinfo)  # the schedule's own zone
-        nxt_ts = float(round((now + sched.remaining_estimate(t)).timestamp()))
+        t = datetime.fromtimestamp(t_ts, timezone.utc).astimezone(base.tzinfo)  # the schedule's own zone
+        nxt_ts = float(round(base_ts + sched.remaining_estimate(t).total_seconds()))
         if nxt_ts > now_ts or nxt_ts <= t_ts:
             break
         latest, t_ts = nxt_ts, nxt_ts
@@ -138,15 +261,25 @@ def instants_between(entry: Any, after: float, before: float, cap: int = 10000) 
     if _is_interval(sched):
         secs = max(sched.run_every.total_seconds(), 0.001)
         return max(min(round((before - after) / secs) - 1, cap), 0)
-    now = sched.maybe_make_aware(sched.now())
+    if _is_crontab(sched):
+        return min(len(cron_instants(sched, after, before - 0.5)), cap)
+    base = sched.maybe_make_aware(sched.now())
+    base_ts = base.timestamp()
     t_ts, n = after, 0
     while n < cap:
-        t = datetime.fromtimestamp(t_ts, timezone.utc).astimezone(now.tzinfo)
-        nxt_ts = float(round((now + sched.remaining_estimate(t)).timestamp()))
+        t = datetime.fromtimestamp(t_ts, timezone.utc).astimezone(base.tzinfo)
+        nxt_ts = float(round(base_ts + sched.remaining_estimate(t).total_seconds()))
         if nxt_ts <= t_ts or nxt_ts >= before - 0.5:
             break
         n, t_ts = n + 1, nxt_ts
     return n
+
+
+def slot_slack(entry: Any) -> float:
+    """Seconds within which two instants of ``entry`` name the same slot: :data:`SEARCH_SLACK`
+    for solar entries, whose instants come from a numeric search (ephem) that answers a second
+    apart from different starts; 0 for others (exact instants)."""
+    return SEARCH_SLACK if isinstance(entry.schedule, solar) else 0.0
 
 
 def _slot_keep(entry: Any) -> float:
@@ -251,7 +384,7 @@ class SingletonBeatMixin:
         self._tg_leader: Lease | None = None
         self._tg_leader_seen: str | None = None
         self._tg_handled: dict[str, float] = {}  # entry name -> latest slot instant known handled
-        self._tg_started = time.time()
+        self._tg_started = self._tg_now()
         self._tg_retry_at: dict[str, float] = {}  # entry name -> when a failed claim/publish is tried again
         self._tg_outage = False
         for name, entry in self.schedule.items():  # type: ignore[attr-defined]
@@ -312,27 +445,34 @@ class SingletonBeatMixin:
         self._tg_outage = False
 
     # -- when entries are due -----------------------------------------------------------------------
-    def _tg_due(self, entry: Any) -> tuple[float | None, float] | None:
-        """``(latest due instant within the allowed lateness, seconds to the next)``, or ``None``
-        for a schedule that cannot say (then Celery's own ``is_due`` decides)."""
+    def _tg_now(self) -> float:
+        """The scheduler's clock, Unix seconds (float): the app's ``now()``, the clock Celery's
+        own scheduler reads (its heap, through ``entry.default_now()``) and the schedules read
+        (``schedule.now()``). Every slot instant, lateness and retry time here comes from it."""
+        return self.app.now().timestamp()  # type: ignore[attr-defined]
+
+    def _tg_due(self, entry: Any, now: float) -> tuple[float | None, float] | None:
+        """``(latest due instant within the allowed lateness, seconds to the next)`` at ``now``
+        (Unix seconds), or ``None`` for a schedule that cannot say (then Celery's own ``is_due``
+        decides)."""
         try:
-            return latest_due(entry, self.taskguard_settings.allowed_lateness + self.max_interval)  # type: ignore[attr-defined]
+            return latest_due(entry, self.taskguard_settings.allowed_lateness + self.max_interval, now)  # type: ignore[attr-defined]
         except NotImplementedError:
             return None
 
     def is_due(self, entry: Any) -> Any:
         """Due when the latest instant the entry fell due at is one this beat has not handled,
         is at most the allowed lateness ago, and this beat leads."""
-        due = self._tg_due(entry)
+        now = self._tg_now()
+        due = self._tg_due(entry, now)
         if due is None:
             return super().is_due(entry)  # type: ignore[misc]
         instant, next_in = due
         if not self._tg_is_leader():
             # a follower looks again every loop, so that a take-over finds the entry due
             return False, min(next_in, self.max_interval)  # type: ignore[attr-defined]
-        if instant is None or instant <= self._tg_handled.get(entry.name, -math.inf):
+        if instant is None or instant <= self._tg_handled.get(entry.name, -math.inf) + slot_slack(entry):
             return False, next_in
-        now = time.time()
         late = now - instant
         if late > self.taskguard_settings.allowed_lateness:
             self._tg_missed(entry, instant, late)
@@ -345,7 +485,7 @@ class SingletonBeatMixin:
     def _tg_try_again(self, entry: Any) -> None:
         """A claim or publish failed (Redis, the broker): look at the entry again in a second
         (while the slot is within the allowed lateness) instead of at its next slot."""
-        self._tg_retry_at[entry.name] = time.time() + min(1.0, float(self.max_interval))  # type: ignore[attr-defined]
+        self._tg_retry_at[entry.name] = self._tg_now() + min(1.0, float(self.max_interval))  # type: ignore[attr-defined]
         if getattr(self, "_heap", None) is not None:
             self._heap = None  # Celery re-heaped the entry at its next slot: rebuild with is_due
 
@@ -353,7 +493,7 @@ class SingletonBeatMixin:
         """Log a slot found beyond the catch-up window. It is counted in ``missed_slots`` (with
         any others since the entry's last handled slot) when the entry's next slot is published:
         the slot record tells how many fell due meanwhile."""
-        if instant > self._tg_handled.get(entry.name, -math.inf):
+        if instant > self._tg_handled.get(entry.name, -math.inf) + slot_slack(entry):
             log.warning("beat %s: %s slot %s fell due %.1fs ago, beyond the catch-up window (%gs); not published",
                         self.taskguard_id, entry.name, slot_id(entry, instant), late,
                         self.taskguard_settings.allowed_lateness)
@@ -402,8 +542,8 @@ class SingletonBeatMixin:
 
     # -- claim, publish, confirm ----------------------------------------------------------------------
     def _tg_publish(self, entry: Any, producer: Any, advance: bool, **kwargs: Any) -> Any:
-        due = self._tg_due(entry)
-        now = time.time()
+        now = self._tg_now()
+        due = self._tg_due(entry, now)
         if due is None:
             instant: float | None = float(round(now))  # a schedule that cannot name its instants
         else:
@@ -416,7 +556,7 @@ class SingletonBeatMixin:
             return None
         if advance:  # as Scheduler.apply_async does: move the entry on whatever happens below
             self._tg_reserve(entry, instant)
-        if instant is None or instant <= self._tg_handled.get(entry.name, -math.inf):
+        if instant is None or instant <= self._tg_handled.get(entry.name, -math.inf) + slot_slack(entry):
             return None
         if now - instant > self.taskguard_settings.allowed_lateness:
             self._tg_missed(entry, instant, now - instant)
@@ -426,6 +566,9 @@ class SingletonBeatMixin:
         locks = self.taskguard_locks
         try:
             cur = _SlotState(locks.get_lease_record(self.taskguard_leader_key, record))
+            if cur.raw is not None and abs(cur.instant - instant) <= slot_slack(entry):
+                instant = cur.instant  # the recorded instant names the slot
+                slot = slot_id(entry, instant)
             if cur.raw is None and instant < self._tg_started:
                 # never run anywhere (no record): the first run is the first slot after beat started
                 self._tg_handled[entry.name] = instant

@@ -72,10 +72,21 @@ def publish(task: Any, args: Any, kwargs: Any, task_id: str | None, options: dic
     key = task._taskguard.key.render(tuple(args or ()), dict(kwargs or {}))
     task_id = task_id or uuid()
     locks = task.taskguard_locks
-    marked, existing = locks.mark_queued(key, task_id, ttl=mark_ttl(task, options), task=task.name)
+    shadow = not task._taskguard.enforce
+    try:
+        marked, existing = locks.mark_queued(key, task_id, ttl=mark_ttl(task, options), task=task.name, shadow=shadow)
+    except LeaseBackendError as e:
+        if not shadow:
+            raise
+        log.warning("task %s: shadow mode: uniqueness of %r could not be checked (%s); publishing", task.name, key, e)
+        return send(task_id, options)
     if not marked:
         install_if_wanted(task.app)  # app.conf.taskguard_metrics counts suppressions here too
-        locks.report_suppressed(key, task.name, existing)
+        locks.report_suppressed(key, task.name, existing, shadow=shadow)
+        if shadow:  # published anyway, without a mark of its own
+            log.info("task %s: shadow mode: would not have been published, a run of %r is queued or running: %s; "
+                     "publishing it", task.name, key, existing)
+            return send(task_id, options)
         log.info("task %s: not published, a run of %r is queued or running: %s", task.name, key, existing)
         return task.AsyncResult(existing)
     options = {**options, "headers": {**(options.get("headers") or {}), UNIQUE_HEADER: key}}
@@ -83,7 +94,7 @@ def publish(task: Any, args: Any, kwargs: Any, task_id: str | None, options: dic
         return send(task_id, options)
     except BaseException:
         try:
-            locks.clear_queued(key, task_id, task.name)  # never leave a mark for a message that was not sent
+            locks.clear_queued(key, task_id, task.name, shadow)  # never leave a mark for a message that was not sent
         except LeaseBackendError as e:
             log.warning("task %s: could not clear the queued mark of a failed publish (its TTL bounds it): %s",
                         task.name, e)
@@ -97,6 +108,7 @@ def clear(task: Any, request: Any) -> None:
     if not isinstance(key, str) or not key or not getattr(request, "id", None):
         return
     try:
-        task.taskguard_locks.clear_queued(key, request.id, task.name)
+        opts = getattr(task, "_taskguard", None)
+        task.taskguard_locks.clear_queued(key, request.id, task.name, opts is not None and not opts.enforce)
     except (ConfigError, LeaseBackendError) as e:
         log.warning("task %s[%s]: could not clear its queued mark (its TTL bounds it): %s", task.name, request.id, e)
