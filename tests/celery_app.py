@@ -190,6 +190,17 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         beat = (self.request.headers or {}).get("taskguard_beat") or getattr(self.request, "taskguard_beat", None) or {}
         note(f"tick:{beat.get('slot')}:{beat.get('leader_fence')}:{time.time():.3f}")
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.clock_held", ttl=2, key="clock-held")
+    def clock_held(self, seconds=6.0):
+        """Holds a ttl=2 lease for ``seconds`` (monotonic), checking it is held every 0.1 s, as a
+        body does before each fenced write (a clock-step test steps this worker's wall clock)."""
+        note(f"clock_held:start:{self.lease.fencing_token}")
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.lease.ensure_held()
+            time.sleep(0.1)
+        return self.lease.fencing_token
+
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.hold4", ttl=4, key="hold4")
     def hold4(self, seconds=12.0):
         """Holds a ttl=4 lease for ``seconds``; the heartbeat must renew it (the gevent test)."""
