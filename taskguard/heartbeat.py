@@ -4,11 +4,12 @@ Each registered lease is renewed every ``ttl * renew_fraction`` seconds (up to a
 early, so that leases falling due close together share a round). Due leases of one locks object
 are renewed together (for Redis: one pipelined round trip). Outcomes:
 
-* renewed: ``expires_at`` moves forward;
+* renewed: the handle's expiry (``expires_at``, and its monotonic deadline) moves forward;
 * not the owner any more: the lease is marked lost (``lost`` event, ``on_lost`` callbacks) and
   dropped from the heartbeat;
 * Redis error: reported (``renew`` event with status ``"error"``), retried soon; the lease is
-  marked lost only once its ``expires_at`` has passed without a successful renewal;
+  marked lost only once its TTL has passed without a successful renewal (measured on the
+  monotonic clock: a step of the wall clock neither ends a held lease nor keeps a lost one);
 * ``max_hold`` passed: renewal stops (``renew`` event with status ``"max_hold"``) so a hung body's
   lease expires by its TTL.
 
@@ -157,7 +158,8 @@ class Heartbeat:
     def _renew_group(self, group_id: int, entries: list[_Entry]) -> None:
         try:
             locks = entries[0].lease._locks
-            started_wall, started = time.time(), time.monotonic()
+            clock = locks.clock
+            sent_mono, sent_wall, started = clock.monotonic(), clock.time(), time.monotonic()
             try:
                 outcomes = locks._renew_many([(e.lease.key, e.lease.owner_token, e.lease.ttl) for e in entries])
             except Exception as exc:  # a bug or an unexpected error: report it per lease, keep going
@@ -166,7 +168,7 @@ class Heartbeat:
             took = time.monotonic() - started
             for e, outcome in zip(entries, outcomes):
                 try:
-                    self._settle(e, outcome, started_wall, started, took)
+                    self._settle(e, outcome, (sent_mono, sent_wall), started, took)
                 except Exception:
                     log.exception("taskguard could not settle the renewal of %r", e.lease.key)
         finally:
@@ -174,7 +176,9 @@ class Heartbeat:
                 self._in_flight.discard(group_id)
                 self._cond.notify()
 
-    def _settle(self, e: _Entry, outcome: object, started_wall: float, started: float, took: float) -> None:
+    def _settle(self, e: _Entry, outcome: object, sent: tuple[float, float], started: float, took: float) -> None:
+        """``sent``: (monotonic, epoch) on the lease's clock when the round was sent; ``started``:
+        ``time.monotonic()`` then (the heartbeat's own cadence)."""
         lease = e.lease
         if lease.released:  # released while the renewal was in flight: nothing to report
             self.discard(lease)
@@ -182,7 +186,7 @@ class Heartbeat:
         emitter = lease._locks._emitter
         emit = emitter.emit
         if outcome is True:
-            lease.expires_at = started_wall + lease.ttl
+            lease._extended(sent[0], sent[1], lease.ttl)
             with self._cond:
                 # counted from when the round was sent, as the new expiry is: the cadence stays
                 # one interval, not an interval plus the round trip and the settling
@@ -198,7 +202,7 @@ class Heartbeat:
         else:
             emit(LeaseEvent("renew", lease.key, "error", took, fencing_token=lease.fencing_token,
                             ttl=lease.ttl, error=str(outcome), task=lease.task))
-            if lease.expires_at is not None and time.time() >= lease.expires_at:
+            if lease._expired():
                 self.discard(lease)
                 lease._mark_lost(f"renewal failed until the lease expired: {outcome}")
             else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from .errors import LeaseLost
@@ -43,7 +42,9 @@ class Lease:
             Hand it to the protected storage, which must reject writes carrying a lower token.
         expires_at: Unix epoch seconds (float) by which the lease expires unless renewed
             (computed conservatively from the moment the request was sent), or ``None`` when
-            restored without it.
+            restored without it. Informational: whether the lease is still presumed held
+            (:attr:`lost`) is measured on the monotonic clock (a step of the wall clock changes
+            nothing), and only the Redis server's clock decides when it expires.
         ttl: the TTL in seconds (float) renewals use by default.
         run_id: the run identity given at acquire/claim (e.g. a task id), or ``None``.
         slot: which of the key's holder slots this lease is (``int``, 0 for a plain lease; 0..N-1
@@ -65,7 +66,10 @@ class Lease:
         expires_at: float | None,
         holder: Mapping[str, Any] | None = None,
         run_id: str | None = None,
+        deadline: float | None = None,
     ) -> None:
+        """``deadline``: when the lease is presumed expired, on ``locks.clock.monotonic()``; when
+        not given it is derived once from ``expires_at`` (a persisted handle's epoch expiry)."""
         self._locks = locks
         self.run_id = run_id
         self.finished_id = run_id  # what a finished release records (run_id, or run_id#delivery)
@@ -74,8 +78,12 @@ class Lease:
         self.ttl = ttl
         self.fencing_token = fencing_token
         self.expires_at = expires_at
+        clock = locks.clock
+        if deadline is None and expires_at is not None:
+            deadline = clock.monotonic() + (expires_at - clock.time())
+        self._deadline = deadline  # monotonic: the lease is presumed gone from then on
         self.holder = dict(holder) if holder else {}
-        self.acquired_at = time.time()
+        self.acquired_at = clock.time()
         self._pid = os.getpid()
         self._lost_reason: str | None = None
         self._released = False
@@ -100,13 +108,24 @@ class Lease:
     @property
     def lost(self) -> bool:
         """``True`` once the lease is known or presumed gone: a renew/release found another owner
-        (or no lease), or ``expires_at`` passed without a renewal. ``False`` after a successful
-        release."""
+        (or no lease), or its TTL passed without a renewal — measured on the monotonic clock from
+        when the acquire or last successful renewal was sent, so a step of the local wall clock
+        neither ends a held lease nor keeps a lost one. ``False`` after a successful release."""
         if self._lost_reason is not None:
             return True
         if self._released:
             return False
-        return self.expires_at is not None and self._locks._now() >= self.expires_at
+        return self._expired()
+
+    def _expired(self) -> bool:
+        """The TTL ran out (on the monotonic clock) since the last successful acquire/renew."""
+        return self._deadline is not None and self._locks.clock.monotonic() >= self._deadline
+
+    def _extended(self, sent_mono: float, sent_wall: float, ttl: float) -> None:
+        """A renewal sent at ``sent_mono`` (monotonic) / ``sent_wall`` (epoch) succeeded: the
+        lease runs ``ttl`` seconds from then (counted from the send: conservative)."""
+        self._deadline = sent_mono + ttl
+        self.expires_at = sent_wall + ttl
 
     @property
     def lost_reason(self) -> str | None:

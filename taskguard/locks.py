@@ -16,6 +16,7 @@ import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from .errors import ConfigError, LeaseBackendError, LeaseLost
+from .clock import LOCAL, Clock
 from .events import Emitter, LeaseEvent, Listener
 from .heartbeat import get_heartbeat
 from .lease import Acquisition, HolderInfo, Lease, slot_of, slot_suffix
@@ -75,7 +76,13 @@ class Locks:
             (``None``: no bound).
         shutdown_timeout: seconds :meth:`close` spends releasing live leases (default 5).
         listeners: callables receiving each :class:`~taskguard.events.LeaseEvent`.
+
+    Attribute ``clock`` (a :class:`taskguard.clock.Clock`, default the local clocks): its
+    ``monotonic()`` measures how long a handle presumes its lease held; its ``time()`` gives the
+    informational ``expires_at`` of handles.
     """
+
+    clock: Clock = LOCAL
 
     def __init__(
         self,
@@ -95,7 +102,19 @@ class Locks:
 
     # -- backend primitives ------------------------------------------------------------------
     def _now(self) -> float:
-        return time.time()
+        return self.clock.time()
+
+    def server_time(self) -> float:
+        """The backend's clock: Unix epoch seconds (float) — for Redis, the server's ``TIME``.
+        Raises LeaseBackendError when Redis fails."""
+        return self.clock.time()
+
+    def server_clock(self) -> Clock:
+        """A :class:`~taskguard.clock.Clock` whose ``time()`` follows the backend's clock (for
+        Redis: a :class:`~taskguard.clock.ServerClock`, one per locks object, reading ``TIME`` at
+        most once a minute unless refreshed) and whose ``monotonic()`` is :attr:`clock`'s. For
+        instants compared across hosts (beat's slots, a deferred run's turn)."""
+        return self.clock
 
     def _try_acquire(self, key: str, owner: str, ttl: float, holder_json: str, run_id: str | None,
                      wait: float = 0.0, refuse_finished: bool = False, finished_id: str | None = None,
@@ -242,7 +261,7 @@ class Locks:
         started = time.monotonic()
         deadline = started + wait
         while True:
-            sent_at = self._now()
+            sent_mono, sent_at = self.clock.monotonic(), self.clock.time()
             try:
                 remaining = max(0.0, deadline - time.monotonic())
                 code, fence, holder_ttl, holder_run, slot = self._try_acquire(
@@ -258,7 +277,7 @@ class Locks:
                 return Acquisition(False, None, "duplicate")
             if code == 1:
                 lease = Lease(self, key, owner + slot_suffix(slot), ttl=ttl, fencing_token=fence,
-                              expires_at=sent_at + ttl, holder=meta, run_id=run_id)
+                              expires_at=sent_at + ttl, holder=meta, run_id=run_id, deadline=sent_mono + ttl)
                 lease.finished_id = finished_id
                 self._track(lease, renew, max_hold)
                 if self._emitter.active:
@@ -340,7 +359,7 @@ class Locks:
         meta, meta_json = self._holder_meta(holder)
         new_owner = new_owner_token() + slot_suffix(slot_of(owner_token))  # the claim keeps the slot
         started = time.monotonic()
-        sent_at = self._now()
+        sent_mono, sent_at = self.clock.monotonic(), self.clock.time()
         try:
             ok, fence, pttl = self._claim_one(key, owner_token, new_owner, ttl, meta_json, run_id)
         except LeaseBackendError as e:
@@ -352,7 +371,7 @@ class Locks:
             self._emit("claim", key, reason, duration=took, ttl=ttl)
             return Acquisition(False, None, reason, None if reason == "expired" else pttl)
         lease = Lease(self, key, new_owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta,
-                      run_id=run_id)
+                      run_id=run_id, deadline=sent_mono + ttl)
         lease.finished_id = _finished_id(run_id, delivery)
         self._track(lease, renew, max_hold)
         self._emit("claim", key, "claimed", duration=took, fencing_token=fence, ttl=ttl, holder=meta,
@@ -701,7 +720,7 @@ class Locks:
         ttl = lease.ttl if ttl is None else check_ttl(ttl)
         if lease.inherited or lease.released or lease._lost_reason is not None:
             return False
-        started, sent_at = time.monotonic(), self._now()
+        started, sent_mono, sent_at = time.monotonic(), self.clock.monotonic(), self.clock.time()
         try:
             ok = self._renew_one(lease.key, lease.owner_token, ttl)
         except LeaseBackendError as e:
@@ -711,7 +730,7 @@ class Locks:
         self._emit("renew", lease.key, "renewed" if ok else "not_owner", duration=time.monotonic() - started,
                    fencing_token=lease.fencing_token, ttl=ttl, task=lease.task)
         if ok:
-            lease.expires_at = sent_at + ttl
+            lease._extended(sent_mono, sent_at, ttl)
         else:
             get_heartbeat().discard(lease)
             lease._mark_lost("renew found another owner or no lease")

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
+from .clock import LOCAL, FixedClock
 from .events import Listener
 from .lease import HolderInfo, slot_of, slot_suffix
 from .locks import Health, Locks
@@ -32,7 +33,9 @@ class MemoryLocks(Locks):
 
     Args:
         clock: returns Unix epoch seconds (float); default :func:`time.time`. Inject one to
-            drive expiry in tests without sleeping.
+            drive expiry in tests without sleeping: it then also measures how long handles
+            presume their leases held (:class:`taskguard.clock.FixedClock`); the default keeps
+            those durations on ``time.monotonic``.
         prefix, renew_fraction, max_hold, listeners: as for :class:`~taskguard.RedisLocks`.
     """
 
@@ -59,6 +62,7 @@ class MemoryLocks(Locks):
         self._completions: dict[str, tuple[str, float]] = {}  # once=True: key -> (record, until)
         self._queued: dict[tuple[str, str], tuple[str, float]] = {}  # unique: (key, task) -> (run id, until)
         self._clock = clock
+        self.clock = LOCAL if clock is time.time else FixedClock(clock)
         self._cond = threading.Condition()
         self._leases: dict[tuple[str, int], _Entry] = {}  # (key, slot) -> its holder
         self._fences: dict[tuple[str, int], int] = {}  # (key, slot) -> its last fencing token
@@ -68,6 +72,10 @@ class MemoryLocks(Locks):
         return f"<MemoryLocks prefix={self.prefix!r}>"
 
     def _now(self) -> float:
+        return self._clock()
+
+    def server_time(self) -> float:
+        """This backend's clock (the injected one): Unix epoch seconds (float)."""
         return self._clock()
 
     def _live_entry(self, key: str, slot: int = 0) -> _Entry | None:

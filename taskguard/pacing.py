@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Any, Mapping
 
 from .errors import LeaseBackendError
@@ -88,7 +87,8 @@ def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, 
             a delayed message).
         state: what the deferred run carried back (:func:`parse_state`), or ``None`` for a
             fresh run.
-        now: Unix epoch seconds (default: :func:`time.time`).
+        now: Unix epoch seconds (default: the backend's clock, :meth:`Locks.server_clock`, so that a
+            deferred run's booked turn means the same on every host, whatever their wall clocks).
         consume: ``False``: only check — the answer says what would happen, nothing is counted
             or booked.
         shadow: count (and book) in the rate's shadow state (:meth:`Locks.throttle`), never in
@@ -96,7 +96,7 @@ def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, 
 
     Returns a :class:`Pace`. Raises LeaseBackendError when Redis fails.
     """
-    now = time.time() if now is None else now
+    now = locks.server_clock().time() if now is None else now
     if state is not None and state.get("turn") is not None:
         # its turn was booked when it was deferred: the rate already counted it
         early = state["turn"] - now

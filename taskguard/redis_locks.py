@@ -12,6 +12,7 @@ import redis
 from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
 
 from . import scripts
+from .clock import Clock, ServerClock
 from .errors import ConfigError, LeaseBackendError
 from .events import Listener
 from .lease import HolderInfo
@@ -100,6 +101,7 @@ class RedisLocks(Locks):
         # does not say (redis-py 8 applies its default elsewhere), slices stay at 1 s.
         self._slice = max(0.01, min(self.poll_interval, st / 2 if st else 1.0))
         self._owns_client = False
+        self._server_clock: ServerClock | None = None
 
     @classmethod
     def from_url(
@@ -495,6 +497,24 @@ class RedisLocks(Locks):
             raise LeaseBackendError("record", key, _detail(e)) from e
         except RedisError as e:
             raise LeaseBackendError("record", key, _detail(e)) from e
+
+    def server_clock(self) -> Clock:
+        found = self._server_clock
+        if found is None:
+            found = self._server_clock = ServerClock(self.server_time, local=self.clock)
+        return found
+
+    def server_time(self) -> float:
+        """The Redis server's clock (``TIME``): Unix epoch seconds (float). Raises
+        LeaseBackendError when Redis fails."""
+        try:
+            answer = self.client.time()
+        except RedisError as e:
+            raise LeaseBackendError("time", None, _detail(e)) from e
+        if isinstance(answer, dict):  # a cluster may answer per node: any node's clock will do
+            answer = next(iter(answer.values()))
+        secs, micros = answer
+        return int(secs) + int(micros) / 1e6
 
     # -- health and shutdown -------------------------------------------------------------------
     def check_health(self) -> Health:

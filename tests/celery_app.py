@@ -45,7 +45,8 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     log = f"{prefix}:log"  # what bodies did, in order: "name:fence" entries
 
     def note(entry: str) -> None:
-        r.rpush(log, entry)
+        # with a TTL: a session of an older suite ending on the shared Redis deletes untimed tgtest- keys
+        r.pipeline().rpush(log, entry).expire(log, 600).execute()
 
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.slow", ttl=5, key="slow:{n}")
     def slow(self, n, seconds=1.5):
@@ -189,6 +190,17 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     def tick(self):
         beat = (self.request.headers or {}).get("taskguard_beat") or getattr(self.request, "taskguard_beat", None) or {}
         note(f"tick:{beat.get('slot')}:{beat.get('leader_fence')}:{time.time():.3f}")
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.clock_held", ttl=2, key="clock-held")
+    def clock_held(self, seconds=6.0):
+        """Holds a ttl=2 lease for ``seconds`` (monotonic), checking it is held every 0.1 s, as a
+        body does before each fenced write (a clock-step test steps this worker's wall clock)."""
+        note(f"clock_held:start:{self.lease.fencing_token}")
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.lease.ensure_held()
+            time.sleep(0.1)
+        return self.lease.fencing_token
 
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.hold4", ttl=4, key="hold4")
     def hold4(self, seconds=12.0):

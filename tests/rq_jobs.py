@@ -50,6 +50,19 @@ def short_ttl(seconds=2.0):
     return current_lease().fencing_token
 
 
+@guarded_job(ttl=2, key="clock:{name}")
+def clock_held(name, seconds=6.0):
+    """Holds a ttl=2 lease for ``seconds`` (monotonic), checking it is held every 0.1 s (a
+    clock-step test steps the work horse's wall clock meanwhile)."""
+    lease = current_lease()
+    _log(f"clock_held:{name}:start:{lease.fencing_token}")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        lease.ensure_held()
+        time.sleep(0.1)
+    return lease.fencing_token
+
+
 @guarded_job(ttl=2, key="flaky:{name}")
 def flaky(name, fail_times=1):
     attempt = _attempt(name)

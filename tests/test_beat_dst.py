@@ -24,6 +24,7 @@ from celery.schedules import crontab, solar
 from taskguard_celery.beat import TaskguardScheduler
 
 from taskguard import RedisLocks
+from taskguard.clock import FixedClock
 
 UTC = timezone.utc
 MINUTE = timedelta(minutes=1)
@@ -91,7 +92,8 @@ ENTRIES = [
 
 
 class SimClock:
-    """The simulated clock: ``app.now`` returns it (aware, in the app's zone)."""
+    """The simulated clock: ``app.now`` returns it (aware, in the app's zone), and so does the
+    scheduler's ``taskguard_clock`` (a :class:`taskguard.clock.FixedClock` over it)."""
 
     def __init__(self, app, start):
         self.app, self.t = app, start
@@ -127,7 +129,10 @@ def run_beat(tmp_path, redis_url, prefix, zone, entries, start, end, loop=5.0):
                 published[beat["entry"]].append(instant)
 
     signals.after_task_publish.connect(on_publish, weak=False)
-    s = TaskguardScheduler(app, schedule_filename=str(tmp_path / f"beat-{zone.replace('/', '_')}"))
+    # the scheduler's own clock (slot instants, lateness; by default the Redis server's) runs on
+    # the same simulated time
+    s = TaskguardScheduler(app, schedule_filename=str(tmp_path / f"beat-{zone.replace('/', '_')}"),
+                           taskguard_clock=FixedClock(lambda: clock.t.timestamp()))
     ticks = 0
     try:
         while clock.t < end + timedelta(seconds=loop + 1):

@@ -34,6 +34,12 @@ How it works:
   and may also set ``limit``, ``rate`` and ``rate_key`` (see :class:`taskguard.policy.GuardOptions`);
   the scheduler validates them at start, removes them from the publish options and passes them in
   the ``taskguard_beat`` header.
+* **Clocks.** Slot instants and lateness are read on the Redis server's clock (``TIME``, read
+  once per tick and advanced by the monotonic clock in between), never on the beat host's wall
+  clock, and the leader lease is presumed held by the monotonic clock: a beat host whose clock
+  steps forward or back neither publishes a slot early or twice nor stops publishing. The time
+  source is :attr:`SingletonBeatMixin.taskguard_clock` (a :class:`taskguard.clock.Clock`; pass
+  ``taskguard_clock=`` to the scheduler's constructor to inject another, e.g. a simulated one).
 * **Outages.** A Redis outage or a lost leader lease never crashes beat: it stops publishing, says
   so in its log, and resumes when it can (catching up the latest slot within the window).
 
@@ -58,6 +64,7 @@ from celery.schedules import schedule, solar
 from celery.utils.log import LoggingProxy
 
 from taskguard import ConfigError, LeaseBackendError, LeaseLost, Lease
+from taskguard.clock import Clock
 from taskguard.keys import KeyTemplate
 from taskguard.validate import check_limit, check_rate, check_ttl
 
@@ -205,8 +212,9 @@ def latest_due(entry: Any, lookback: float, now_ts: float | None = None) -> tupl
     most ``lookback`` seconds before ``now_ts`` (``None`` when none did), and the seconds until its
     next one.
 
-    ``now_ts`` is the scheduler's clock (Unix seconds); default: the schedule's own clock
-    (``schedule.now()``: the app's ``now`` or the entry's ``nowfun``). Interval entries:
+    ``now_ts`` is the current instant (Unix seconds); beat passes its ``taskguard_clock`` (the
+    Redis server's clock); default: the schedule's own clock (``schedule.now()``: the app's
+    ``now`` or the entry's ``nowfun``). Interval entries:
     epoch-aligned window starts. Crontab entries: their local times in their zone, mapped to UTC
     instants by Vixie cron's rules at daylight-saving changes (:func:`_cron_fires`): a
     wildcard-hour entry runs at every real instant its fields match (also through a repeated
@@ -358,6 +366,17 @@ class SingletonBeatMixin:
     #: Beat wakes at least this often (seconds) unless ``beat_max_loop_interval`` says otherwise.
     max_interval = 1.0
 
+    #: The time source (:class:`taskguard.clock.Clock`): ``time()`` gives slot instants and
+    #: lateness, ``monotonic()`` retry delays; ``refresh()`` is called once per tick. ``None``
+    #: (default): the lease backend's :meth:`taskguard.Locks.server_clock` (for Redis, the
+    #: server's clock, read once per tick).
+    taskguard_clock: Clock | None = None
+
+    def __init__(self, *args: Any, taskguard_clock: Clock | None = None, **kwargs: Any) -> None:
+        if taskguard_clock is not None:
+            self.taskguard_clock = taskguard_clock
+        super().__init__(*args, **kwargs)
+
     def setup_schedule(self) -> None:
         """Validate every taskguard setting and entry option, then set up Celery's schedule.
 
@@ -377,6 +396,8 @@ class SingletonBeatMixin:
         super().setup_schedule()  # type: ignore[misc]
         self.taskguard_settings = settings
         self.taskguard_locks = locks_for(self.app)  # type: ignore[attr-defined]
+        if self.taskguard_clock is None:
+            self.taskguard_clock = self.taskguard_locks.server_clock()
         self.taskguard_leader_ttl = settings.leader_ttl
         self.taskguard_leader_key = f"beat-leader:{settings.name}"
         self.taskguard_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -385,7 +406,7 @@ class SingletonBeatMixin:
         self._tg_leader_seen: str | None = None
         self._tg_handled: dict[str, float] = {}  # entry name -> latest slot instant known handled
         self._tg_started = self._tg_now()
-        self._tg_retry_at: dict[str, float] = {}  # entry name -> when a failed claim/publish is tried again
+        self._tg_retry_at: dict[str, float] = {}  # entry name -> when (monotonic) a failed claim/publish is retried
         self._tg_outage = False
         for name, entry in self.schedule.items():  # type: ignore[attr-defined]
             opts = entry.options.get(ENTRY_OPTION)
@@ -394,7 +415,9 @@ class SingletonBeatMixin:
 
     # -- leadership -------------------------------------------------------------------------------
     def tick(self, *args: Any, **kwargs: Any) -> Any:
-        """Seek (or check) leadership on every tick, then run the scheduler's own tick."""
+        """Read the server clock, seek (or check) leadership on every tick, then run the
+        scheduler's own tick."""
+        self.taskguard_clock.refresh()  # type: ignore[union-attr]
         self.taskguard_leader()
         return super().tick(*args, **kwargs)  # type: ignore[misc]
 
@@ -412,6 +435,7 @@ class SingletonBeatMixin:
                         self.taskguard_id, lease.lost_reason)
             self.taskguard_stats["leadership_lost"] += 1
             self._tg_leader = None
+            self._tg_give_up(lease)
         try:
             acq = self.taskguard_locks.acquire(self.taskguard_leader_key, ttl=self.taskguard_leader_ttl, renew=True,
                                                holder={"beat": self.taskguard_id}, run_id=self.taskguard_id)
@@ -433,6 +457,27 @@ class SingletonBeatMixin:
             self._heap = None  # every entry is looked at again now: catch-up of the hand-over
         return acq.lease
 
+    def _tg_give_up(self, lease: Lease) -> None:
+        """Release a leader lease this beat no longer counts on (it stops renewing it either way):
+        were it still held in Redis, keeping it would make the next acquire — this beat's or a
+        standby's — wait for its TTL. A release of a lease already gone does nothing."""
+        if lease.released:
+            return
+        try:
+            lease.release()
+        except LeaseBackendError as e:  # it expires by its TTL (the heartbeat no longer renews it)
+            log.warning("beat %s could not release the leader lease it gave up: %s", self.taskguard_id, e)
+
+    def _tg_now(self) -> float:
+        """The current instant, Unix seconds (float), on :attr:`taskguard_clock` (the Redis
+        server's clock by default)."""
+        return self.taskguard_clock.time()  # type: ignore[union-attr]
+
+    def _when(self, entry: Any, next_time_to_run: Any, *args: Any, **kwargs: Any) -> float:
+        """Celery's heap key: when the entry is next due, on :attr:`taskguard_clock` (Celery's
+        own reads the local wall clock, so a clock step between two pushes misorders the heap)."""
+        return self._tg_now() + (self.adjust(next_time_to_run) or 0)  # type: ignore[attr-defined]
+
     def _note_outage(self, error: Exception) -> None:
         if not self._tg_outage:
             log.error("beat %s: Redis unreachable, not publishing until it is back: %s", self.taskguard_id, error)
@@ -445,18 +490,13 @@ class SingletonBeatMixin:
         self._tg_outage = False
 
     # -- when entries are due -----------------------------------------------------------------------
-    def _tg_now(self) -> float:
-        """The scheduler's clock, Unix seconds (float): the app's ``now()``, the clock Celery's
-        own scheduler reads (its heap, through ``entry.default_now()``) and the schedules read
-        (``schedule.now()``). Every slot instant, lateness and retry time here comes from it."""
-        return self.app.now().timestamp()  # type: ignore[attr-defined]
-
     def _tg_due(self, entry: Any, now: float) -> tuple[float | None, float] | None:
         """``(latest due instant within the allowed lateness, seconds to the next)`` at ``now``
         (Unix seconds), or ``None`` for a schedule that cannot say (then Celery's own ``is_due``
         decides)."""
         try:
-            return latest_due(entry, self.taskguard_settings.allowed_lateness + self.max_interval, now)  # type: ignore[attr-defined]
+            return latest_due(entry, self.taskguard_settings.allowed_lateness + self.max_interval,  # type: ignore[attr-defined]
+                              now)
         except NotImplementedError:
             return None
 
@@ -477,15 +517,16 @@ class SingletonBeatMixin:
         if late > self.taskguard_settings.allowed_lateness:
             self._tg_missed(entry, instant, late)
             return False, next_in
-        retry_at = self._tg_retry_at.get(entry.name, 0.0)
-        if now < retry_at:  # its claim or publish just failed: try again soon, not at the next slot
-            return False, retry_at - now
+        retry_in = self._tg_retry_at.get(entry.name, -math.inf) - self.taskguard_clock.monotonic()  # type: ignore[union-attr]
+        if retry_in > 0:  # its claim or publish just failed: try again soon, not at the next slot
+            return False, retry_in
         return True, next_in
 
     def _tg_try_again(self, entry: Any) -> None:
         """A claim or publish failed (Redis, the broker): look at the entry again in a second
         (while the slot is within the allowed lateness) instead of at its next slot."""
-        self._tg_retry_at[entry.name] = self._tg_now() + min(1.0, float(self.max_interval))  # type: ignore[attr-defined]
+        self._tg_retry_at[entry.name] = (self.taskguard_clock.monotonic()  # type: ignore[union-attr]
+                                         + min(1.0, float(self.max_interval)))  # type: ignore[attr-defined]
         if getattr(self, "_heap", None) is not None:
             self._heap = None  # Celery re-heaped the entry at its next slot: rebuild with is_due
 

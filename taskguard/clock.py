@@ -1,0 +1,119 @@
+"""Time sources: local durations from a monotonic clock, wall instants from the Redis server.
+
+A host's wall clock (``time.time()``) can step forward or back at any moment (NTP correcting a
+drifted VM, an operator, a suspended laptop); its monotonic clock cannot. So taskguard measures
+every local duration — how long a lease is still presumed held, when to renew, retry or give up —
+with :meth:`Clock.monotonic`, and never decides expiry with the local wall clock: Redis decides it
+with its own clock (lease keys carry a TTL). Where an *instant* is needed on more than one host
+(beat's slot instants and lateness), it comes from the Redis server's clock through a
+:class:`ServerClock`.
+
+The API is two methods, so a test (or a simulated schedule) can inject its own:
+
+* ``monotonic() -> float``: seconds on a clock that never steps; only differences mean anything.
+* ``time() -> float``: Unix epoch seconds (float) for instants.
+
+plus ``refresh()``, which a clock may use to resynchronise (a :class:`ServerClock` reads the
+server's ``TIME``); it never raises.
+
+:data:`LOCAL` is the process's own clocks (``time.monotonic`` / ``time.time``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+__all__ = ["Clock", "LOCAL", "ServerClock", "FixedClock"]
+
+log = logging.getLogger("taskguard")
+
+
+class Clock:
+    """The local clocks: :meth:`monotonic` is ``time.monotonic``, :meth:`time` is ``time.time``.
+    Subclass (or duck-type the three methods) to inject another time source."""
+
+    def monotonic(self) -> float:
+        """Seconds (float) on a clock that never steps; only differences are meaningful."""
+        return time.monotonic()
+
+    def time(self) -> float:
+        """Unix epoch seconds (float)."""
+        return time.time()
+
+    def refresh(self) -> None:
+        """Resynchronise with the clock's source, where it has one (here: nothing). Never raises."""
+
+
+#: The process's own clocks.
+LOCAL = Clock()
+
+
+class FixedClock(Clock):
+    """A clock that moves only when told to (tests, simulations): one callable ``now() -> float``
+    gives both :meth:`time` and :meth:`monotonic`, so a lease's TTL runs out when ``now`` passes
+    it, as it does in :class:`~taskguard.MemoryLocks` with an injected clock."""
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self._now = now
+
+    def monotonic(self) -> float:
+        return self._now()
+
+    def time(self) -> float:
+        return self._now()
+
+
+class ServerClock(Clock):
+    """The Redis server's wall clock, read with ``TIME`` at most every ``resample`` seconds and
+    advanced by the local monotonic clock in between, so that a step of this host's wall clock
+    changes nothing.
+
+    Args:
+        server_time: reads the server's clock once, returning Unix epoch seconds (float); e.g.
+            :meth:`taskguard.Locks.server_time`. May raise (an outage): the clock then keeps
+            advancing from its last good reading.
+        resample: seconds (float, >= 0) after which :meth:`time` reads the server again by itself
+            (default 60; :meth:`refresh` reads it whenever called).
+        local: the clock whose :meth:`~Clock.monotonic` measures the time between readings
+            (default :data:`LOCAL`).
+
+    Until the first successful reading, :meth:`time` falls back to ``local.time()``.
+    Thread-safe.
+    """
+
+    def __init__(self, server_time: Callable[[], float], *, resample: float = 60.0, local: Clock = LOCAL) -> None:
+        self._server_time = server_time
+        self._resample = float(resample)
+        self._local = local
+        self._lock = threading.Lock()
+        self._base: tuple[float, float] | None = None  # (server epoch seconds, local monotonic then)
+
+    def monotonic(self) -> float:
+        return self._local.monotonic()
+
+    def refresh(self) -> None:
+        """Read the server's clock now (half the round trip is added to the reading). A failure
+        is logged at DEBUG level and leaves the last reading in use; never raises."""
+        sent = self._local.monotonic()
+        try:
+            server = float(self._server_time())
+        except Exception as e:  # an outage: keep advancing from the last reading
+            log.debug("taskguard: could not read the Redis server's clock: %s", e)
+            return
+        got = self._local.monotonic()
+        with self._lock:
+            self._base = (server + (got - sent) / 2, got)
+
+    def time(self) -> float:
+        """The server's Unix epoch seconds (float), as of its last reading plus the monotonic
+        time since; reads it again when the last reading is more than ``resample`` seconds old."""
+        base = self._base
+        if base is None or self._local.monotonic() - base[1] > self._resample:
+            self.refresh()
+            base = self._base
+        if base is None:
+            return self._local.time()
+        return base[0] + (self._local.monotonic() - base[1])
