@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import difflib
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 from .errors import ConfigError
 from .keys import KeyTemplate
 from .once import Fingerprint
 from .validate import check_burst, check_limit, check_rate, check_seconds, check_ttl
 
-__all__ = ["GuardOptions", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS"]
+__all__ = ["GuardOptions", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS",
+           "check_option_names"]
 
 #: What a run that cannot get its lease does.
 #: ``result``: finish successfully with a ``Skipped`` value; ``ignore``: record nothing (Celery:
@@ -218,3 +220,40 @@ def _defaults() -> dict[str, Any]:
 OPTION_DEFAULTS: dict[str, Any] = _defaults()
 #: option names :meth:`GuardOptions.build` accepts (adapters pop them from task options)
 OPTION_NAMES = tuple(OPTION_DEFAULTS)
+
+
+def check_option_names(task: str, given: Iterable[str], *, supported: Collection[str] = OPTION_NAMES,
+                       elsewhere: Mapping[str, str] | None = None,
+                       known: Callable[[str], bool] | None = None) -> None:
+    """Refuse, at declaration, option names a task adapter would otherwise drop or misread.
+
+    Args:
+        task: the task's name (for the message).
+        given: the option names passed at declaration.
+        supported: the guard options this adapter implements (a subset of :data:`OPTION_NAMES`).
+        elsewhere: for a guard option the adapter does not take, where that feature lives for
+            this framework (said in the error).
+        known: ``None`` when the declaration takes guard options only (RQ's ``@guarded_job``):
+            any other name is refused. Else a test for names that belong to the framework or to
+            the user (Celery: an attribute of a class in the task's MRO, ``max_retries`` and
+            ``rate_limit`` included); a name it does not know is refused only when it is close to
+            a guard option (a misspelling: ``ttll``), since Celery keeps unknown task options as
+            task attributes.
+
+    Raises ConfigError naming the task and the option, with "did you mean ...?" for a close
+    guard option, or where a guard option this adapter does not take lives.
+    """
+    elsewhere = elsewhere or {}
+    for name in given:
+        if name in supported:
+            continue
+        if name in OPTION_NAMES:
+            where = elsewhere.get(name, "")
+            raise ConfigError(f"task {task!r}: option {name!r} is not supported here" + (f": {where}" if where else ""))
+        if known is not None and known(name):
+            continue
+        close = difflib.get_close_matches(name, supported, n=1, cutoff=0.75)
+        if known is not None and not close:
+            continue  # a framework option or a user's attribute, not a misspelt guard option
+        hint = f"; did you mean {close[0]!r}?" if close else f" (guard options: {', '.join(sorted(supported))})"
+        raise ConfigError(f"task {task!r}: unknown option {name!r}{hint}")

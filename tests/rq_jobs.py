@@ -154,7 +154,7 @@ def shadowed(name):
     return {"leased": lease is not None}
 
 
-@guarded_job(ttl=5, key="uq:{name}", unique=True, unique_ttl=1)
+@guarded_job(ttl=5, key="uq:{name}")
 def unique_job(name, seconds=0.3):
     _log(f"unique:{name}")
     time.sleep(seconds)

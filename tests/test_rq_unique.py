@@ -60,11 +60,11 @@ def test_a_failed_enqueue_leaves_no_mark_and_a_lost_job_blocks_only_until_unique
         m.setattr(type(rq_env), "enqueue_call", broken)
         with pytest.raises(ConnectionError):
             enqueue_unique(rq_env, rq_jobs.unique_job, ("d",))
-    first = enqueue_unique(rq_env, rq_jobs.unique_job, ("d",))  # no mark was left behind
+    first = enqueue_unique(rq_env, rq_jobs.unique_job, ("d",), unique_ttl=1)  # no mark was left behind
     rq_env.empty()  # the queued job is lost
-    assert enqueue_unique(rq_env, rq_jobs.unique_job, ("d",)).id == first.id
+    assert enqueue_unique(rq_env, rq_jobs.unique_job, ("d",), unique_ttl=1).id == first.id
     time.sleep(1.2)  # unique_ttl=1
-    assert enqueue_unique(rq_env, rq_jobs.unique_job, ("d",)).id != first.id
+    assert enqueue_unique(rq_env, rq_jobs.unique_job, ("d",), unique_ttl=1).id != first.id
 
 
 def test_the_bound_helper_enqueues_uniquely(rq_env):

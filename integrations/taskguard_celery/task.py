@@ -19,7 +19,7 @@ from celery.utils.time import get_exponential_backoff_interval, maybe_iso8601
 from taskguard import ConfigError, LeaseBackendError, Locks
 from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, release_handle
-from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions
+from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 
 from . import identity, rates, skipping, uniqueness
@@ -110,6 +110,11 @@ class GuardedTask(Task):
         bound = not isinstance(run, staticmethod)
         fn = run.__func__ if isinstance(run, staticmethod) else run
         name = cls.__dict__.get("name") or f"{fn.__module__}.{fn.__qualname__}"
+        # @app.task(base=GuardedTask, ttll=5): Celery makes every keyword a class attribute, so a
+        # misspelt guard option would silently leave the default in force
+        bases = cls.__mro__[1:]
+        check_option_names(name, [n for n in cls.__dict__ if not n.startswith("_")],
+                           known=lambda n: any(n in k.__dict__ for k in bases))
         cls._taskguard = GuardOptions.build(fn, name=name, skip_self=bound,
                                             **{opt: getattr(cls, opt) for opt in OPTION_NAMES})
         # does any class between GuardedTask and Task define its own __call__ (a user's base)?
@@ -403,6 +408,11 @@ def _retry_delay(eta: Any, countdown: Any, default: Any) -> float:
         return 0.0
 
 
+#: Keywords Celery's task decorators take that are not task attributes (celery/app/base.py:
+#: ``Celery.task`` and ``_task_from_fun``).
+_DECORATOR_OPTIONS = frozenset({"bind", "shared", "lazy", "filter", "name", "base"})
+
+
 def guarded_task(*args: Any, **opts: Any) -> Any:
     """Like Celery's ``shared_task``, for a task whose body runs under a fenced lease.
 
@@ -418,6 +428,7 @@ def guarded_task(*args: Any, **opts: Any) -> Any:
         if not issubclass(base, GuardedTask):
             base = type(f"Guarded{base.__name__}", (GuardedTask, base), {"__module__": base.__module__})
         name = opts.get("name") or f"{fn.__module__}.{fn.__qualname__}"
+        check_option_names(name, opts, known=lambda n: hasattr(base, n) or n in _DECORATOR_OPTIONS)
         GuardOptions.build(fn, name=name, skip_self=bool(opts.get("bind")),
                            **{k: opts[k] for k in OPTION_NAMES if k in opts})
         return shared_task(base=base, **opts)(fn)

@@ -28,7 +28,7 @@ from rq import Retry, get_current_job
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
 from taskguard.pacing import pace, parse_state, shadow_check
-from taskguard.policy import GuardOptions
+from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 
 from .config import locks_for
@@ -89,6 +89,18 @@ def mirror_meta(job: Any, refresh: bool = False, **fields: Any) -> None:
         log.warning("job %s: could not save meta: %s", job.id, e)
 
 
+#: Where the guard options ``@guarded_job`` does not take live for RQ.
+RQ_ELSEWHERE = {
+    "unique": "RQ has no publish hook; enqueue with fn.enqueue_unique(queue, ...) or "
+              "taskguard_rq.enqueue_unique(queue, fn, args, kwargs, unique_ttl=...)",
+    "unique_ttl": "it is an argument of taskguard_rq.enqueue_unique(queue, fn, args, kwargs, unique_ttl=...)",
+    "continue_on_skip": "RQ has no chains or link callbacks for a skip to stop; a skipped job ends FINISHED, so "
+                        "jobs that depend on it (depends_on) run; use on_skip='raise' to fail it instead",
+}
+#: The guard options ``@guarded_job`` takes: every one but the publish-time and chain options.
+RQ_OPTIONS = tuple(n for n in OPTION_NAMES if n not in RQ_ELSEWHERE)
+
+
 def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = None, locks: Locks | None = None,
                 **options: Any) -> Any:
     """Decorate an RQ job function so that its body runs under a fenced lease.
@@ -117,6 +129,7 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         label = name or f"{fn.__module__}.{fn.__qualname__}"
+        check_option_names(label, options, supported=RQ_OPTIONS, elsewhere=RQ_ELSEWHERE)
         opts = GuardOptions.build(fn, name=label, allowed_on_skip=ON_SKIP, **options)
 
         @functools.wraps(fn)

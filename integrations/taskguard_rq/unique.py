@@ -28,6 +28,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
 from taskguard import ConfigError, LeaseBackendError
+from taskguard.validate import check_seconds
 
 from .config import locks_for
 
@@ -43,7 +44,7 @@ DEFAULT_UNIQUE_TTL = 3600.0
 
 def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
                    job_id: str | None = None, at: datetime | None = None, in_: timedelta | None = None,
-                   **options: Any) -> Any:
+                   unique_ttl: float | None = None, **options: Any) -> Any:
     """Enqueue ``fn(*args, **kwargs)`` on ``queue`` unless a job of its key is queued or running.
 
     Args:
@@ -55,6 +56,8 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
             with it) and the new one enqueued.
         at / in_: schedule the job (``Queue.enqueue_at`` / ``enqueue_in``; a worker with
             ``--with-scheduler`` runs it).
+        unique_ttl: seconds the queued mark lasts when the job never starts (lost), plus any
+            delay (default: the job's queued ``ttl`` option, else 1 hour).
         options: other ``Queue.enqueue_call`` options (``job_timeout``, ``result_ttl``,
             ``ttl``, ``retry``, ``meta``, ...).
 
@@ -67,6 +70,8 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
     opts = getattr(fn, "taskguard_options", None)
     if opts is None:
         raise ConfigError(f"enqueue_unique needs a @guarded_job function, got {fn!r}")
+    if unique_ttl is not None:
+        unique_ttl = check_seconds("unique_ttl", unique_ttl)
     kwargs = dict(kwargs or {})
     try:
         from rq.exceptions import DuplicateJobError
@@ -85,7 +90,7 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
     key = opts.key.render(tuple(args), kwargs)
     locks = locks_for(getattr(fn, "taskguard_locks", None))
     new_id = job_id or str(uuid.uuid4())
-    base = opts.unique_ttl if opts.unique_ttl is not None else float(options.get("ttl") or DEFAULT_UNIQUE_TTL)
+    base = unique_ttl if unique_ttl is not None else float(options.get("ttl") or DEFAULT_UNIQUE_TTL)
     delay = in_.total_seconds() if in_ is not None else \
         max(0.0, (at.astimezone(timezone.utc) - datetime.now(timezone.utc)).total_seconds()) if at is not None else 0.0
     marked, existing = locks.mark_queued(key, new_id, ttl=max(base, 1.0) + delay, task=fn.taskguard_name)

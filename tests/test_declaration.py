@@ -1,0 +1,97 @@
+"""Guard options are checked by name when a task is declared (Celery and RQ): a misspelt guard
+option is a ConfigError with "did you mean", never silently ignored (Celery keeps unknown task
+options as attributes) nor a bare TypeError (RQ); each adapter says which guard options it does
+not take and where that feature lives for its framework; Celery's own options and a user's own
+attributes that look like guard options keep working."""
+
+from __future__ import annotations
+
+import pytest
+from celery import Celery, Task
+
+from taskguard import ConfigError, MemoryLocks
+from taskguard.policy import OPTION_NAMES
+from taskguard_celery import GuardedTask, guarded_task
+from taskguard_rq import guarded_job
+from taskguard_rq.job import RQ_OPTIONS
+
+
+def body():
+    return 1
+
+
+def body_self(self):
+    return 1
+
+
+def job(n=1):
+    return n
+
+
+def _app():
+    app = Celery("decl", set_as_current=False)
+    app.conf.taskguard_locks = MemoryLocks()
+    return app
+
+
+@pytest.mark.parametrize("declare", ["app.task", "guarded_task"])
+@pytest.mark.parametrize("option, meant", [("ttll", "ttl"), ("waits", "wait"), ("once_tl", "once_ttl"),
+                                           ("renewal", "renew"), ("limits", "limit")])
+def test_a_misspelt_guard_option_is_refused_on_celery(declare, option, meant):
+    app = _app()
+    with pytest.raises(ConfigError, match=rf"task 'decl\.t': unknown option '{option}'; did you mean '{meant}'\?"):
+        if declare == "app.task":  # Celery makes the task class when the app is finalized
+            app.task(base=GuardedTask, name="decl.t", shared=False, **{option: 5})(body)
+            app.finalize()
+        else:
+            guarded_task(name="decl.t", **{option: 5})(body)
+
+
+def test_celery_options_and_user_attributes_close_to_guard_options_keep_working():
+    """``max_retries`` is close to ``skip_max_retries`` and ``rate_limit`` to ``rate``... but they
+    are Celery's own; a base class's own attribute close to a guard option is the user's."""
+
+    class Base(Task):
+        waits = 3  # the user's own, close to 'wait'
+        limits = "mine"
+
+    app = _app()
+    t = app.task(base=GuardedTask, name="decl.ok", shared=False, ttl=5, max_retries=7, rate_limit="10/m",
+                 default_retry_delay=2, time_limit=30, soft_time_limit=20, acks_late=True, bind=True)(body_self)
+    app.finalize()
+    assert (t.ttl, t.max_retries, t.rate_limit, t.time_limit) == (5, 7, "10/m", 30)
+    guarded_task(name="decl.base", base=Base, ttl=4, max_retries=2)(body)  # accepted
+    v = app.task(base=type("Mixed", (GuardedTask, Base), {}), name="decl.mixed", shared=False, waits=4,
+                 limits="x")(body)
+    app.finalize()
+    assert (v.waits, v.limits) == (4, "x")
+
+
+@pytest.mark.parametrize("option, meant", [("ttll", "ttl"), ("waits", "wait"), ("on_skipp", "on_skip")])
+def test_a_misspelt_guard_option_is_refused_on_rq(option, meant):
+    with pytest.raises(ConfigError, match=rf"task 'decl\.j': unknown option '{option}'; did you mean '{meant}'\?"):
+        guarded_job(name="decl.j", **{option: 5})(body)
+
+
+def test_an_unknown_option_on_rq_is_a_config_error_listing_the_guard_options():
+    with pytest.raises(ConfigError, match=r"unknown option 'queue_name' \(guard options: .*\bttl\b"):
+        guarded_job(name="decl.j", queue_name="q")(body)
+
+
+@pytest.mark.parametrize("option, where", [("unique", "enqueue_unique"), ("unique_ttl", "enqueue_unique"),
+                                           ("continue_on_skip", "depends_on")])
+def test_rq_refuses_the_guard_options_it_does_not_take_and_says_where_they_live(option, where):
+    with pytest.raises(ConfigError, match=rf"task 'decl\.j': option '{option}' is not supported here: .*{where}"):
+        guarded_job(name="decl.j", key="uq:{n}", **{option: True if option != "unique_ttl" else 5})(job)
+
+
+def test_each_adapter_declares_what_it_takes():
+    assert set(RQ_OPTIONS) == set(OPTION_NAMES) - {"unique", "unique_ttl", "continue_on_skip"}
+    for name in RQ_OPTIONS:  # every declared option is really taken (valid defaults)
+        guarded_job(name="decl.all", **{name: _valid(name)})(job)
+
+
+def _valid(name):
+    from taskguard.policy import OPTION_DEFAULTS
+
+    return {"key": "k:{n}", "once": False, "fingerprint": None}.get(name, OPTION_DEFAULTS[name])
