@@ -263,7 +263,8 @@ def test_the_other_scripts_answer_a_resend_as_they_did(client, prefix):
     sk = locks._signal_key("o")
     assert int(scripts.SIGNAL(client, (sk,), (10000,))) == int(scripts.SIGNAL(client, (sk,), (10000,))) == 1
     assert client.llen(sk) == 1
-    assert scripts.HOLDERS(client, (lk,), ()) == scripts.HOLDERS(client, (lk,), ())
+    without_ms_left = lambda flat: [x for i, x in enumerate(flat) if i % 6 != 3]  # noqa: E731
+    assert without_ms_left(scripts.HOLDERS(client, (lk,), ())) == without_ms_left(scripts.HOLDERS(client, (lk,), ()))
     locks.close(timeout=0)
 
 
