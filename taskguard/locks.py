@@ -548,7 +548,8 @@ class Locks:
 
     def count_record(self, key: str, name: str, *, by: int = 1, ttl: float | None = None) -> int:
         """Add ``by`` to the integer record ``name`` of ``key`` (created at 0) and return the sum;
-        ``ttl`` (seconds) sets its expiry, ``None`` keeps it. Raises LeaseBackendError."""
+        ``ttl`` (seconds) sets its expiry, ``None`` keeps it. A call re-sent by the Redis client
+        after it ran (a timeout under a retry policy) adds ``by`` twice. Raises LeaseBackendError."""
         if isinstance(by, bool) or not isinstance(by, int):
             raise ConfigError("by must be an int")
         return self._count_record(check_key(key), check_name(name), by,
