@@ -597,7 +597,8 @@ class Locks:
         """Add ``by`` (``int``, may be negative) to the integer record ``name`` of ``key`` (a
         missing record counts as 0) and return the sum (``int``); ``ttl`` (seconds, float) sets
         the record's expiry, ``None`` keeps the one it has. One ``INCRBY`` (with ``PEXPIRE`` in one
-        transaction when ``ttl`` is given).
+        transaction when ``ttl`` is given). A call re-sent by the Redis client after it ran (a timeout
+        under a retry policy) adds ``by`` twice.
 
         Raises ConfigError for a ``by`` that is not an ``int``, a bad key, name or ``ttl``, and
         when the record holds something other than an integer (written by :meth:`put_record`) or

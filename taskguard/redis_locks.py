@@ -41,9 +41,9 @@ def _detail(err: BaseException) -> str:
 
 
 def _nonce() -> str:
-    """A nonce unique to one script call (8 hex digits), recorded with what the call wrote, so a
+    """A nonce unique to one script call (16 hex digits), recorded with what the call wrote, so a
     client re-send of the call finds it and answers as the call did (see :mod:`taskguard.scripts`)."""
-    return secrets.token_hex(4)
+    return secrets.token_hex(8)
 
 
 def _socket_timeout(client: Any) -> float | None:

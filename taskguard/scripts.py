@@ -402,7 +402,7 @@ local v = redis.call('HMGET', KEYS[1], 'q:' .. ARGV[4], 'm')
 if v[1] then
   local id, exp, nonce = mark(v[1])
   if id and tonumber(exp) > now then
-    if nonce == ARGV[5] then
+    if nonce and nonce == ARGV[5] then
       return {1, id}
     end
     return {0, id}
