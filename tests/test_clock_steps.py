@@ -287,6 +287,43 @@ def test_a_clock_step_in_an_rq_work_horse_keeps_a_running_jobs_lease(rq_env, tmp
         assert status == JobStatus.FINISHED and isinstance(job.return_value(), int), worker.output()[-3000:]
 
 
+def test_a_leader_that_gives_its_lease_up_releases_it_and_leads_again(redis_url, prefix, tmp_path):
+    """The leader's handle presumes its lease gone (its monotonic deadline passed: here a
+    simulated handle clock) while Redis still holds it: beat releases it and takes it afresh at
+    once. Before, it dropped the handle without releasing it, and every acquire — its own and a
+    standby's — was refused as held while the heartbeat kept renewing the dropped lease."""
+    from celery import Celery
+    from celery.beat import PersistentScheduler
+    from taskguard_celery.beat import SingletonBeatMixin
+
+    from taskguard.clock import FixedClock
+
+    now = [_REAL_TIME()]
+    locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
+    locks.clock = FixedClock(lambda: now[0])
+    app = Celery("giveup", set_as_current=False, broker="memory://")
+    app.conf.taskguard_locks = locks
+    app.conf.taskguard_beat_leader_ttl = 30
+    app.conf.beat_schedule = {"e": {"task": "t", "schedule": 10.0}}
+
+    class Sched(SingletonBeatMixin, PersistentScheduler):
+        pass
+
+    s = Sched(app, schedule_filename=str(tmp_path / "g"))
+    try:
+        first = s.taskguard_leader()
+        assert first is not None
+        now[0] += 31.0  # the handle's clock: past the TTL without a renewal it knows of
+        assert first.lost
+        again = s.taskguard_leader()
+        say(f"observed: first released={first.released}, leader again={again is not None}, "
+            f"stats {dict(s.taskguard_stats)}")
+        assert first.released and again is not None and not again.lost
+        assert locks.holder("beat-leader:giveup").fencing_token == again.fencing_token
+    finally:
+        s.close()
+
+
 def test_beat_takes_its_time_source_from_the_injected_clock(tmp_path):
     """``taskguard_clock=`` (or the class attribute) replaces the server clock: slot instants and
     lateness follow it (here a simulated clock, as a DST test drives the scheduler)."""
