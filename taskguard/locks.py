@@ -309,7 +309,10 @@ class Locks:
     ) -> Lease:
         """Rebuild a handle from persisted values, without a round trip.
 
-        Nothing is invented: ``expires_at`` and ``fencing_token`` stay ``None`` unless given.
+        Nothing is invented: ``expires_at`` and ``fencing_token`` stay ``None`` unless given. A
+        given ``expires_at`` (epoch seconds) is turned once, against this host's wall clock, into
+        the monotonic deadline by which the handle presumes the lease gone (without it, only a
+        renew or release tells).
         Redis checks ``owner_token`` atomically on every renew and release, so a forged or stale
         token can neither extend nor release anyone's lease. ``ttl`` (seconds) is what renewals
         use; ``renew=True`` registers the handle with the heartbeat.

@@ -22,7 +22,8 @@ from .celery_app import make_app
 from .celery_support import BeatProcess, WorkerProcess, body_log
 from .faketime import SteppedClock
 from .tcp_proxy import TcpProxy
-from .test_rq import RQWorker, log as rq_log, rq_env, wait_done  # noqa: F401  (rq_env: a fixture)
+from .test_rq import RQWorker, rq_env, wait_done  # noqa: F401  (rq_env: a fixture)
+from .test_rq import log as rq_log
 
 STEPS = [90, -90]
 _REAL_TIME = time.time
@@ -141,6 +142,22 @@ def test_the_server_clock_ignores_a_local_step(redis_url, wall_step):
     assert abs(clock.time() - _REAL_TIME()) < 1.0 and abs(locks.server_time() - _REAL_TIME()) < 1.0
 
 
+@pytest.mark.parametrize("offset", STEPS, ids=lambda o: f"{o:+d}s")
+def test_a_deferred_runs_booked_turn_is_read_on_the_server_clock(redis_url, prefix, wall_step, offset):
+    """A run deferred by a rate carries its booked turn (epoch seconds, booked on another host);
+    back 1.5 s early on a worker whose clock stepped ``offset`` seconds, it waits for the turn.
+    Before, ``pace`` compared the turn with the stepped ``time.time()`` and ran at once."""
+    from taskguard.pacing import pace
+
+    locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
+    turn = _REAL_TIME() + 1.5
+    wall_step(offset)
+    p = pace(locks, "api", rate=(1, 10.0), burst=None, max_wait=None, max_countdown=60.0,
+             state={"since": turn - 5.0, "turn": turn})
+    say(f"observed: go={p.go} countdown={p.countdown:.2f}")
+    assert p.go and 1.0 < p.countdown <= 1.6
+
+
 # -- beat: the leader's clock steps ------------------------------------------------------------------
 EVERY = 2.0
 LEADER_TTL = 3
@@ -247,7 +264,7 @@ def test_a_clock_step_on_a_celery_worker_keeps_a_running_tasks_lease(redis_url, 
 
 
 @pytest.mark.parametrize("offset", STEPS, ids=lambda o: f"{o:+d}s")
-def test_a_clock_step_in_an_rq_work_horse_keeps_a_running_jobs_lease(rq_env, tmp_path, monkeypatch, offset):
+def test_a_clock_step_in_an_rq_work_horse_keeps_a_running_jobs_lease(rq_env, tmp_path, monkeypatch, offset):  # noqa: F811
     """The RQ twin: a guarded job (ttl 2) checking its lease every 0.1 s for 6 s; its work horse's
     wall clock steps ``offset`` seconds 1.5 s in. It keeps its lease and finishes. Before, +90 s
     made ``ensure_held`` raise LeaseLost at once."""
@@ -270,15 +287,52 @@ def test_a_clock_step_in_an_rq_work_horse_keeps_a_running_jobs_lease(rq_env, tmp
         assert status == JobStatus.FINISHED and isinstance(job.return_value(), int), worker.output()[-3000:]
 
 
+def test_a_leader_that_gives_its_lease_up_releases_it_and_leads_again(redis_url, prefix, tmp_path):
+    """The leader's handle presumes its lease gone (its monotonic deadline passed: here a
+    simulated handle clock) while Redis still holds it: beat releases it and takes it afresh at
+    once. Before, it dropped the handle without releasing it, and every acquire — its own and a
+    standby's — was refused as held while the heartbeat kept renewing the dropped lease."""
+    from celery import Celery
+    from celery.beat import PersistentScheduler
+    from taskguard_celery.beat import SingletonBeatMixin
+
+    from taskguard.clock import FixedClock
+
+    now = [_REAL_TIME()]
+    locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
+    locks.clock = FixedClock(lambda: now[0])
+    app = Celery("giveup", set_as_current=False, broker="memory://")
+    app.conf.taskguard_locks = locks
+    app.conf.taskguard_beat_leader_ttl = 30
+    app.conf.beat_schedule = {"e": {"task": "t", "schedule": 10.0}}
+
+    class Sched(SingletonBeatMixin, PersistentScheduler):
+        pass
+
+    s = Sched(app, schedule_filename=str(tmp_path / "g"))
+    try:
+        first = s.taskguard_leader()
+        assert first is not None
+        now[0] += 31.0  # the handle's clock: past the TTL without a renewal it knows of
+        assert first.lost
+        again = s.taskguard_leader()
+        say(f"observed: first released={first.released}, leader again={again is not None}, "
+            f"stats {dict(s.taskguard_stats)}")
+        assert first.released and again is not None and not again.lost
+        assert locks.holder("beat-leader:giveup").fencing_token == again.fencing_token
+    finally:
+        s.close()
+
+
 def test_beat_takes_its_time_source_from_the_injected_clock(tmp_path):
     """``taskguard_clock=`` (or the class attribute) replaces the server clock: slot instants and
     lateness follow it (here a simulated clock, as a DST test drives the scheduler)."""
     from celery import Celery
     from celery.beat import PersistentScheduler
+    from taskguard_celery.beat import SingletonBeatMixin
 
     from taskguard import MemoryLocks
     from taskguard.clock import FixedClock
-    from taskguard_celery.beat import SingletonBeatMixin
 
     now = [1_000_000.5]
     app = Celery("clocked", set_as_current=False, broker="memory://")
