@@ -186,3 +186,15 @@ class BeatProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def leader_pid(app, timeout=20.0):
+    """The pid of the beat process holding the app's beat leader lease (waits up to ``timeout`` s)."""
+    locks = app.conf.taskguard_locks
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = locks.holder("beat-leader:" + app.main)
+        if info is not None:
+            return info.holder["pid"]
+        time.sleep(0.05)
+    raise AssertionError("no beat became the leader")

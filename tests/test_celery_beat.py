@@ -20,7 +20,7 @@ from taskguard import ConfigError, MemoryLocks
 from taskguard_celery.beat import TaskguardScheduler, latest_due, slot_id
 
 from .celery_app import make_app
-from .celery_support import BeatProcess, WorkerProcess, body_log, embedded_worker
+from .celery_support import BeatProcess, WorkerProcess, body_log, embedded_worker, leader_pid
 from .servers import RedisServer
 
 
@@ -104,19 +104,16 @@ def test_redbeat_with_the_mixin_publishes_each_slot_once(beat_env, redis_url):
 def test_sigkill_of_the_leader_beat_hands_over_within_the_leader_ttl(beat_env):
     app, queue, prefix, tmp = beat_env
     conf = {"TG_TEST_CONF": json.dumps({"taskguard_beat_leader_ttl": 3})}
-    locks = app.conf.taskguard_locks
     with WorkerProcess(queue, prefix, pool="threads", concurrency=4):
         beats = [BeatProcess(queue, prefix, tmp, n, env=conf).start() for n in ("a", "b")]
-        deadline = time.monotonic() + 20
-        while locks.holder("beat-leader:" + app.main) is None and time.monotonic() < deadline:
-            time.sleep(0.1)
+        leader_pid(app)
         time.sleep(2.0)
-        leader_pid = locks.holder("beat-leader:" + app.main).holder["pid"]
-        leader = next(b for b in beats if b.proc.pid == leader_pid)
+        pid = leader_pid(app)
+        leader = next(b for b in beats if b.proc.pid == pid)
         other = next(b for b in beats if b is not leader)
         killed_at = time.time()
-        os.kill(leader_pid, signal.SIGKILL)
-        say(f"injected: SIGKILL to the leader beat (pid {leader_pid}); leader TTL 3 s")
+        os.kill(pid, signal.SIGKILL)
+        say(f"injected: SIGKILL to the leader beat (pid {pid}); leader TTL 3 s")
         time.sleep(9.0)
         stopped = time.time()
         other.stop()
@@ -243,17 +240,6 @@ def slot_runs(app):
 
 def window_of(slot):
     return int(slot.split(":")[1])
-
-
-def leader_pid(app, timeout=20.0):
-    locks = app.conf.taskguard_locks
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = locks.holder("beat-leader:" + app.main)
-        if info is not None:
-            return info.holder["pid"]
-        time.sleep(0.05)
-    raise AssertionError("no beat became the leader")
 
 
 def sleep_until(ts):

@@ -19,7 +19,7 @@ from taskguard import RedisLocks
 
 from . import rq_jobs
 from .celery_app import make_app
-from .celery_support import BeatProcess, WorkerProcess, body_log
+from .celery_support import BeatProcess, WorkerProcess, body_log, leader_pid
 from .faketime import SteppedClock
 from .tcp_proxy import TcpProxy
 from .test_rq import RQWorker, rq_env, wait_done  # noqa: F401  (rq_env: a fixture)
@@ -178,17 +178,6 @@ def keep_log(r, key):
     the end of any test session on the shared Redis) must not empty it while this test runs."""
     r.rpush(key, "log")
     r.expire(key, 900)
-
-
-def leader_pid(app, timeout=20.0):
-    locks = app.conf.taskguard_locks
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = locks.holder("beat-leader:" + app.main)
-        if info is not None:
-            return info.holder["pid"]
-        time.sleep(0.05)
-    raise AssertionError("no beat became the leader")
 
 
 @pytest.mark.parametrize("offset", STEPS, ids=lambda o: f"{o:+d}s")
