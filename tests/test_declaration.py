@@ -95,3 +95,30 @@ def _valid(name):
     from taskguard.policy import OPTION_DEFAULTS
 
     return {"key": "k:{n}", "once": False, "fingerprint": None}.get(name, OPTION_DEFAULTS[name])
+
+
+def test_wrong_arguments_are_a_type_error_even_without_a_redis_configured(monkeypatch):
+    """The arguments are bound before the lease store is looked up: with no Redis configured
+    (no ``taskguard_locks``, no URL, no ``TASKGUARD_REDIS_URL``) a caller's wrong arguments are
+    still Python's ``TypeError``, not the missing-configuration ``ConfigError``."""
+    monkeypatch.delenv("TASKGUARD_REDIS_URL", raising=False)
+    app = Celery("noredis", set_as_current=False)
+    task = app.task(base=GuardedTask, name="decl.noredis", shared=False, key="w:{n}")(job)
+    app.finalize()
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        task(1, 2)
+    with pytest.raises(ConfigError, match="TASKGUARD_REDIS_URL"):
+        task(1)  # right arguments: now the missing store is the error
+    rq_job = guarded_job(name="decl.noredis.rq", key="w:{n}")(job)
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        rq_job(1, 2)
+
+
+def test_an_empty_celery_prefix_setting_is_refused_not_replaced_by_the_default(redis_url):
+    app = Celery("emptyprefix", set_as_current=False)
+    app.conf.taskguard_redis_url = redis_url
+    app.conf.taskguard_prefix = ""
+    task = app.task(base=GuardedTask, name="decl.emptyprefix", shared=False, key="w:{n}")(job)
+    app.finalize()
+    with pytest.raises(ConfigError, match="app.conf.taskguard_prefix must be 1-64 characters"):
+        task(1)

@@ -57,7 +57,8 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
                 raise ConfigError(f"app.conf.taskguard_locks must be a taskguard.Locks, got {type(obj).__name__}")
             locks = obj
         elif url:
-            prefix = conf.get("taskguard_prefix") or "taskguard"
+            prefix = conf.get("taskguard_prefix")
+            prefix = "taskguard" if prefix is None else prefix  # "" is refused like any bad prefix
             try:
                 url = check_url(url, "app.conf.taskguard_redis_url")
                 prefix = parse_prefix("app.conf.taskguard_prefix", prefix)

@@ -203,13 +203,13 @@ class GuardedTask(Task):
         if opts.on_skip == "ignore" and getattr(req, "chord", None):
             raise ConfigError(f"task {self.name!r}: on_skip='ignore' is refused inside a chord "
                               "(the chord would never complete); use on_skip='result'")
-        locks = self.taskguard_locks
         beat = read_header(req, BEAT_HEADER)
         slot_run = None
         if isinstance(beat, dict):
             opts = entry_guard(self, opts, beat)
             slot_run = beat_run(beat)
-        key = opts.key.render(args, kwargs)
+        key = opts.key.render(args, kwargs)  # first: wrong arguments are a TypeError, whatever the Redis set-up
+        locks = self.taskguard_locks
         header = read_header(req)
         skips = skipping.skip_count(self, header)
         local = req.called_directly or req.is_eager

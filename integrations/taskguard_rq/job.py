@@ -134,7 +134,7 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            return _perform(fn, label, opts, locks_for(locks), args, kwargs)
+            return _perform(fn, label, opts, locks, args, kwargs)
 
         def rate_limit_for(*args: Any, **kwargs: Any) -> Any:
             """RQ's own ``RateLimit`` (RQ >= 3.0) for a call with these arguments: its lease key
@@ -178,7 +178,8 @@ def _job_timeout(job: Any) -> float:
     return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else DEFAULT_JOB_TIMEOUT
 
 
-def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks, args: tuple, kwargs: dict) -> Any:
+def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks | None, args: tuple,
+             kwargs: dict) -> Any:
     job = get_current_job()
     if job is None or _performing.get() is job:
         return _run(fn, name, opts, locks, args, kwargs, None)  # a direct call
@@ -189,10 +190,13 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
         _performing.reset(token)
 
 
-def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks, args: tuple, kwargs: dict,
+def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | None, args: tuple, kwargs: dict,
          job: Any) -> Any:
-    """One guarded run: ``job``'s execution, or a direct call (``job`` ``None``)."""
+    """One guarded run: ``job``'s execution, or a direct call (``job`` ``None``). The arguments
+    are bound first: a caller's wrong arguments raise their ``TypeError`` even where no Redis is
+    configured."""
     key = opts.key.render(args, kwargs)
+    locks = locks_for(given)
     run_id = job.id if job is not None else None
     try:
         if opts.rate is not None:
