@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 from .urls import check_url
-from .validate import MAX_SECONDS, check_fraction, check_prefix, check_seconds
+from .validate import MAX_SECONDS, check_fraction, check_prefix, check_seconds, check_setting_names
 
 __all__ = ["from_env", "read_env", "ENV_VARS"]
 
@@ -81,11 +81,22 @@ ENV_VARS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
 }
 
 
+#: Every ``TASKGUARD_*`` variable taskguard reads (a close misspelling of one is refused), and
+#: those its ``./run`` script and test suite read (never misspellings of the others).
+KNOWN_ENV_VARS = frozenset(ENV_VARS) | {
+    "TASKGUARD_METRICS", "TASKGUARD_VENV", "TASKGUARD_SCRATCH_BASE", "TASKGUARD_REDIS_SERVER", "TASKGUARD_REDIS_CLI",
+    "TASKGUARD_AMQP_URL", "TASKGUARD_REQUIRE_RABBITMQ", "TASKGUARD_CHROMIUM", "TASKGUARD_LIBFAKETIME",
+    "TASKGUARD_SOAK_SECONDS", "TASKGUARD_SUITE_REPORT"}
+
+
 def read_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Parse the ``TASKGUARD_*`` variables present in ``environ`` (default ``os.environ``).
 
-    Returns ``{option name: value}`` for the variables that are set. Raises ConfigError."""
+    Returns ``{option name: value}`` for the variables that are set. Raises ConfigError for a
+    malformed value, or a variable that is a close misspelling of one it reads
+    (``TASKGUARD_PREFX``: "did you mean TASKGUARD_PREFIX?")."""
     env = os.environ if environ is None else environ
+    check_setting_names([v for v in env if v.startswith("TASKGUARD_")], KNOWN_ENV_VARS, "the environment")
     out: dict[str, Any] = {}
     for var, (opt, parse) in ENV_VARS.items():
         raw = env.get(var)

@@ -7,15 +7,16 @@ which masks passwords). Adapters and the environment parser call these; nothing 
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 import re
-from typing import Any
+from typing import Any, Collection, Iterable
 
 from .errors import ConfigError
 
 __all__ = ["MAX_SECONDS", "MIN_TTL", "check_seconds", "check_ttl", "check_fraction", "check_key", "check_token",
-           "check_name", "check_value", "check_run_id", "check_rate", "check_burst", "check_prefix", "check_callback", "encodable"]
+           "check_name", "check_value", "check_run_id", "check_rate", "check_burst", "check_prefix", "check_callback", "check_setting_names", "encodable"]
 
 #: Longest duration accepted anywhere, seconds (about 31 years; far inside Redis's PEXPIRE range).
 MAX_SECONDS = 1e9
@@ -98,6 +99,19 @@ def check_callback(name: str, callback: Any, *args: Any) -> Any:
                           f"({', '.join(type(a).__name__ for a in args)}), but its signature {sig} does not "
                           f"take them: {e}") from None
     return callback
+
+
+def check_setting_names(given: Iterable[str], known: Collection[str], where: str) -> None:
+    """Refuse a setting name that is not one of ``known`` but close to one (a misspelling such
+    as ``TASKGUARD_PREFX``), which would otherwise be ignored while the default applies. Names
+    far from every known one (another tool's variables) pass. Raises ConfigError naming the
+    setting, ``where`` it was found and the name meant."""
+    for name in given:
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        if close:
+            raise ConfigError(f"{where}: {name} is not a taskguard setting; did you mean {close[0]}?")
 
 
 def check_key(key: Any) -> str:

@@ -122,3 +122,26 @@ def test_an_empty_celery_prefix_setting_is_refused_not_replaced_by_the_default(r
     app.finalize()
     with pytest.raises(ConfigError, match="app.conf.taskguard_prefix must be 1-64 characters"):
         task(1)
+
+
+@pytest.mark.parametrize("var, meant", [("TASKGUARD_PREFX", "TASKGUARD_PREFIX"),
+                                        ("TASKGUARD_REDIS_URI", "TASKGUARD_REDIS_URL"),
+                                        ("TASKGUARD_METRIC", "TASKGUARD_METRICS")])
+def test_a_misspelt_environment_variable_is_refused(redis_url, var, meant):
+    from taskguard import from_env
+
+    with pytest.raises(ConfigError, match=f"the environment: {var} is not a taskguard setting; did you mean {meant}"):
+        from_env({"TASKGUARD_REDIS_URL": redis_url, var: "x"})
+    # another tool's variable far from every taskguard one passes
+    assert from_env({"TASKGUARD_REDIS_URL": redis_url, "TASKGUARD_SOMETHING_ELSE_ENTIRELY": "1"}).prefix == "taskguard"
+
+
+def test_a_misspelt_celery_setting_is_refused(redis_url):
+    app = Celery("typo", set_as_current=False)
+    app.conf.taskguard_redis_url = redis_url
+    app.conf.taskguard_prefx = "mine"
+    task = app.task(base=GuardedTask, name="decl.typo", shared=False, key="w:{n}")(job)
+    app.finalize()
+    with pytest.raises(ConfigError, match="app.conf: taskguard_prefx is not a taskguard setting; did you mean "
+                                          "taskguard_prefix"):
+        task(1)

@@ -24,7 +24,7 @@ import taskguard
 from taskguard import ConfigError, Locks, RedisLocks
 from taskguard.config import parse_prefix
 from taskguard.urls import check_url
-from taskguard.validate import check_seconds, check_ttl
+from taskguard.validate import check_seconds, check_setting_names, check_ttl
 
 __all__ = ["locks_for", "use_locks", "beat_settings", "BeatSettings", "BEAT_LEADER_TTL", "BEAT_LEADER_TTL_MAX",
            "BEAT_SKEW"]
@@ -36,6 +36,11 @@ BEAT_LEADER_TTL_MAX = 3600.0
 #: Seconds allowed for the clocks of beats to differ and for a tick to come late; part of the
 #: default catch-up window and the lateness every due slot is allowed.
 BEAT_SKEW = 2.0
+
+#: Every ``app.conf.taskguard_*`` setting the adapter reads (a close misspelling is refused).
+SETTINGS = frozenset({"taskguard_locks", "taskguard_redis_url", "taskguard_prefix", "taskguard_metrics",
+                      "taskguard_metrics_port", "taskguard_redelivery_timeout", "taskguard_beat_leader_ttl",
+                      "taskguard_beat_catch_up", "taskguard_beat_name"})
 
 _cache: "weakref.WeakKeyDictionary[Any, Locks]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -50,6 +55,8 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
         if cached is not None:
             return cached
         conf = app.conf
+        check_setting_names([k for k in conf if isinstance(k, str) and k.startswith("taskguard_")], SETTINGS,
+                            "app.conf")
         obj = conf.get("taskguard_locks")
         url = conf.get("taskguard_redis_url")
         if obj is not None:
