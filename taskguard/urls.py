@@ -61,6 +61,40 @@ def scrub(text: str, url: str) -> str:
     return text.replace(secret, "***") if secret else text
 
 
+def _split_broken(url: str) -> tuple[str, bool, str, str]:
+    """``(scheme, had user info, host:port, rest)`` of a URL that ``urlsplit`` refuses.
+    Everything up to the last ``@`` counts as user info (it may hold a password, "/" and "@"
+    included) and is never returned."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "", False, "", url
+    userinfo = "@" in rest
+    rest = rest.rpartition("@")[2]
+    hostport, slash, path = rest.partition("/")
+    return scheme, userinfo, hostport, slash + path.split("?")[0]
+
+
+def _shown_broken(url: str) -> str:
+    """A URL ``urlsplit`` refuses, for messages: its user info masked, its query left out."""
+    scheme, userinfo, hostport, rest = _split_broken(url)
+    if not scheme:
+        return "'<unparseable URL>'"
+    return repr(f"{scheme}://{'***@' if userinfo else ''}{hostport}{rest}")
+
+
+def _port_problem(url: str) -> str:
+    """What is wrong with the port of a URL ``urlsplit`` refused (``""`` when not the port)."""
+    hostport = _split_broken(url)[2]
+    if hostport.startswith("["):  # [IPv6]:port
+        hostport = hostport.rpartition("]")[2]
+    port = hostport.rpartition(":")[2] if ":" in hostport else ""
+    if port and not (port.isascii() and port.isdigit()):
+        return f": the port {port!r} is not a number (1-65535)"
+    if port and not 0 < int(port) < 65536:
+        return ": the port must be 1-65535"
+    return ""
+
+
 def _known_query_options() -> set[str]:
     from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 
@@ -77,11 +111,12 @@ def check_url(url: object, name: str) -> str:
         parts = urlsplit(url)
         port = parts.port
     except ValueError:  # raised below, outside this block: urlsplit's message holds the netloc
-        problem = f"{name} must be a Redis URL ({ACCEPTED}), got {shown}"
+        problem = f"{name} must be a Redis URL ({ACCEPTED}), got {_shown_broken(url)}{_port_problem(url)}"
     if problem:
         raise ConfigError(problem)
     if parts.scheme not in SCHEMES:
-        raise ConfigError(f"{name} must be a Redis URL ({ACCEPTED}), got {shown}: unknown scheme")
+        hint = " (missing 'redis://'?)" if "://" not in url else ""
+        raise ConfigError(f"{name} must be a Redis URL ({ACCEPTED}), got {shown}: unknown scheme{hint}")
     unknown = sorted({k for k, _ in parse_qsl(parts.query, keep_blank_values=True)} - _known_query_options())
     if unknown:
         raise ConfigError(f"{name}: unknown option(s) {', '.join(unknown)} in the URL's query string, got {shown}")

@@ -671,3 +671,17 @@ def test_a_url_redis_py_refuses_is_refused_at_check_time_without_its_password():
         check_url("redis://:s3cret-pw@127.0.0.1:6379/0?socket_timeout=abc", "TASKGUARD_REDIS_URL")
     text = str(err.value)
     assert "TASKGUARD_REDIS_URL" in text and "socket_timeout" in text and "s3cret-pw" not in text
+
+
+@pytest.mark.parametrize("url, says", [
+    ("redis://127.0.0.1:notaport/0", "got 'redis://127.0.0.1:notaport/0': the port 'notaport' is not a number"),
+    ("redis://:s3cretPW@127.0.0.1:notaport/0", "got 'redis://***@127.0.0.1:notaport/0': the port 'notaport'"),
+    ("redis://:s3/cret@PW@host:x/0", "got 'redis://***@host:x/0': the port 'x' is not a number"),
+    ("redis://127.0.0.1:99999/0", "the port must be 1-65535"),
+    ("127.0.0.1:6379", "unknown scheme (missing 'redis://'?)"),
+])
+def test_a_bad_url_says_what_is_wrong_without_its_password(url, says):
+    with pytest.raises(ConfigError) as err:
+        RedisLocks.from_url(url)
+    assert says in str(err.value)
+    assert "s3" not in str(err.value) and "cret" not in str(err.value)
