@@ -12,6 +12,7 @@ import uuid
 import pytest
 from rq.job import JobStatus
 
+from taskguard.locks import SHADOW_QUEUED
 from taskguard_rq import enqueue_unique
 
 from . import rq_jobs
@@ -127,3 +128,25 @@ def test_concurrent_enqueues_of_an_explicit_id_that_is_over_make_one_job(rq_env)
             t.join()
         assert len(jobs) == 8 and len({j.id for j in jobs}) == 1 and wait_done(jobs[0]) == JobStatus.FINISHED
     assert log(rq_env).count("outcome:k") == 2  # the first run and exactly one new one
+
+
+def test_shadow_mode_enqueues_every_call_and_reports_the_would_be_suppressions(rq_env):
+    """A shadow-mode job (``enforce=False``) through ``enqueue_unique``: every call is enqueued
+    and run; the calls enforcement would have refused are reported (``publish`` events with
+    ``shadow=True``); the enforced queued mark is never taken, and the shadow mark goes when the
+    job starts. Before, uniqueness was enforced in shadow mode: one job of three."""
+    lk = locks()
+    seen: list = []
+    remove = lk.add_listener(seen.append)
+    try:
+        jobs = [enqueue_unique(rq_env, rq_jobs.shadowed, ("su",)) for _ in range(3)]
+        assert len({j.id for j in jobs}) == 3 and len(rq_env) == 3
+        suppressed = [e for e in seen if e.kind == "publish" and e.status == "suppressed"]
+        assert len(suppressed) == 2 and all(e.shadow for e in suppressed)
+        assert lk.mark_queued("shadow:su", "probe", ttl=1, task=rq_jobs.shadowed.taskguard_name) == (True, "probe")
+        lk.clear_queued("shadow:su", "probe", rq_jobs.shadowed.taskguard_name)
+        with RQWorker(rq_env):
+            assert [wait_done(j) for j in jobs] == [JobStatus.FINISHED] * 3
+        assert lk.get_record("shadow:su", SHADOW_QUEUED + rq_jobs.shadowed.taskguard_name) is None
+    finally:
+        remove()

@@ -93,9 +93,21 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
     base = unique_ttl if unique_ttl is not None else float(options.get("ttl") or DEFAULT_UNIQUE_TTL)
     delay = in_.total_seconds() if in_ is not None else \
         max(0.0, (at.astimezone(timezone.utc) - datetime.now(timezone.utc)).total_seconds()) if at is not None else 0.0
-    marked, existing = locks.mark_queued(key, new_id, ttl=max(base, 1.0) + delay, task=fn.taskguard_name)
+    shadow = not opts.enforce  # shadow mode: report what uniqueness would do, enqueue anyway
+    try:
+        marked, existing = locks.mark_queued(key, new_id, ttl=max(base, 1.0) + delay, task=fn.taskguard_name,
+                                             shadow=shadow)
+    except LeaseBackendError as e:
+        if not shadow:
+            raise
+        log.warning("%s: shadow mode: uniqueness of %r could not be checked (%s); enqueuing", fn.taskguard_name, key, e)
+        return _enqueue(queue, fn, args, kwargs, new_id, at, in_, options)
     if not marked:
-        locks.report_suppressed(key, fn.taskguard_name, existing)
+        locks.report_suppressed(key, fn.taskguard_name, existing, shadow=shadow)
+        if shadow:  # enqueued anyway, without a mark of its own
+            log.info("%s: shadow mode: would not have been enqueued, a job of %r is queued or running: %s; "
+                     "enqueuing it", fn.taskguard_name, key, existing)
+            return _enqueue(queue, fn, args, kwargs, new_id, at, in_, options)
         log.info("%s: not enqueued, a job of %r is queued or running: %s", fn.taskguard_name, key, existing)
         return _handle(Job, existing, queue)
     meta = {**(options.pop("meta", None) or {}), UNIQUE_META_KEY: key}
@@ -103,7 +115,8 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
         return _enqueue(queue, fn, args, kwargs, new_id, at, in_, dict(options, meta=meta))
     except BaseException:
         try:
-            locks.clear_queued(key, new_id, fn.taskguard_name)  # never leave a mark for a job that was not enqueued
+            # never leave a mark for a job that was not enqueued
+            locks.clear_queued(key, new_id, fn.taskguard_name, shadow)
         except LeaseBackendError as e:
             log.warning("could not clear the queued mark of a failed enqueue (its TTL bounds it): %s", e)
         raise
@@ -174,6 +187,8 @@ def clear_mark(locks: Any, job: Any) -> None:
     if not isinstance(key, str) or not key:
         return
     try:
-        locks.clear_queued(key, job.id, getattr(job.func, "taskguard_name", None) or job.func_name)
+        opts = getattr(job.func, "taskguard_options", None)
+        locks.clear_queued(key, job.id, getattr(job.func, "taskguard_name", None) or job.func_name,
+                           opts is not None and not opts.enforce)  # shadow mode: its shadow mark
     except (ConfigError, LeaseBackendError) as e:
         log.warning("job %s: could not clear its queued mark (its TTL bounds it): %s", job.id, e)
