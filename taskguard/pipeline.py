@@ -12,14 +12,14 @@ redelivered, and the framework's own record says the run    :class:`Duplicate` (
 finished (``Hooks.finished``)
 ``rate``: over it, turn past ``rate_max_wait``              :class:`Skip` (``"rate_limited"``,
                                                             the rate key; a kept handle released)
-``rate``: over it, a worker execution                       :class:`Defer` (``why="rate"``,
+``rate``: over it, a worker execution                       :class:`Defer` (``"rate_limited"``,
                                                             countdown, pacing state; a kept
                                                             handle released; skip reported)
 ``rate``: over it, a local call (direct, eager)             waits for its turn here, then on
 ``rate``: room (or shadow mode: checked and reported)       goes on to the lease
 ``once``: the key's work done (same fingerprint)            :class:`Stored` (the stored value)
 lease refused: this copy's run already finished             :class:`Duplicate` (with the run)
-lease held by another execution of the same run id          :class:`Defer` (``why="running"``;
+lease held by another execution of the same run id          :class:`Defer` (``"running"``;
                                                             countdown: holder's TTL, >= 0.5 s)
 lease refused otherwise (held, limit, wait_timeout)         :class:`Skip` (not yet reported)
 lease taken after waiting, redelivered, and finished        :class:`Duplicate` (lease handed back)
@@ -45,8 +45,9 @@ from typing import Any, Callable, Mapping, Protocol
 from .locks import Locks
 from .pacing import pace, shadow_check
 from .policy import GuardOptions
-from .run import GuardedRun
+from .run import GuardedRun, RunRequest
 from .skipped import Skipped
+from .values import Reason, plain
 
 __all__ = ["Execution", "Hooks", "Decision", "Run", "Skip", "Defer", "Stored", "Duplicate", "decide"]
 
@@ -114,7 +115,8 @@ class Hooks(Protocol):
         """The rate let this execution go (forget a carried pacing state)."""
 
     def shadow(self, key: str, reason: str, holder_ttl: float | None, leased: bool, rate: bool) -> None:
-        """Shadow mode: the guard (``rate`` or the lease) would have held this run back."""
+        """Shadow mode: the guard (``rate`` or the lease) would have held this run back
+        (``reason`` a plain ``str``, for events and records)."""
 
     def lost(self, run: GuardedRun, reason: str) -> None:
         """The lease was lost while the body ran (before ``on_lost`` applies)."""
@@ -137,13 +139,14 @@ class Skip:
 
 @dataclasses.dataclass(frozen=True)
 class Defer:
-    """Not now: come back in ``countdown`` seconds. ``why``: ``"rate"`` (its turn under the rate:
+    """Not now: come back in ``countdown`` seconds. ``why`` (a :class:`~taskguard.values.Reason`):
+    ``"rate_limited"`` (its turn under the rate:
     ``key`` the rate key, ``state`` the pacing state to carry back, the skip already reported) or
     ``"running"`` (another execution of this run id holds the lease: ``run``). ``skipped``: the
     rate skip as reported."""
 
     countdown: float
-    why: str
+    why: Reason
     key: str
     state: dict | None = None
     run: GuardedRun | None = None
@@ -195,10 +198,9 @@ def decide(opts: GuardOptions, key: str, args: tuple, kwargs: dict, ex: Executio
             # has: a slot published again after a hand-over runs once
             run_id, stamp = ex.slot[0], None
             finished_ttl = max(finished_ttl or 0.0, ex.slot[1])
-        run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew, holder=ex.holder,
-                         max_hold=opts.max_hold, run_id=run_id, task=ex.task, on_lost=opts.on_lost,
-                         finished_ttl=finished_ttl, on_lost_report=hooks.lost, tag=ex.tag, delivery=stamp,
-                         limit=opts.limit, once=once, enforce=opts.enforce)
+        run = GuardedRun(locks, RunRequest(key, opts.ttl, opts.wait, opts.renew, ex.holder, opts.max_hold, opts.limit,
+                                           run_id, ex.task, opts.on_lost, finished_ttl, stamp, once, opts.enforce),
+                         on_lost_report=hooks.lost, tag=ex.tag)
         # with a publish stamp, finished runs are known per delivery: no copy of a delivery whose
         # run finished runs again, whichever copy the broker hands out first (an ETA message held
         # past the visibility timeout runs on two workers at once); unstamped (a client without
@@ -210,19 +212,19 @@ def decide(opts: GuardOptions, key: str, args: tuple, kwargs: dict, ex: Executio
         raise
     hooks.clear_mark()  # it started, or will not run: no longer queued
     if not began:
-        if run.reason == "once":
+        if run.reason == Reason.ONCE:
             return Stored(run.stored_value(), key)
-        if run.reason == "duplicate":
+        if run.reason == Reason.DUPLICATE:
             return Duplicate(key, run)
-        if run.reason == "running":
-            return Defer(max(run.holder_ttl or 1.0, 0.5), "running", key, run=run)
+        if run.reason == Reason.RUNNING:
+            return Defer(max(run.holder_ttl or 1.0, 0.5), Reason.RUNNING, key, run=run)
         return Skip(run.skip(report=False), run)
     if ex.redelivered and opts.wait > 0 and hooks.finished():
         # it waited behind other runs of the key: its own run may have finished meanwhile
         run.hand_back()
         return Duplicate(key, run)
     if not opts.enforce and run.reason is not None:
-        hooks.shadow(key, run.reason, run.holder_ttl, run.lease is not None, False)
+        hooks.shadow(key, plain(run.reason), run.holder_ttl, run.lease is not None, False)
     return Run(run)
 
 
@@ -236,7 +238,7 @@ def _pace(opts: GuardOptions, args: tuple, kwargs: dict, ex: Execution, hooks: H
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the run goes ahead
         if shadow_check(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
                         max_countdown=bound, task=ex.task):
-            hooks.shadow(rate_key, "rate_limited", None, False, True)
+            hooks.shadow(rate_key, Reason.RATE_LIMITED.value, None, False, True)
         return None
     while True:
         p = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
@@ -249,12 +251,12 @@ def _pace(opts: GuardOptions, args: tuple, kwargs: dict, ex: Execution, hooks: H
         if p.skip:
             if handle is not None:
                 hooks.release_handle(handle)
-            return Skip(Skipped(key=rate_key, reason="rate_limited", task=ex.task))
+            return Skip(Skipped(key=rate_key, reason=Reason.RATE_LIMITED, task=ex.task))
         if not ex.local:
             if handle is not None:  # a retry's kept lease is not held through a rate wait
                 hooks.release_handle(handle)
-            skipped = Skipped(key=rate_key, reason="rate_limited", task=ex.task, holder_ttl=None)
+            skipped = Skipped(key=rate_key, reason=Reason.RATE_LIMITED, task=ex.task, holder_ttl=None)
             locks.report_skip(skipped)
-            return Defer(p.countdown, "rate", rate_key, state=p.state, skipped=skipped)
+            return Defer(p.countdown, Reason.RATE_LIMITED, rate_key, state=p.state, skipped=skipped)
         time.sleep(p.countdown)  # a direct or eager call waits for its turn here
         state = p.state

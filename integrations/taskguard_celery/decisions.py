@@ -26,6 +26,7 @@ from celery.exceptions import Retry
 
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.pacing import parse_state
+from taskguard.values import Reason
 from taskguard.pipeline import Decision, Defer, Duplicate, Execution, Skip, Stored
 
 from . import identity, skipping, uniqueness
@@ -44,10 +45,15 @@ def max_countdown(app: Any) -> float:
 def execution(task: Any, req: Any, local: bool, redelivered: bool, slot: Any) -> Execution:
     """What Celery knows about this execution of ``task`` (its request ``req``)."""
     stamp = read_header(req, PUBLISH_HEADER)
+    try:
+        finished_ttl = None if local else identity.finished_ttl(task, req)
+    except BaseException:  # (a bad taskguard_redelivery_timeout) it will not run: no longer queued
+        uniqueness.clear(task, req)
+        raise
     return Execution(task=task.name, run_id=req.id or None, holder={"task": task.name, "task_id": req.id},
                      redelivered=redelivered, local=local,
                      stamp=stamp if isinstance(stamp, str) and stamp and not local else None, slot=slot,
-                     finished_ttl=None if local else identity.finished_ttl(task, req), tag=task)
+                     finished_ttl=finished_ttl, tag=task)
 
 
 class CeleryHooks:
@@ -116,7 +122,7 @@ def outcome(task: Any, decision: Decision, skips: int, redelivered: bool) -> Any
             identity.end_chain(task, decision.run)
         return skipping.duplicate(task, decision.key, task.taskguard_locks)
     assert isinstance(decision, Defer)
-    if decision.why == "running":
+    if decision.why == Reason.RUNNING:
         identity.defer(task, decision.run, redelivered)  # raises Ignore
     _defer_rate(task, decision)
 

@@ -229,9 +229,12 @@ class GuardedTask(Task):
                           CeleryHooks(self, req, handle), locks)
         if not isinstance(decision, Run):
             return outcome(self, decision, skips, redelivered)
-        run = decision.run
-        identity.end_chain(self, run)
+        identity.end_chain(self, decision.run)
         entered.append(True)
+        return self._run_body(decision.run, req, args, kwargs)
+
+    def _run_body(self, run: GuardedRun, req: Any, args: tuple, kwargs: dict) -> Any:
+        """The body under ``run``; how it ends (Celery's exceptions) says how the run ends."""
         with run:
             try:
                 result = self._body(req, args, kwargs)

@@ -30,6 +30,7 @@ from taskguard.pacing import parse_state
 from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.pipeline import Execution, Run, Skip, Stored, decide
 from taskguard.run import GuardedRun
+from taskguard.values import Reason
 
 from .config import locks_for
 from .handles import drop_handle, load_handle, save_handle
@@ -309,8 +310,8 @@ def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d:
         return d.value
     if isinstance(d, Skip):
         return _report_skip(job, locks, name, opts, d.skipped)
-    if d.why == "running":  # an earlier execution of this job id outlasted the wait
-        raise TaskSkipped(key, "running", name, d.run.holder_ttl)
+    if d.why == Reason.RUNNING:  # an earlier execution of this job id outlasted the wait
+        raise TaskSkipped(key, Reason.RUNNING.value, name, d.run.holder_ttl)
     # deferred to its rate turn: RQ's scheduler runs it again (rq worker --with-scheduler). A
     # deferral consumes neither the job's own Retry (retries_left) nor its returned-Retry count
     # (number_of_retries, which RQ bumps for the returned Retry: it is set back first)
