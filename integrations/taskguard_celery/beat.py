@@ -157,7 +157,8 @@ class SingletonBeatMixin:
         options["headers"] = {**(options.get("headers") or {}), BEAT_HEADER: slot.header()}
         self._tg_inside = True
         try:
-            return super().apply_async(_WithOptions(entry.target, options), producer, False, **kwargs)  # type: ignore[misc]
+            publish = _WithOptions(entry.target, options)
+            return super().apply_async(publish, producer, False, **kwargs)  # type: ignore[misc]
         finally:
             self._tg_inside = False
 

@@ -46,8 +46,6 @@ from .slots import SLOT_KEEP_MIN, Schedule
 
 __all__ = ["PeriodicEntry", "PeriodicScheduler", "ScheduleAdapter", "Slot", "slot_run"]
 
-log = logging.getLogger("taskguard.beat")
-
 
 @dataclasses.dataclass(frozen=True)
 class PeriodicEntry:
@@ -120,7 +118,8 @@ class PeriodicScheduler:
         adapter: the framework's side (:class:`ScheduleAdapter`); needed by :meth:`tick` and by
             :meth:`publish` without ``send``.
         clock: time source (default: ``locks.server_clock()``).
-        role: names the leader lease (``<role>-leader:<settings.name>``), the holder and the log.
+        role: names the leader lease (``<role>-leader:<settings.name>``), the holder, the log
+            lines and the logger (``taskguard.<role>``: ``taskguard.beat`` for Celery beat).
         on_lead: called when this scheduler becomes the leader (every entry is due for a look).
         on_retry: called when a claim or publish failed and the entry is looked at again soon.
     """
@@ -131,6 +130,7 @@ class PeriodicScheduler:
         self.locks, self.settings, self.adapter, self.role = locks, settings, adapter, role
         self.clock: Clock = locks.server_clock() if clock is None else clock
         self.leader_key = f"{role}-leader:{settings.name}"
+        self.log = logging.getLogger(f"taskguard.{role}")
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.stats: collections.Counter[str] = collections.Counter()
         self.lease: Lease | None = None
@@ -163,7 +163,7 @@ class PeriodicScheduler:
         if lease is not None and not lease.lost and not lease.released:
             return lease
         if lease is not None:
-            log.warning("%s %s lost the leader lease (%s); not publishing until it is back", self.role, self.id,
+            self.log.warning("%s %s lost the leader lease (%s); not publishing until it is back", self.role, self.id,
                         lease.lost_reason)
             self.stats["leadership_lost"] += 1
             self.lease = None
@@ -178,14 +178,14 @@ class PeriodicScheduler:
         if not acq.acquired:
             leader = acq.holder_run or "unknown"
             if leader != self._seen:
-                log.info("%s %s is waiting: %s %s leads (%s); it takes over within %gs if that one stops", self.role,
-                         self.id, self.role, leader, self.leader_key,
-                         self.settings.leader_ttl + self.settings.loop_interval)
+                self.log.info("%s %s is waiting: %s %s leads (%s); it takes over within %gs if that one stops",
+                              self.role, self.id, self.role, leader, self.leader_key,
+                              self.settings.leader_ttl + self.settings.loop_interval)
                 self._seen = leader
             return None
         assert acq.lease is not None
         self.lease, self._seen = acq.lease, self.id
-        log.warning("%s %s is the leader (fencing token %s)", self.role, self.id, acq.lease.fencing_token)
+        self.log.warning("%s %s is the leader (fencing token %s)", self.role, self.id, acq.lease.fencing_token)
         if self._on_lead is not None:
             self._on_lead()  # every entry is looked at again now: catch-up of the hand-over
         return acq.lease
@@ -199,17 +199,17 @@ class PeriodicScheduler:
         try:
             lease.release()
         except LeaseBackendError as e:  # it expires by its TTL (the heartbeat no longer renews it)
-            log.warning("%s %s could not release the leader lease it gave up: %s", self.role, self.id, e)
+            self.log.warning("%s %s could not release the leader lease it gave up: %s", self.role, self.id, e)
 
     def _note_outage(self, error: Exception) -> None:
         if not self._outage:
-            log.error("%s %s: Redis unreachable, not publishing until it is back: %s", self.role, self.id, error)
+            self.log.error("%s %s: Redis unreachable, not publishing until it is back: %s", self.role, self.id, error)
         self._outage = True
         self.stats["redis_errors"] += 1
 
     def _note_recovered(self) -> None:
         if self._outage:
-            log.warning("%s %s: Redis is back", self.role, self.id)
+            self.log.warning("%s %s: Redis is back", self.role, self.id)
         self._outage = False
 
     # -- when entries are due -----------------------------------------------------------------------
@@ -256,7 +256,7 @@ class PeriodicScheduler:
         others since the entry's last handled slot) when the entry's next slot is published: the
         slot record tells how many fell due meanwhile."""
         if instant > self._handled.get(entry.name, -math.inf) + entry.schedule.slack:
-            log.warning("%s %s: %s slot %s fell due %.1fs ago, beyond the catch-up window (%gs); not published",
+            self.log.warning("%s %s: %s slot %s fell due %.1fs ago, beyond the catch-up window (%gs); not published",
                         self.role, self.id, entry.name, entry.schedule.slot_id(instant), late,
                         self.settings.allowed_lateness)
             self._handled[entry.name] = instant
@@ -277,7 +277,7 @@ class PeriodicScheduler:
         if leader is None:
             # not ours to publish, nor to move on: a schedule shared through Redis would
             # otherwise look already run to the leader
-            log.debug("%s %s is not the leader; %s left to the leader", self.role, self.id, entry.name)
+            self.log.debug("%s %s is not the leader; %s left to the leader", self.role, self.id, entry.name)
             return None
         if before is not None:
             before(instant)
@@ -303,12 +303,12 @@ class PeriodicScheduler:
             if cur.raw is not None and cur.instant < instant:
                 skipped = sched.count_between(cur.instant, instant)
                 if skipped:
-                    log.warning("%s %s: %d slot(s) of %s fell due after its last handled one and are beyond the "
+                    self.log.warning("%s %s: %d slot(s) of %s fell due after its last handled one and are beyond the "
                                 "catch-up window (%gs): not published; publishing the latest, %s", self.role,
                                 self.id, skipped, entry.name, self.settings.allowed_lateness, slot)
                     self.stats["missed_slots"] += skipped
             if cur.instant == instant:
-                log.warning("%s %s: %s slot %s was claimed (leader fence %s) but not confirmed published; "
+                self.log.warning("%s %s: %s slot %s was claimed (leader fence %s) but not confirmed published; "
                             "publishing it again (the worker runs a slot once)", self.role, self.id, entry.name,
                             slot, cur.fence)
                 self.stats["republished_slots"] += 1
@@ -316,7 +316,7 @@ class PeriodicScheduler:
             if claimed is None:
                 return None  # the record changed under us (another call of this scheduler): look again next tick
         except LeaseLost as e:
-            log.warning("%s %s: lost the leader lease before claiming %s slot %s (%s)", self.role, self.id,
+            self.log.warning("%s %s: lost the leader lease before claiming %s slot %s (%s)", self.role, self.id,
                         entry.name, slot, e)
             return None
         except LeaseBackendError as e:
@@ -325,7 +325,7 @@ class PeriodicScheduler:
             return None
         claimed_slot = Slot(entry=entry.name, id=slot, instant=instant, keep=sched.keep, leader_key=self.leader_key,
                             leader_fence=leader.fencing_token, options=entry.options)
-        log.info("%s %s: publishing %s slot %s (%.1fs after it fell due)", self.role, self.id, entry.name, slot,
+        self.log.info("%s %s: publishing %s slot %s (%.1fs after it fell due)", self.role, self.id, entry.name, slot,
                  now - instant)
         try:
             if send is None:
@@ -334,7 +334,7 @@ class PeriodicScheduler:
                 send = self.adapter.publish
             result = send(entry, claimed_slot)
         except Exception as e:
-            log.error("%s %s: slot %s of %s claimed but not published (tried again in a second): %s", self.role,
+            self.log.error("%s %s: slot %s of %s claimed but not published (tried again in a second): %s", self.role,
                       self.id, slot, entry.name, e)
             self.stats["unpublished_slots"] += 1
             self._try_again(entry)
@@ -346,7 +346,8 @@ class PeriodicScheduler:
             confirm(leader, entry.name, instant, self.id, claimed)
         except (LeaseLost, LeaseBackendError) as e:
             # the next leader publishes it again; the worker runs the slot once
-            log.warning("%s %s: %s slot %s published but not confirmed: %s", self.role, self.id, entry.name, slot, e)
+            self.log.warning("%s %s: %s slot %s published but not confirmed: %s", self.role, self.id, entry.name,
+                             slot, e)
         return result
 
     # -- a whole loop, for adapters without one of their own ----------------------------------------------
