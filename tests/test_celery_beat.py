@@ -150,6 +150,17 @@ def test_a_message_from_an_older_leader_runs_and_a_slot_runs_once(beat_env):
     leader.release()
 
 
+def test_the_worker_side_imports_no_scheduler():
+    """A worker reads a beat message's slot (taskguard_celery.beat_runs) without importing the
+    scheduler module."""
+    import subprocess
+    import sys
+
+    code = "import sys, taskguard_celery; print('taskguard_celery.beat' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 def test_entry_options_set_the_runs_key_and_ttl(beat_env):
     app, queue, prefix, tmp = beat_env
     header = {"entry": "nightly", "slot": "at:1", "key": "nightly-report", "ttl": 7}
