@@ -58,8 +58,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import redis
 import redis.utils
@@ -76,8 +77,9 @@ except ImportError:  # pragma: no cover
     sys.path[:0] = EXTRA_PATH[1:]
     import taskguard
 
-from taskguard.urls import redact_url
 from benchlib import delete_matching, fmt_table, git_state, pct, run_prefix, verdict  # noqa: E402
+
+from taskguard.urls import redact_url
 
 KINDS = ("unguarded", "guarded")  # latency and command counts
 #: throughput also runs the two comparison tasks of celery_bench_app (no taskguard in them)
@@ -825,9 +827,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
 
     import celery
-    import kombu
-
     import celery_bench_app  # reads TGBENCH_QUEUE / TGBENCH_PREFIX, set just above
+    import kombu
 
     hv = None
     try:

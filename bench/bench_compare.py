@@ -60,7 +60,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -112,10 +113,20 @@ except ImportError:  # pragma: no cover
     sys.path.insert(0, ROOT)
     import taskguard
 
+from benchlib import (  # noqa: E402
+    arg_parser,
+    cleanup,
+    exit_on_sigterm,
+    fmt_table,
+    git_state,
+    interleaved_rounds,
+    open_admin,
+    pct,
+    run_prefix,
+)
+
 from taskguard import RedisLocks, scripts  # noqa: E402
 from taskguard.urls import redact_url  # noqa: E402
-from benchlib import (arg_parser, cleanup, exit_on_sigterm, fmt_table, git_state, interleaved_rounds,  # noqa: E402
-                      open_admin, pct, run_prefix)
 
 
 # -- small helpers ---------------------------------------------------------------------------------

@@ -57,7 +57,8 @@ import threading
 import time
 import timeit
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import redis
 import redis.lock
@@ -69,14 +70,25 @@ except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import taskguard
 
+from benchlib import (  # noqa: E402
+    arg_parser,
+    cleanup,
+    fmt_table,
+    git_state,
+    interleaved_rounds,
+    open_admin,
+    pct,
+    run_chunk,
+    run_prefix,
+    verdict,
+)
+
 from taskguard import RedisLocks, scripts
 from taskguard.events import LeaseEvent
 from taskguard.heartbeat import get_heartbeat
 from taskguard.lease import Acquisition, Lease
 from taskguard.locks import check_seconds, new_owner_token
 from taskguard.urls import redact_url
-from benchlib import (arg_parser, cleanup, fmt_table, git_state, interleaved_rounds, open_admin, pct,  # noqa: E402
-                      run_chunk, run_prefix, verdict)
 
 TTL = 10  # seconds, every contender
 
@@ -456,7 +468,7 @@ def print_breakdown(client: redis.Redis) -> None:
         acquire("k", ttl=TTL).lease.release()
 
     meta = {"host": socket.gethostname(), "pid": os.getpid()}
-    ws: "weakref.WeakSet[Any]" = weakref.WeakSet()
+    ws: weakref.WeakSet[Any] = weakref.WeakSet()
     lease = Lease(null, "k", "o", ttl=10.0, fencing_token=1, expires_at=0.0, holder=meta)
     hb = get_heartbeat()
     emitter = null._emitter

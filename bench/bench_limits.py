@@ -65,9 +65,20 @@ except ImportError:  # pragma: no cover
 import multiprocessing
 import signal
 
+from benchlib import (  # noqa: E402
+    arg_parser,
+    cleanup,
+    exit_on_sigterm,
+    fmt_table,
+    git_state,
+    interleaved_rounds,
+    open_admin,
+    pct,
+    run_prefix,
+)
+
 from taskguard import RedisLocks
 from taskguard.urls import redact_url
-from benchlib import arg_parser, cleanup, exit_on_sigterm, fmt_table, git_state, interleaved_rounds, open_admin, pct, run_prefix  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

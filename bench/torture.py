@@ -39,7 +39,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import redis  # noqa: E402
-
 from benchlib import arg_parser, cleanup, exit_on_sigterm, open_admin, run_prefix  # noqa: E402
 
 TTL = 0.5

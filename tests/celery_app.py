@@ -490,7 +490,6 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
 # compare-and-set on a fence: the protected resource's own check (the recipe in examples/fencing.py)
 from examples.fencing import FENCED_SET_SCRIPT as FENCED_SET  # noqa: E402
 
-
 if os.environ.get("TG_TEST_QUEUE"):
     import json
 

@@ -21,10 +21,10 @@ import redis
 from celery import Celery, signals
 from celery._state import get_current_app
 from celery.schedules import crontab, solar
-from taskguard_celery.beat import TaskguardScheduler
 
 from taskguard import RedisLocks
 from taskguard.clock import FixedClock
+from taskguard_celery.beat import TaskguardScheduler
 
 UTC = timezone.utc
 MINUTE = timedelta(minutes=1)

@@ -146,6 +146,7 @@ def test_a_shadow_retry_claims_its_kept_lease(app):
 
 def test_shadow_mode_runs_the_body_when_the_lease_redis_is_down(redis_url, prefix):
     from taskguard import RedisLocks
+
     from .servers import free_port
 
     app = make_app(f"q-{prefix}", prefix, taskguard_locks=RedisLocks.from_url(

@@ -41,7 +41,7 @@ class _Migration:
         self.src_c, self.dst_c = redis.Redis(port=self.src), redis.Redis(port=self.dst)
         self.src_id, self.dst_id = ids[self.src], ids[self.dst]
 
-    def start(self) -> "_Migration":
+    def start(self) -> _Migration:
         self.dst_c.execute_command("CLUSTER", "SETSLOT", self.slot, "IMPORTING", self.src_id)
         self.src_c.execute_command("CLUSTER", "SETSLOT", self.slot, "MIGRATING", self.dst_id)
         return self

@@ -12,7 +12,7 @@ PROCS = 4
 ROUNDS = 100
 
 
-def contend(url: str, prefix: str, rounds: int, out: "mp.Queue") -> None:
+def contend(url: str, prefix: str, rounds: int, out: mp.Queue) -> None:
     c = redis.Redis.from_url(url)
     locks = RedisLocks(c, prefix=prefix)
     occupancy = f"{prefix}:occupancy"

@@ -30,7 +30,7 @@ def say(*parts):
 
 # -- a holder paused past its TTL --------------------------------------------------------------------
 
-def paused_holder(url: str, prefix: str, ready: "mp.Event", out: "mp.Queue") -> None:
+def paused_holder(url: str, prefix: str, ready: mp.Event, out: mp.Queue) -> None:
     c = redis.Redis.from_url(url)
     locks = RedisLocks(c, prefix=prefix, renew_fraction=0.25)
     lease = locks.acquire("paused", ttl=1.0, renew=True).lease

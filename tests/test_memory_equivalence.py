@@ -40,9 +40,7 @@ import time
 import uuid
 
 import redis
-from hypothesis import HealthCheck, settings
-from hypothesis import event as _hypothesis_event
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event as _hypothesis_event, settings, strategies as st
 from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import (
     Bundle,

@@ -21,7 +21,6 @@ import redis
 from taskguard import LeaseBackendError, RedisLocks, scripts
 
 from .servers import RedisServer
-from .test_rq import rq_env  # noqa: F401  (the fixture: the test's own RQ queue)
 
 #: Busy for ARGV[1] µs by the server's clock: every other client waits for it.
 BUSY = """

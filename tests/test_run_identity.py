@@ -27,7 +27,7 @@ from . import rq_jobs
 from .celery_app import make_app
 from .celery_support import WorkerProcess, body_log, embedded_worker
 from .test_celery_failures import wait_for
-from .test_rq import RQWorker, locks as rq_locks, log as rq_log, rq_env, wait_done  # noqa: F401  (fixture)
+from .test_rq import RQWorker, locks as rq_locks, log as rq_log, wait_done
 
 FAST_RESTORE = {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
 

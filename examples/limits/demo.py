@@ -135,7 +135,6 @@ def main() -> int:
     os.environ.update({k: env[k] for k in ("LIMITS_QUEUE", "LIMITS_PREFIX")})
     sys.path.insert(0, str(HERE))
     import app as limits  # noqa: E402  (configured by the environment above)
-
     import redis
 
     from taskguard import as_skipped

@@ -110,7 +110,6 @@ def main() -> int:
     os.environ.update({k: v for k, v in env.items() if k not in ("PROMETHEUS_MULTIPROC_DIR", "TASKGUARD_METRICS")})
     sys.path.insert(0, str(HERE))
     import app as outbox  # noqa: E402  (configured by the environment above)
-
     import redis
 
     from taskguard import as_skipped, is_skipped
