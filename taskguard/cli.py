@@ -52,15 +52,16 @@ def _locks(url: str | None, prefix: str | None) -> RedisLocks:
         raise click.UsageError(str(e)) from None
 
 
-def _info(client: Any, section: str) -> dict:
-    return client.info(section)
+def _info(client: Any, section: str) -> dict[str, Any]:
+    info: dict[str, Any] = client.info(section)
+    return info
 
 
-def doctor_checks(locks: RedisLocks) -> list[dict]:
+def doctor_checks(locks: RedisLocks) -> list[dict[str, Any]]:
     """Deployment checks (design: single primary, noeviction, persistence). Each is
     ``{"name", "status": "ok" | "warn" | "fail", "detail"}``."""
     c = locks.client
-    checks: list[dict] = []
+    checks: list[dict[str, Any]] = []
 
     def add(name: str, status: str, detail: str) -> None:
         checks.append({"name": name, "status": status, "detail": detail})

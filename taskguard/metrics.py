@@ -34,7 +34,7 @@ from .events import LeaseEvent, add_listener
 
 __all__ = ["install", "serve", "Metrics", "enabled_by_env"]
 
-_installed: "Metrics | None" = None
+_installed: Metrics | None = None
 _lock = threading.Lock()
 
 
@@ -129,6 +129,6 @@ def serve(port: int, addr: str = "0.0.0.0") -> Any:
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # (not annotated upstream)
         return start_http_server(port, addr=addr, registry=registry)
     return start_http_server(port, addr=addr, registry=REGISTRY)

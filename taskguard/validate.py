@@ -11,7 +11,8 @@ import difflib
 import inspect
 import math
 import re
-from typing import Any, Collection, Iterable
+from collections.abc import Collection, Iterable
+from typing import Any
 
 from .errors import ConfigError
 

@@ -63,7 +63,7 @@ from celery.beat import PersistentScheduler, event_t
 from celery.schedules import schedule, solar
 from celery.utils.log import LoggingProxy
 
-from taskguard import ConfigError, LeaseBackendError, LeaseLost, Lease
+from taskguard import ConfigError, Lease, LeaseBackendError, LeaseLost
 from taskguard.clock import Clock
 from taskguard.keys import KeyTemplate
 from taskguard.validate import check_limit, check_rate, check_ttl

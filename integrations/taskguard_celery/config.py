@@ -42,7 +42,7 @@ SETTINGS = frozenset({"taskguard_locks", "taskguard_redis_url", "taskguard_prefi
                       "taskguard_metrics_port", "taskguard_redelivery_timeout", "taskguard_beat_leader_ttl",
                       "taskguard_beat_catch_up", "taskguard_beat_name"})
 
-_cache: "weakref.WeakKeyDictionary[Any, Locks]" = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[Any, Locks] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 

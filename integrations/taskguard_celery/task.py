@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 from celery import Task, shared_task
 from celery.app.task import Context

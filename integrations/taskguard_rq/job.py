@@ -22,7 +22,8 @@ import contextvars
 import functools
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rq import Retry, get_current_job
 

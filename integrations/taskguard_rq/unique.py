@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable
+from typing import Any
 
 from taskguard import ConfigError, LeaseBackendError
 from taskguard.validate import check_seconds
