@@ -330,7 +330,7 @@ def section_throughput(url: str, admin: redis.Redis, prefix: str, ops: int, roun
     def ratios(a: str, b: str) -> list[float]:
         if a not in per_round or b not in per_round:
             return []
-        return [x / y for x, y in zip(per_round[a], per_round[b])]
+        return [x / y for x, y in zip(per_round[a], per_round[b], strict=True)]
 
     rows = []
     for name, dist, _, _ in CONTENDERS:
@@ -583,7 +583,7 @@ def run_contention(kind: str, mode: str, n: int, url: str, admin: redis.Redis, p
     window_end = t0 + duration
     in_window = [x for x in recs if x[0] <= window_end]
     handoffs, self_again, overlaps = [], 0, 0
-    for prev, nxt in zip(in_window, in_window[1:]):
+    for prev, nxt in zip(in_window, in_window[1:], strict=False):
         if nxt[0] < prev[1]:
             overlaps += 1  # the next holder got it before the previous one began releasing
         if nxt[2] == prev[2]:

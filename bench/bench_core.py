@@ -153,7 +153,7 @@ def print_throughput(res: dict[str, Any], ops: int, rounds: int) -> dict[str, fl
     base, rp = "2x PING", "redis-py Lock"
 
     def ratios(a: str, b: str) -> list[float]:
-        return [x / y for x, y in zip(pr[a], pr[b])]
+        return [x / y for x, y in zip(pr[a], pr[b], strict=True)]
 
     rows = []
     for name in pr:
@@ -287,7 +287,8 @@ def handoff_redispy(url: str, client: redis.Redis, prefix: str, n: int, rng: ran
     return sorted(out), failed
 
 
-def print_handoff(url: str, client: redis.Redis, admin: redis.Redis, prefix: str, n: int, seed: int) -> dict[str, float]:
+def print_handoff(url: str, client: redis.Redis, admin: redis.Redis, prefix: str, n: int,
+                  seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     tg, blocked, tg_failed = handoff_taskguard(url, client, admin, prefix, n, rng)
     rp, rp_failed = handoff_redispy(url, client, prefix, n, rng)

@@ -139,7 +139,7 @@ def main() -> int:
     fences = [t[1] for t in turns]
     with sqlite3.connect(db_path) as db:
         moved = db.execute("SELECT COUNT(*) FROM outbox WHERE sent_fence IS NOT NULL").fetchone()[0]
-    increasing = all(a < b for a, b in zip(fences, fences[1:]))
+    increasing = all(a < b for a, b in zip(fences, fences[1:], strict=False))
     print(f"   -> turns: {len(turns)}, fences strictly increasing in lease order: {increasing}, "
           f"rows moved: {moved}/12\n")
 

@@ -45,8 +45,8 @@ class LeaseBackendError(TaskguardError):
 
     ``LeaseBackendError(operation, key, detail)``: ``operation`` is ``"acquire"``, ``"renew"``,
     ``"release"``, ``"claim"``, ``"holder"``, ``"health"`` or ``"time"`` (reading the server
-    clock); ``key`` is the user's lease key (or ``None``); ``detail`` is the redis-py error type and message. The redis-py exception is
-    kept as ``__cause__`` (it does not survive pickling).
+    clock); ``key`` is the user's lease key (or ``None``); ``detail`` is the redis-py error type and
+    message. The redis-py exception is kept as ``__cause__`` (it does not survive pickling).
 
     This is never a "lease is held" answer: callers must not treat it as a skip.
     """

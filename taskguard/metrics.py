@@ -103,7 +103,8 @@ def install(registry: Any = None) -> Metrics:
             try:
                 metrics = Metrics(registry)
             except ImportError as e:
-                raise ImportError('taskguard metrics need prometheus_client: pip install "taskguard[prometheus]"') from e
+                raise ImportError(
+                    'taskguard metrics need prometheus_client: pip install "taskguard[prometheus]"') from e
             add_listener(metrics)
             _installed = metrics
         return _installed

@@ -401,7 +401,8 @@ class RedisLocks(Locks):
         return False, None, (pttl / 1000.0 if pttl >= 0 else float(pttl))
 
     def _release_run(self, key: str, run_id: str) -> bool:
-        code = int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (self._lease_key(key),), (run_id, _nonce())))
+        code = int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (self._lease_key(key),),
+                             (run_id, _nonce())))
         return self._signalled(key, code)
 
     def _force_release_one(self, key: str) -> bool:

@@ -275,7 +275,8 @@ class GuardedRun:
         published while the body still runs, an abandoned RQ job re-queued)."""
         info = next((i for i in self.locks.holders(self.key) if i.run_id == self.run_id), None)
         # (a holder of this run id found: self.run_id is a str below)
-        if info is not None and holder_is_dead(info.holder) and self.locks.release_run(self.key, cast(str, self.run_id)):
+        if (info is not None and holder_is_dead(info.holder)
+                and self.locks.release_run(self.key, cast(str, self.run_id))):
             log.warning("%s: the previous holder of %r (pid %s) is dead; lease released", self._who(), self.key,
                         info.holder.get("pid"))
             acq = self._acquire(0.0, refuse_finished)

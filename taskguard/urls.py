@@ -48,7 +48,8 @@ def redacted(url: str) -> str:
     if parts.password is None and "@" not in parts.netloc:
         return parts.geturl()
     user = parts.username or ""
-    netloc = f"{user}:***@{host}{port}" if user else f":***@{host}{port}" if parts.password is not None else f"***@{host}{port}"
+    netloc = (f"{user}:***@{host}{port}" if user
+              else f":***@{host}{port}" if parts.password is not None else f"***@{host}{port}")
     return parts._replace(netloc=netloc).geturl()
 
 

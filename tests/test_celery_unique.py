@@ -57,7 +57,8 @@ def test_ten_concurrent_publishes_of_one_key_make_one_message_and_one_run(app, r
             assert again.id != handles[0].id and again.get(timeout=10) == again.id
     finally:
         remove()
-    assert [e for e in body_log(app) if e.startswith("unique:a:")] == [f"unique:a:{handles[0].id}", f"unique:a:{again.id}"]
+    assert [e for e in body_log(app) if e.startswith("unique:a:")] == [f"unique:a:{handles[0].id}",
+                                                                       f"unique:a:{again.id}"]
     assert registry.get_sample_value("taskguard_publishes_suppressed_total", {"task": "tg.unique_slow"}) == 9
     assert _queued(app, "u:a") is None
 

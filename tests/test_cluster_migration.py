@@ -18,11 +18,11 @@ from .servers import REDIS_CLI
 
 
 def _node_ids(cl) -> dict[int, str]:
-    return {p: c.execute_command("CLUSTER", "MYID").decode() for p, c in zip(cl.ports, cl.node_clients())}
+    return {p: c.execute_command("CLUSTER", "MYID").decode() for p, c in zip(cl.ports, cl.node_clients(), strict=True)}
 
 
 def _owner_port(cl, slot: int) -> int:
-    for port, c in zip(cl.ports, cl.node_clients()):
+    for port, c in zip(cl.ports, cl.node_clients(), strict=True):
         for lo, hi, *nodes in c.execute_command("CLUSTER", "SLOTS"):
             if lo <= slot <= hi:
                 return int(nodes[0][1])

@@ -416,7 +416,7 @@ class LocksEquivalence(RuleBasedStateMachine):
             assert [h.slot for h in hms] == [h.slot for h in hrs], (key, hms, hrs)
             assert len(hms) <= LIMITS[key]
             assert (first is None) == (not hrs) and (first is None or first.slot == hrs[0].slot)
-            for hm, hr in zip(hms, hrs):
+            for hm, hr in zip(hms, hrs, strict=True):
                 self._holder_agrees(key, hm, hr)
 
     def _holder_agrees(self, key, hm, hr):

@@ -135,7 +135,8 @@ def _state(client, prefix):
     out = {}
     for k in sorted(client.scan_iter(match="{" + prefix + ":*")):
         kind = client.type(k)
-        out[k] = client.hgetall(k) if kind == b"hash" else client.get(k) if kind == b"string" else client.lrange(k, 0, -1)
+        out[k] = (client.hgetall(k) if kind == b"hash" else client.get(k) if kind == b"string"
+                  else client.lrange(k, 0, -1))
     return out
 
 

@@ -193,7 +193,7 @@ def main() -> int:
         peak, entered, fences = peak_and_fences(ledger, tenant)
         deferred = sum(limit_deferrals.get(r.id, 0) for r in results)
         waited = sum(1 for r in results if limit_deferrals.get(r.id))
-        growing = all(b > a for fs in fences.values() for a, b in zip(fs, fs[1:]))
+        growing = all(b > a for fs in fences.values() for a, b in zip(fs, fs[1:], strict=False))
         slots = ", ".join(f"slot {s} x{len(fs)}" for s, fs in sorted(fences.items()))
         print(f"  {tenant}: {len(done)}/{len(results)} ran, peak {peak} at once; {waited} found both slots taken "
               f"and were re-published ({deferred} deferrals in all)")

@@ -234,7 +234,8 @@ def main() -> int:
     # every run that held the lease acquired it afresh, once; a retry restores its run's lease
     counted = {"Celery": (total("taskguard_leases_acquired_total", "outbox."),
                           total("taskguard_leases_restored_total", "outbox.")),
-               "RQ": (total("taskguard_leases_acquired_total", "jobs."), total("taskguard_leases_restored_total", "jobs."))}
+               "RQ": (total("taskguard_leases_acquired_total", "jobs."),
+                      total("taskguard_leases_restored_total", "jobs."))}
     expected = {"Celery": (len(results["ran"]), len(results["retried"])), "RQ": (rq["ran"], rq["retried"])}
     agree = counted == expected
     print(f"  metrics vs summary: acquired afresh = ran, restored = retried and restored: "

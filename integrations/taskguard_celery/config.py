@@ -72,7 +72,8 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
                 locks = RedisLocks.from_url(url, prefix=prefix)
             except ConfigError as e:
                 msg = str(e)
-                raise ConfigError(msg if msg.startswith("app.conf.") else f"app.conf.taskguard_redis_url: {msg}") from None
+                raise ConfigError(msg if msg.startswith("app.conf.")
+                                  else f"app.conf.taskguard_redis_url: {msg}") from None
         else:
             try:
                 locks = taskguard.from_env()
