@@ -77,9 +77,10 @@ except ImportError:  # pragma: no cover
     sys.path[:0] = EXTRA_PATH[1:]
     import taskguard
 
+# (imported after the sys.path set-up above)
 from benchlib import delete_matching, fmt_table, git_state, pct, run_prefix, verdict  # noqa: E402
 
-from taskguard.urls import redact_url
+from taskguard.urls import redact_url  # noqa: E402
 
 KINDS = ("unguarded", "guarded")  # latency and command counts
 #: throughput also runs the two comparison tasks of celery_bench_app (no taskguard in them)

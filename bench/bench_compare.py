@@ -305,7 +305,7 @@ def section_throughput(url: str, admin: redis.Redis, prefix: str, ops: int, roun
     client = redis.Redis.from_url(url)
     ops_by_name: dict[str, Callable[[], None]] = {}
     skipped: dict[str, str] = {}
-    for name, dist, factory, _ in CONTENDERS:
+    for name, _dist, factory, _ in CONTENDERS:
         try:
             ops_by_name[name] = factory(client, prefix)[0]
         except Skip as e:
@@ -333,7 +333,7 @@ def section_throughput(url: str, admin: redis.Redis, prefix: str, ops: int, roun
         return [x / y for x, y in zip(per_round[a], per_round[b], strict=True)]
 
     rows = []
-    for name, dist, _, _ in CONTENDERS:
+    for name, _dist, _, _ in CONTENDERS:
         if name in skipped:
             rows.append([name, f"skipped: {skipped[name]}"])
             continue
@@ -370,7 +370,7 @@ def section_costs(url: str, admin: redis.Redis, prefix: str, n: int, skipped: di
         started[0] += 1
         orig_start(self)
 
-    for name, dist, factory, what in CONTENDERS:
+    for name, _dist, factory, _what in CONTENDERS:
         if name in skipped:
             continue
         fn, client_side, inside = factory(client, prefix + ":cnt")
@@ -402,7 +402,7 @@ def section_costs(url: str, admin: redis.Redis, prefix: str, n: int, skipped: di
     for line in notes:
         print(line)
     print("\n   what each does per acquire + release:")
-    for name, dist, _, what in CONTENDERS:
+    for name, _dist, _, what in CONTENDERS:
         print(f"   - {name}: {what}")
     client.close()
 
@@ -429,7 +429,7 @@ def section_profile(url: str, prefix: str, n: int) -> None:
         st = pstats.Stats(prof).stats  # type: ignore[attr-defined]
         split = {"recv": 0.0, "send": 0.0, "taskguard": 0.0, "redis-py": 0.0, "stdlib": 0.0}
         top: list[tuple[float, str]] = []
-        for (path, line, func), (_, _, tt, _, _) in st.items():
+        for (path, _line, func), (_, _, tt, _, _) in st.items():
             if path == "~" and "recv" in func:  # <method 'recv_into' of '_socket.socket' objects>
                 split["recv"] += tt
             elif path == "~" and "send" in func:

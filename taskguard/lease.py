@@ -29,7 +29,7 @@ def slot_of(owner_token: str) -> int:
 
 def slot_suffix(slot: int) -> str:
     """What a slot's owner tokens end with: ``""`` for slot 0, ``"#i"`` for slot ``i``."""
-    return "#%d" % slot if slot else ""
+    return f"#{slot}" if slot else ""
 
 
 class Lease:

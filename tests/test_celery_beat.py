@@ -199,7 +199,7 @@ def test_crontab_across_daylight_saving_changes_each_utc_instant_once():
         now = [start]
         beats = []
         for offset in (0, 7):
-            sched = crontab(minute="*/30", nowfun=lambda: now[0], app=app)
+            sched = crontab(minute="*/30", nowfun=lambda now=now: now[0], app=app)
             beats.append([offset, ScheduleEntry(name="half-hourly", task="t", schedule=sched, app=app,
                                                 last_run_at=start + timedelta(minutes=offset))])
         published, fired = [], []

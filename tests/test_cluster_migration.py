@@ -22,7 +22,7 @@ def _node_ids(cl) -> dict[int, str]:
 
 
 def _owner_port(cl, slot: int) -> int:
-    for port, c in zip(cl.ports, cl.node_clients(), strict=True):
+    for c in cl.node_clients():
         for lo, hi, *nodes in c.execute_command("CLUSTER", "SLOTS"):
             if lo <= slot <= hi:
                 return int(nodes[0][1])
