@@ -15,8 +15,8 @@ are renewed together (for Redis: one pipelined round trip). Outcomes:
 
 Each locks object's round runs on its own pool thread, so a slow or unreachable Redis never
 delays renewals in another. The thread never dies on an error. After ``fork`` the child gets a
-fresh, empty heartbeat: the leases it inherited are neither renewed nor released there (their handles are inert in the
-child); it starts its own thread when it registers its own leases.
+fresh, empty heartbeat: the leases it inherited are neither renewed nor released there (their
+handles are inert in the child); it starts its own thread when it registers its own leases.
 """
 
 from __future__ import annotations
