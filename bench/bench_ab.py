@@ -61,9 +61,8 @@ def _use_tree(tree: str) -> None:
 
 
 def child_core(url: str, ops: int) -> dict[str, Any]:
-    from benchlib import delete_matching, run_prefix
-
     import redis
+    from benchlib import delete_matching, run_prefix
 
     from taskguard import RedisLocks
 
@@ -89,9 +88,8 @@ def child_core(url: str, ops: int) -> dict[str, Any]:
 
 
 def child_celery(url: str, tasks: int, batches: int) -> dict[str, Any]:
-    from benchlib import run_prefix
-
     import redis
+    from benchlib import run_prefix
 
     run = run_prefix()
     os.environ.update(TASKGUARD_REDIS_URL=url, TGBENCH_QUEUE=run, TGBENCH_PREFIX=run)
