@@ -4,6 +4,7 @@ Celery, no RQ)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import sys
@@ -19,8 +20,19 @@ from taskguard.clock import FixedClock
 from taskguard.heartbeat import get_heartbeat
 from taskguard.keys import KeyTemplate
 from taskguard.policy import GuardOptions
-from taskguard.schedule import (Cron, Interval, PeriodicEntry, PeriodicScheduler, Search, SettingNames,
-                                apply_entry_options, check_entry_options, parse_cron, schedule_settings, slot_run)
+from taskguard.schedule import (
+    Cron,
+    Interval,
+    PeriodicEntry,
+    PeriodicScheduler,
+    Search,
+    SettingNames,
+    apply_entry_options,
+    check_entry_options,
+    parse_cron,
+    schedule_settings,
+    slot_run,
+)
 from taskguard.schedule.claims import read_record
 from taskguard.schedule.cron import cron_instants, cron_next
 
@@ -39,13 +51,13 @@ def hm(instants):
 # -- slot arithmetic ------------------------------------------------------------------------------------
 def test_interval_slots_are_epoch_aligned_windows():
     every = Interval(10)
-    assert every.latest(1003.5, 5.0) == (1000.0, 6.5)      # 3.5 s late, next window in 6.5 s
-    assert every.latest(1007.5, 5.0) == (None, 2.5)        # beyond the lookback: none
+    assert every.latest(1003.5, 5.0) == (1000.0, 6.5)  # 3.5 s late, next window in 6.5 s
+    assert every.latest(1007.5, 5.0) == (None, 2.5)  # beyond the lookback: none
     assert every.slot_id(1000.0) == "every10s:100" and every.slot_id(999.9999) == "every10s:100"
-    assert every.count_between(1000.0, 1050.0) == 4        # 1010 .. 1040
+    assert every.count_between(1000.0, 1050.0) == 4  # 1010 .. 1040
     assert every.count_between(1050.0, 1000.0) == 0
     assert every.keep == 300.0 and Interval(3600).keep == 7200.0 and every.slack == 0.0
-    assert Interval(0).seconds == 0.001                    # below a millisecond counts as one
+    assert Interval(0).seconds == 0.001  # below a millisecond counts as one
 
 
 def test_cron_expressions_parse_like_vixie_cron():
@@ -59,9 +71,15 @@ def test_cron_expressions_parse_like_vixie_cron():
     fri = datetime(2026, 3, 6).date()
     assert both.day_matches(fri) and both.day_matches(datetime(2026, 3, 13).date())
     assert not both.day_matches(datetime(2026, 3, 7).date())
-    for bad, field in (("60 * * * *", "minute"), ("* 24 * * *", "hour"), ("* * 0 * *", "day of month"),
-                       ("* * * 13 *", "month"), ("* * * * 8", "day of week"), ("*/0 * * * *", "minute"),
-                       ("5-1 * * * *", "minute")):
+    for bad, field in (
+        ("60 * * * *", "minute"),
+        ("* 24 * * *", "hour"),
+        ("* * 0 * *", "day of month"),
+        ("* * * 13 *", "month"),
+        ("* * * * 8", "day of week"),
+        ("*/0 * * * *", "minute"),
+        ("5-1 * * * *", "minute"),
+    ):
         with pytest.raises(ConfigError, match=f"bad {field} field"):
             parse_cron(bad)
     with pytest.raises(ConfigError, match="5 fields"):
@@ -70,8 +88,8 @@ def test_cron_expressions_parse_like_vixie_cron():
 
 def test_cron_instants_follow_vixie_rules_across_daylight_saving_changes():
     paris = ZoneInfo("Europe/Paris")
-    spring = (ts(2026, 3, 28, 23, 50), ts(2026, 3, 29, 3, 10))   # 02:00 CET -> 03:00 CEST
-    fall = (ts(2026, 10, 24, 23, 50), ts(2026, 10, 25, 3, 10))   # 03:00 CEST -> 02:00 CET
+    spring = (ts(2026, 3, 28, 23, 50), ts(2026, 3, 29, 3, 10))  # 02:00 CET -> 03:00 CEST
+    fall = (ts(2026, 10, 24, 23, 50), ts(2026, 10, 25, 3, 10))  # 03:00 CEST -> 02:00 CET
     # a fixed-hour job skipped by the gap runs right after it (03:00 CEST = 01:00 UTC)
     assert hm(cron_instants(parse_cron("30 2 * * *"), paris, *spring)) == ["01:00"]
     # a wildcard-hour job: its local time inside the gap does not exist
@@ -80,7 +98,7 @@ def test_cron_instants_follow_vixie_rules_across_daylight_saving_changes():
     assert hm(cron_instants(parse_cron("30 2 * * *"), paris, *fall)) == ["00:30"]
     assert hm(cron_instants(parse_cron("0 * * * *"), paris, *fall)) == ["00:00", "01:00", "02:00", "03:00"]
     every = cron_instants(parse_cron("* * * * *"), paris, *fall)
-    assert len(every) == 200 and all(b - a == 60 for a, b in zip(every, every[1:]))
+    assert len(every) == 200 and all(b - a == 60 for a, b in itertools.pairwise(every))
     # the next instant, and None for a crontab that never fires
     assert cron_next(parse_cron("30 2 * * *"), paris, spring[0]) == ts(2026, 3, 29, 1, 0)
     assert cron_next(parse_cron("0 0 31 2 *"), paris, spring[0]) is None
@@ -92,7 +110,7 @@ def test_cron_schedule_names_utc_instants_of_its_zone():
     assert cron.latest(now, 60.0) == (ts(2026, 7, 1, 13, 0), 86400.0 - 30.0)
     assert cron.latest(now, 10.0)[0] is None
     assert cron.slot_id(ts(2026, 7, 1, 13, 0)) == f"at:{int(ts(2026, 7, 1, 13, 0))}"
-    assert cron.count_between(ts(2026, 7, 1, 12), ts(2026, 7, 4, 13)) == 3   # the 1st, 2nd and 3rd, not the 4th
+    assert cron.count_between(ts(2026, 7, 1, 12), ts(2026, 7, 4, 13)) == 3  # the 1st, 2nd and 3rd, not the 4th
     assert cron.keep == 90000.0
 
 
@@ -117,9 +135,13 @@ def test_settings_defaults_and_refusals_name_the_setting():
     s = schedule_settings(NAMES, default_name="app", loop_interval=1.0)
     assert (s.leader_ttl, s.catch_up, s.name, s.allowed_lateness) == (30.0, 33.0, "app", 33.0)
     assert schedule_settings(NAMES, catch_up=0, default_name="app", loop_interval=1.0).allowed_lateness == 3.0
-    for kwargs, says in (({"leader_ttl": -1}, "leader_ttl: "), ({"leader_ttl": 4000}, "leader_ttl must be at most"),
-                         ({"leader_ttl": 1.5}, "at least twice the sched loop interval (1 s, loop)"),
-                         ({"catch_up": float("nan")}, "catch_up: "), ({"name": " "}, "name must be a non-empty str")):
+    for kwargs, says in (
+        ({"leader_ttl": -1}, "leader_ttl: "),
+        ({"leader_ttl": 4000}, "leader_ttl must be at most"),
+        ({"leader_ttl": 1.5}, "at least twice the sched loop interval (1 s, loop)"),
+        ({"catch_up": float("nan")}, "catch_up: "),
+        ({"name": " "}, "name must be a non-empty str"),
+    ):
         with pytest.raises(ConfigError, match=re.escape(says)):
             schedule_settings(NAMES, default_name="app", loop_interval=1.0, **kwargs)
 
@@ -129,17 +151,28 @@ def _body(tenant, day=None):
 
 
 def test_entry_options_are_checked_once_at_start_and_laid_over_the_tasks_at_run():
-    out = check_entry_options("entry 'e'", {"key": "r:{tenant}", "ttl": 5, "rate": (2, 60), "rate_key": "t:{tenant}"},
-                              _body)
+    out = check_entry_options(
+        "entry 'e'", {"key": "r:{tenant}", "ttl": 5, "rate": (2, 60), "rate_key": "t:{tenant}"}, _body
+    )
     assert out["rate"] == [2, 60]  # JSON-safe for the message
-    for bad, says in (({"ttl": 0.001}, "ttl"), ({"limit": 0}, "limit"), ({"rate": "x"}, "rate"),
-                      ({"rate_key": "k"}, "rate_key needs rate"), ({"key": ""}, "key must be"),
-                      ({"key": "r:{nope}"}, "key: "), ({"tll": 5}, "must be a dict with keys")):
+    for bad, says in (
+        ({"ttl": 0.001}, "ttl"),
+        ({"limit": 0}, "limit"),
+        ({"rate": "x"}, "rate"),
+        ({"rate_key": "k"}, "rate_key needs rate"),
+        ({"key": ""}, "key must be"),
+        ({"key": "r:{nope}"}, "key: "),
+        ({"tll": 5}, "must be a dict with keys"),
+    ):
         with pytest.raises(ConfigError, match=f"entry 'e': .*{says}"):
             check_entry_options("entry 'e'", bad, _body)
     task = GuardOptions.build(_body, name="report")
-    guard = apply_entry_options(task, {"entry": "e", "slot": "at:1", "ttl": 7, "limit": 2, "rate": [1, 60],
-                                       "key": "r:{tenant}"}, _body, "report")
+    guard = apply_entry_options(
+        task,
+        {"entry": "e", "slot": "at:1", "ttl": 7, "limit": 2, "rate": [1, 60], "key": "r:{tenant}"},
+        _body,
+        "report",
+    )
     assert (guard.ttl, guard.limit, guard.rate) == (7.0, 2, (1, 60.0))
     assert guard.key.render(("t1",), {}) == "r:t1" and guard.rate_key.render(("t1",), {}) == "report"
     kept = apply_entry_options(task, {"ttl": -1, "limit": 3, "rate_key": "x"}, _body, "report")
@@ -179,8 +212,9 @@ def core_env(redis_url, prefix):
     made = []
 
     def make(entries, loop=1.0, leader_ttl=30, catch_up=None):
-        settings = schedule_settings(NAMES, leader_ttl=leader_ttl, catch_up=catch_up, default_name="core",
-                                     loop_interval=loop)
+        settings = schedule_settings(
+            NAMES, leader_ttl=leader_ttl, catch_up=catch_up, default_name="core", loop_interval=loop
+        )
         adapter = ListAdapter(entries)
         s = PeriodicScheduler(locks, settings, adapter=adapter, clock=FixedClock(lambda: now[0]), role="sched")
         made.append(s)
@@ -275,7 +309,9 @@ def test_a_scheduler_that_lost_its_lease_cannot_claim_and_a_new_leader_catches_u
 def test_the_core_imports_no_task_framework():
     import subprocess
 
-    code = ("import sys, taskguard.schedule, taskguard.schedule.periodic, taskguard.schedule.options; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('celery', 'kombu', 'rq')))")
+    code = (
+        "import sys, taskguard.schedule, taskguard.schedule.periodic, taskguard.schedule.options; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('celery', 'kombu', 'rq')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -27,8 +27,9 @@ from __future__ import annotations
 import heapq
 import logging
 import sys
+from collections.abc import Iterator
 from datetime import datetime, timezone
-from typing import Any, Iterator
+from typing import Any
 
 from celery.beat import PersistentScheduler, event_t
 from celery.utils.log import LoggingProxy
@@ -77,7 +78,7 @@ class _Adapter:
     """The scheduler as the core's :class:`~taskguard.schedule.ScheduleAdapter` (apart from it, so
     that no name of the core's interface lands on a third-party scheduler class)."""
 
-    def __init__(self, scheduler: "SingletonBeatMixin") -> None:
+    def __init__(self, scheduler: SingletonBeatMixin) -> None:
         self._scheduler = scheduler
 
     def entries(self) -> Iterator[PeriodicEntry]:
@@ -102,6 +103,7 @@ class SingletonBeatMixin:
     #: server's clock, read once per tick).
     taskguard_clock: Clock | None = None
     taskguard_periodic: PeriodicScheduler
+    _heap: list[Any] | None  # Celery's heap of due entries (None: rebuilt at the next tick)
 
     def __init__(self, *args: Any, taskguard_clock: Clock | None = None, **kwargs: Any) -> None:
         if taskguard_clock is not None:
@@ -193,7 +195,7 @@ class SingletonBeatMixin:
                 due, delay = self.is_due(entry)
             except Exception:
                 due, delay = self._is_due_failed(entry)  # type: ignore[attr-defined]
-            self._heap.append(event_t(self._when(entry, 0 if due else delay) or 0, 5, entry))  # type: ignore[attr-defined]
+            self._heap.append(event_t(self._when(entry, 0 if due else delay) or 0, 5, entry))
         heapify(self._heap)
 
     def maybe_due(self, entry: Any, **kwargs: Any) -> Any:

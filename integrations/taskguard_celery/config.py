@@ -22,8 +22,14 @@ from typing import Any
 import taskguard
 from taskguard import ConfigError, Locks, RedisLocks
 from taskguard.config import parse_prefix
-from taskguard.schedule.settings import (LEADER_TTL, LEADER_TTL_MAX, SKEW, ScheduleSettings, SettingNames,
-                                         schedule_settings)
+from taskguard.schedule.settings import (
+    LEADER_TTL,
+    LEADER_TTL_MAX,
+    SKEW,
+    ScheduleSettings,
+    SettingNames,
+    schedule_settings,
+)
 from taskguard.urls import check_url
 from taskguard.validate import check_setting_names
 

@@ -38,8 +38,14 @@ def slot_schedule(sched: Any) -> Schedule:
         return Interval(sched.run_every.total_seconds())
     if _is_crontab(sched):
         wild = str(getattr(sched, "_orig_hour", "*")).strip().startswith("*")
-        fields = CronFields(frozenset(sched.minute), frozenset(sched.hour), frozenset(sched.day_of_month),
-                            frozenset(sched.month_of_year), frozenset(sched.day_of_week), wildcard_hour=wild)
+        fields = CronFields(
+            frozenset(sched.minute),
+            frozenset(sched.hour),
+            frozenset(sched.day_of_month),
+            frozenset(sched.month_of_year),
+            frozenset(sched.day_of_week),
+            wildcard_hour=wild,
+        )
         return Cron(fields, _zone(sched))
     base = sched.maybe_make_aware(sched.now())  # remaining_estimate counts from the schedule's clock
     base_ts = base.timestamp()

@@ -17,6 +17,22 @@ from .periodic import PeriodicEntry, PeriodicScheduler, ScheduleAdapter, Slot, s
 from .settings import ScheduleSettings, SettingNames, schedule_settings
 from .slots import Cron, Interval, Schedule, Search
 
-__all__ = ["Cron", "CronFields", "ENTRY_OPTIONS", "Interval", "PeriodicEntry", "PeriodicScheduler", "Schedule",
-           "ScheduleAdapter", "ScheduleSettings", "Search", "SettingNames", "Slot", "apply_entry_options",
-           "check_entry_options", "parse_cron", "schedule_settings", "slot_run"]
+__all__ = [
+    "Cron",
+    "CronFields",
+    "ENTRY_OPTIONS",
+    "Interval",
+    "PeriodicEntry",
+    "PeriodicScheduler",
+    "Schedule",
+    "ScheduleAdapter",
+    "ScheduleSettings",
+    "Search",
+    "SettingNames",
+    "Slot",
+    "apply_entry_options",
+    "check_entry_options",
+    "parse_cron",
+    "schedule_settings",
+    "slot_run",
+]

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from datetime import date, datetime, timedelta, timezone, tzinfo
-from typing import Iterator
 
 from ..errors import ConfigError
 
@@ -61,8 +61,12 @@ class CronFields:
 
 
 _NAMES = {
-    3: {n: i for i, n in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov",
-                                    "dec"), start=1)},
+    3: {
+        n: i
+        for i, n in enumerate(
+            ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"), start=1
+        )
+    },
     4: {n: i for i, n in enumerate(("sun", "mon", "tue", "wed", "thu", "fri", "sat"))},
 }
 _BOUNDS = ((0, 59), (0, 23), (1, 31), (1, 12), (0, 7))
@@ -117,10 +121,20 @@ def parse_cron(expr: str) -> CronFields:
             fields.append(_field(text, i))
         except ValueError:
             lo, hi = _BOUNDS[i]
-            raise ConfigError(f"cron expression {expr!r}: bad {_FIELDS[i]} field {text!r} (numbers {lo}-{hi}, "
-                              "'*', ranges a-b, steps /n, lists a,b)") from None
-    return CronFields(*fields, wildcard_hour=parts[1].startswith("*"),
-                      day_or=not parts[2].startswith("*") and not parts[4].startswith("*"))
+            raise ConfigError(
+                f"cron expression {expr!r}: bad {_FIELDS[i]} field {text!r} (numbers {lo}-{hi}, "
+                "'*', ranges a-b, steps /n, lists a,b)"
+            ) from None
+    minute, hour, day_of_month, month_of_year, day_of_week = fields
+    return CronFields(
+        minute,
+        hour,
+        day_of_month,
+        month_of_year,
+        day_of_week,
+        wildcard_hour=parts[1].startswith("*"),
+        day_or=not parts[2].startswith("*") and not parts[4].startswith("*"),
+    )
 
 
 def _offset(tz: tzinfo, ts: float) -> timedelta:

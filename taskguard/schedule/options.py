@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
 from ..errors import ConfigError
 from ..keys import KeyTemplate
@@ -28,7 +29,7 @@ log = logging.getLogger("taskguard.schedule")
 _templates: dict[tuple[Hashable, str], KeyTemplate] = {}
 
 
-def _template(value: str, fn: Callable[..., Any], cache: Hashable | None) -> KeyTemplate:
+def _template(value: str, fn: Callable[..., Any], cache: Any) -> KeyTemplate:
     if cache is None:
         return KeyTemplate(value, fn)
     found = _templates.get((cache, value))
@@ -37,8 +38,7 @@ def _template(value: str, fn: Callable[..., Any], cache: Hashable | None) -> Key
     return found
 
 
-def check_entry_option(field: str, value: Any, fn: Callable[..., Any] | None = None,
-                       cache: Hashable | None = None) -> Any:
+def check_entry_option(field: str, value: Any, fn: Callable[..., Any] | None = None, cache: Any = None) -> Any:
     """The checked value of one entry option (``field`` one of :data:`ENTRY_OPTIONS`): ``ttl`` a
     lease TTL in seconds (float), ``limit`` an int, ``rate`` ``(count, seconds)`` (a list is
     read as a tuple); ``key`` / ``rate_key`` a non-empty template ``str``, returned as a
@@ -63,8 +63,9 @@ def check_entry_option(field: str, value: Any, fn: Callable[..., Any] | None = N
     raise ConfigError(f"unknown entry option {field!r} (entry options: {', '.join(ENTRY_OPTIONS)})")
 
 
-def check_entry_options(where: str, options: Any, fn: Callable[..., Any] | None = None,
-                        container: str = "options") -> dict[str, Any]:
+def check_entry_options(
+    where: str, options: Any, fn: Callable[..., Any] | None = None, container: str = "options"
+) -> dict[str, Any]:
     """Check an entry's guard options when the scheduler starts: a dict with keys from
     :data:`ENTRY_OPTIONS`; ``rate_key`` needs ``rate``; with ``fn`` (the body of a guarded task
     this process knows) the templates are bound to its signature too. Returns them JSON-safe (a
@@ -89,8 +90,9 @@ def check_entry_options(where: str, options: Any, fn: Callable[..., Any] | None 
     return out
 
 
-def apply_entry_options(opts: GuardOptions, options: Mapping[str, Any], fn: Callable[..., Any], task: str,
-                        cache: Hashable | None = None) -> GuardOptions:
+def apply_entry_options(
+    opts: GuardOptions, options: Mapping[str, Any], fn: Callable[..., Any], task: str, cache: Any = None
+) -> GuardOptions:
     """The guard options of one run published for an entry: ``opts`` (the task's own) with the
     entry's options (``options``, e.g. a slot message's header; other keys are ignored) laid over
     them. Each field is checked on its own by :func:`check_entry_option`: a bad one is logged

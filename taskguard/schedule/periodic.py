@@ -34,7 +34,8 @@ import math
 import os
 import socket
 import uuid
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 from ..clock import Clock
 from ..errors import LeaseBackendError, LeaseLost
@@ -71,15 +72,21 @@ class Slot:
     instant: float
     keep: float
     leader_key: str
-    leader_fence: int
+    leader_fence: int | None
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def header(self) -> dict[str, Any]:
         """What the published message carries (JSON-safe): ``leader_key``, ``leader_fence``,
         ``entry``, ``slot``, ``keep`` and the entry's guard options (read back by
         :func:`slot_run` and :func:`taskguard.schedule.options.apply_entry_options`)."""
-        return {"leader_key": self.leader_key, "leader_fence": self.leader_fence, "entry": self.entry,
-                "slot": self.id, "keep": self.keep, **self.options}
+        return {
+            "leader_key": self.leader_key,
+            "leader_fence": self.leader_fence,
+            "entry": self.entry,
+            "slot": self.id,
+            "keep": self.keep,
+            **self.options,
+        }
 
 
 def slot_run(header: Mapping[str, Any], prefix: str = "beat") -> tuple[str, float] | None:
@@ -124,9 +131,17 @@ class PeriodicScheduler:
         on_retry: called when a claim or publish failed and the entry is looked at again soon.
     """
 
-    def __init__(self, locks: Locks, settings: ScheduleSettings, *, adapter: ScheduleAdapter | None = None,
-                 clock: Clock | None = None, role: str = "beat", on_lead: Callable[[], None] | None = None,
-                 on_retry: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        locks: Locks,
+        settings: ScheduleSettings,
+        *,
+        adapter: ScheduleAdapter | None = None,
+        clock: Clock | None = None,
+        role: str = "beat",
+        on_lead: Callable[[], None] | None = None,
+        on_retry: Callable[[], None] | None = None,
+    ) -> None:
         self.locks, self.settings, self.adapter, self.role = locks, settings, adapter, role
         self.clock: Clock = locks.server_clock() if clock is None else clock
         self.leader_key = f"{role}-leader:{settings.name}"
@@ -163,14 +178,19 @@ class PeriodicScheduler:
         if lease is not None and not lease.lost and not lease.released:
             return lease
         if lease is not None:
-            self.log.warning("%s %s lost the leader lease (%s); not publishing until it is back", self.role, self.id,
-                        lease.lost_reason)
+            self.log.warning(
+                "%s %s lost the leader lease (%s); not publishing until it is back",
+                self.role,
+                self.id,
+                lease.lost_reason,
+            )
             self.stats["leadership_lost"] += 1
             self.lease = None
             self._give_up(lease)
         try:
-            acq = self.locks.acquire(self.leader_key, ttl=self.settings.leader_ttl, renew=True,
-                                     holder={self.role: self.id}, run_id=self.id)
+            acq = self.locks.acquire(
+                self.leader_key, ttl=self.settings.leader_ttl, renew=True, holder={self.role: self.id}, run_id=self.id
+            )
         except LeaseBackendError as e:
             self._note_outage(e)
             return None
@@ -178,9 +198,15 @@ class PeriodicScheduler:
         if not acq.acquired:
             leader = acq.holder_run or "unknown"
             if leader != self._seen:
-                self.log.info("%s %s is waiting: %s %s leads (%s); it takes over within %gs if that one stops",
-                              self.role, self.id, self.role, leader, self.leader_key,
-                              self.settings.leader_ttl + self.settings.loop_interval)
+                self.log.info(
+                    "%s %s is waiting: %s %s leads (%s); it takes over within %gs if that one stops",
+                    self.role,
+                    self.id,
+                    self.role,
+                    leader,
+                    self.leader_key,
+                    self.settings.leader_ttl + self.settings.loop_interval,
+                )
                 self._seen = leader
             return None
         assert acq.lease is not None
@@ -256,14 +282,24 @@ class PeriodicScheduler:
         others since the entry's last handled slot) when the entry's next slot is published: the
         slot record tells how many fell due meanwhile."""
         if instant > self._handled.get(entry.name, -math.inf) + entry.schedule.slack:
-            self.log.warning("%s %s: %s slot %s fell due %.1fs ago, beyond the catch-up window (%gs); not published",
-                        self.role, self.id, entry.name, entry.schedule.slot_id(instant), late,
-                        self.settings.allowed_lateness)
+            self.log.warning(
+                "%s %s: %s slot %s fell due %.1fs ago, beyond the catch-up window (%gs); not published",
+                self.role,
+                self.id,
+                entry.name,
+                entry.schedule.slot_id(instant),
+                late,
+                self.settings.allowed_lateness,
+            )
             self._handled[entry.name] = instant
 
     # -- claim, publish, confirm ----------------------------------------------------------------------
-    def publish(self, entry: PeriodicEntry, send: Callable[[PeriodicEntry, Slot], Any] | None = None,
-                before: Callable[[float | None], None] | None = None) -> Any:
+    def publish(
+        self,
+        entry: PeriodicEntry,
+        send: Callable[[PeriodicEntry, Slot], Any] | None = None,
+        before: Callable[[float | None], None] | None = None,
+    ) -> Any:
         """Claim the entry's due slot, publish it with ``send`` (default: the adapter's
         :meth:`~ScheduleAdapter.publish`), confirm it. Returns what ``send`` returned, or ``None``
         when nothing was published (not the leader; the slot handled, missed, or claimed meanwhile;
@@ -303,30 +339,57 @@ class PeriodicScheduler:
             if cur.raw is not None and cur.instant < instant:
                 skipped = sched.count_between(cur.instant, instant)
                 if skipped:
-                    self.log.warning("%s %s: %d slot(s) of %s fell due after its last handled one and are beyond the "
-                                "catch-up window (%gs): not published; publishing the latest, %s", self.role,
-                                self.id, skipped, entry.name, self.settings.allowed_lateness, slot)
+                    self.log.warning(
+                        "%s %s: %d slot(s) of %s fell due after its last handled one and are beyond the "
+                        "catch-up window (%gs): not published; publishing the latest, %s",
+                        self.role,
+                        self.id,
+                        skipped,
+                        entry.name,
+                        self.settings.allowed_lateness,
+                        slot,
+                    )
                     self.stats["missed_slots"] += skipped
             if cur.instant == instant:
-                self.log.warning("%s %s: %s slot %s was claimed (leader fence %s) but not confirmed published; "
-                            "publishing it again (the worker runs a slot once)", self.role, self.id, entry.name,
-                            slot, cur.fence)
+                self.log.warning(
+                    "%s %s: %s slot %s was claimed (leader fence %s) but not confirmed published; "
+                    "publishing it again (the worker runs a slot once)",
+                    self.role,
+                    self.id,
+                    entry.name,
+                    slot,
+                    cur.fence,
+                )
                 self.stats["republished_slots"] += 1
             claimed = claim(leader, entry.name, instant, self.id, cur)
             if claimed is None:
                 return None  # the record changed under us (another call of this scheduler): look again next tick
         except LeaseLost as e:
-            self.log.warning("%s %s: lost the leader lease before claiming %s slot %s (%s)", self.role, self.id,
-                        entry.name, slot, e)
+            self.log.warning(
+                "%s %s: lost the leader lease before claiming %s slot %s (%s)", self.role, self.id, entry.name, slot, e
+            )
             return None
         except LeaseBackendError as e:
             self._note_outage(e)
             self._try_again(entry)
             return None
-        claimed_slot = Slot(entry=entry.name, id=slot, instant=instant, keep=sched.keep, leader_key=self.leader_key,
-                            leader_fence=leader.fencing_token, options=entry.options)
-        self.log.info("%s %s: publishing %s slot %s (%.1fs after it fell due)", self.role, self.id, entry.name, slot,
-                 now - instant)
+        claimed_slot = Slot(
+            entry=entry.name,
+            id=slot,
+            instant=instant,
+            keep=sched.keep,
+            leader_key=self.leader_key,
+            leader_fence=leader.fencing_token,
+            options=entry.options,
+        )
+        self.log.info(
+            "%s %s: publishing %s slot %s (%.1fs after it fell due)",
+            self.role,
+            self.id,
+            entry.name,
+            slot,
+            now - instant,
+        )
         try:
             if send is None:
                 if self.adapter is None:
@@ -334,8 +397,14 @@ class PeriodicScheduler:
                 send = self.adapter.publish
             result = send(entry, claimed_slot)
         except Exception as e:
-            self.log.error("%s %s: slot %s of %s claimed but not published (tried again in a second): %s", self.role,
-                      self.id, slot, entry.name, e)
+            self.log.error(
+                "%s %s: slot %s of %s claimed but not published (tried again in a second): %s",
+                self.role,
+                self.id,
+                slot,
+                entry.name,
+                e,
+            )
             self.stats["unpublished_slots"] += 1
             self._try_again(entry)
             return None
@@ -346,8 +415,9 @@ class PeriodicScheduler:
             confirm(leader, entry.name, instant, self.id, claimed)
         except (LeaseLost, LeaseBackendError) as e:
             # the next leader publishes it again; the worker runs the slot once
-            self.log.warning("%s %s: %s slot %s published but not confirmed: %s", self.role, self.id, entry.name,
-                             slot, e)
+            self.log.warning(
+                "%s %s: %s slot %s published but not confirmed: %s", self.role, self.id, entry.name, slot, e
+            )
         return result
 
     # -- a whole loop, for adapters without one of their own ----------------------------------------------

@@ -48,8 +48,15 @@ class SettingNames:
     role: str = "scheduler"
 
 
-def schedule_settings(names: SettingNames, *, leader_ttl: Any = None, catch_up: Any = None, name: Any = None,
-                      default_name: str, loop_interval: float) -> ScheduleSettings:
+def schedule_settings(
+    names: SettingNames,
+    *,
+    leader_ttl: Any = None,
+    catch_up: Any = None,
+    name: Any = None,
+    default_name: str,
+    loop_interval: float,
+) -> ScheduleSettings:
     """Check a periodic scheduler's settings (``None``: the default).
 
     * ``leader_ttl``: seconds, default :data:`LEADER_TTL`; at least :data:`~taskguard.validate.MIN_TTL`,
@@ -66,14 +73,21 @@ def schedule_settings(names: SettingNames, *, leader_ttl: Any = None, catch_up: 
     except ConfigError as e:
         raise ConfigError(f"{names.leader_ttl}: {e}") from None
     if ttl > LEADER_TTL_MAX:
-        raise ConfigError(f"{names.leader_ttl} must be at most {LEADER_TTL_MAX:g} s (a crashed leader holds every "
-                          f"{names.role} off for that long), got {ttl:g}")
+        raise ConfigError(
+            f"{names.leader_ttl} must be at most {LEADER_TTL_MAX:g} s (a crashed leader holds every "
+            f"{names.role} off for that long), got {ttl:g}"
+        )
     if ttl < 2 * loop_interval:
-        raise ConfigError(f"{names.leader_ttl} must be at least twice the {names.role} loop interval "
-                          f"({loop_interval:g} s, {names.loop}), got {ttl:g}")
+        raise ConfigError(
+            f"{names.leader_ttl} must be at least twice the {names.role} loop interval "
+            f"({loop_interval:g} s, {names.loop}), got {ttl:g}"
+        )
     try:
-        window = (ttl + loop_interval + SKEW if catch_up is None
-                  else check_seconds("catch-up window", catch_up, allow_zero=True))
+        window = (
+            ttl + loop_interval + SKEW
+            if catch_up is None
+            else check_seconds("catch-up window", catch_up, allow_zero=True)
+        )
     except ConfigError as e:
         raise ConfigError(f"{names.catch_up}: {e}") from None
     if name is None:

@@ -18,8 +18,9 @@ Each implements :class:`Schedule`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from datetime import tzinfo
-from typing import Callable, Protocol
+from typing import Protocol
 
 from .cron import CronFields, cron_instants, cron_next
 
