@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .errors import LeaseLost
-from .validate import check_callback
 from .events import LeaseEvent
+from .validate import check_callback
 
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
@@ -28,7 +29,7 @@ def slot_of(owner_token: str) -> int:
 
 def slot_suffix(slot: int) -> str:
     """What a slot's owner tokens end with: ``""`` for slot 0, ``"#i"`` for slot ``i``."""
-    return "#%d" % slot if slot else ""
+    return f"#{slot}" if slot else ""
 
 
 class Lease:
@@ -57,7 +58,7 @@ class Lease:
 
     def __init__(
         self,
-        locks: "Locks",
+        locks: Locks,
         key: str,
         owner_token: str,
         *,
@@ -88,7 +89,7 @@ class Lease:
         self._lost_reason: str | None = None
         self._released = False
         self._renewing = False  # registered with the heartbeat
-        self._lost_callbacks: list[Callable[["Lease", str], None]] = []
+        self._lost_callbacks: list[Callable[[Lease, str], None]] = []
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -206,7 +207,7 @@ class Lease:
         if verify and not self._locks._verify_lease(self):
             raise LeaseLost(self.key, self.lost_reason or "not held in Redis")
 
-    def on_lost(self, callback: Callable[["Lease", str], None]) -> None:
+    def on_lost(self, callback: Callable[[Lease, str], None]) -> None:
         """Call ``callback(lease, reason)`` once — this :class:`Lease` and the reason (``str``,
         e.g. ``"not the owner"``) — on the thread that finds the lease lost (often the heartbeat's:
         keep it short; what it raises is logged, never propagated).
@@ -217,7 +218,7 @@ class Lease:
         check_callback("on_lost callback", callback, self, "reason")
         self._lost_callbacks.append(callback)
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -293,7 +294,7 @@ class HolderInfo:
     """
 
     key: str
-    holder: dict
+    holder: dict[str, Any]
     fencing_token: int | None
     ttl: float | None
     since: float | None

@@ -13,19 +13,34 @@ import os
 import secrets
 import time
 import weakref
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
-from .errors import ConfigError, LeaseBackendError, LeaseLost
 from .clock import LOCAL, Clock
+from .errors import ConfigError, LeaseBackendError, LeaseLost
 from .events import Emitter, LeaseEvent, Listener
 from .heartbeat import get_heartbeat
 from .lease import Acquisition, HolderInfo, Lease, slot_of, slot_suffix
 from .liveness import process_identity
 from .skipped import Skipped
 from .throttle import Throttle
-from .validate import check_burst, check_limit, check_prefix, check_rate
-from .validate import (MAX_SECONDS, MIN_TTL, check_fraction, check_key, check_name, check_run_id, check_seconds,  # noqa: F401
-                       check_token, check_ttl, check_value, encodable)
+from .validate import (  # noqa: F401
+    MAX_SECONDS,
+    MIN_TTL,
+    check_burst,
+    check_fraction,
+    check_key,
+    check_limit,
+    check_name,
+    check_prefix,
+    check_rate,
+    check_run_id,
+    check_seconds,
+    check_token,
+    check_ttl,
+    check_value,
+    encodable,
+)
 
 __all__ = ["Locks", "check_seconds", "check_fraction", "new_owner_token"]
 
@@ -40,7 +55,7 @@ def new_owner_token() -> str:
     return secrets.token_urlsafe(18)
 
 
-_BASE_META: dict[int, tuple[dict, str]] = {}  # per pid: default holder metadata and its JSON
+_BASE_META: dict[int, tuple[dict[str, Any], str]] = {}  # per pid: default holder metadata and its JSON
 
 
 def _task_of(meta: Mapping[str, Any]) -> str | None:
@@ -98,7 +113,7 @@ class Locks:
         self.max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
         self.shutdown_timeout = check_seconds("shutdown_timeout", shutdown_timeout)
         self._emitter = Emitter(listeners)
-        self._live: "weakref.WeakSet[Lease]" = weakref.WeakSet()
+        self._live: weakref.WeakSet[Lease] = weakref.WeakSet()
 
     # -- backend primitives ------------------------------------------------------------------
     def _now(self) -> float:
@@ -386,9 +401,10 @@ class Locks:
         owner token: for a supervisor that knows the run is over but never had its handle (e.g.
         a Celery worker's main process after a hard time limit killed the child). Returns
         ``True`` when the lease was that run's and is now released. Raises LeaseBackendError."""
-        run_id = check_run_id(run_id)
-        if run_id is None:
+        checked = check_run_id(run_id)
+        if checked is None:
             raise ConfigError("run_id is required")
+        run_id = checked
         started = time.monotonic()
         ok = self._release_run(check_key(key), run_id)
         self._emit("release", key, "released_for_run" if ok else "not_owner", duration=time.monotonic() - started)
@@ -455,7 +471,8 @@ class Locks:
 
         run = GuardedRun(self, key, ttl=ttl, wait=wait, renew=renew, holder=holder, max_hold=max_hold,
                          on_lost=on_lost, task=task, limit=limit)
-        return run.call(fn)
+        result: T | Skipped = run.call(fn)  # (GuardedRun.call is untyped in fn's value)
+        return result
 
     def once(
         self,
@@ -497,7 +514,8 @@ class Locks:
 
         policy = OncePolicy(fingerprint_of(fingerprint), ttl=check_seconds("once_ttl", once_ttl))
         run = GuardedRun(self, key, ttl=ttl, wait=wait, renew=renew, holder=holder, task=task, once=policy)
-        return run.call(fn)
+        result: T | Skipped = run.call(fn)  # (GuardedRun.call is untyped in fn's value)
+        return result
 
     # -- publish-time uniqueness -------------------------------------------------------------------
     def mark_queued(self, key: str, run_id: str, *, ttl: float, task: str, shadow: bool = False) -> tuple[bool, str]:
@@ -519,9 +537,10 @@ class Locks:
         have marked ``run_id`` before its answer was lost (a timeout), so the mark is cleared
         first (one try; when that fails too, the mark's ``ttl`` bounds it), and the caller
         publishes nothing."""
-        run_id = check_run_id(run_id)
-        if run_id is None:
+        checked = check_run_id(run_id)
+        if checked is None:
             raise ConfigError("run_id is required")
+        run_id = checked
         if not isinstance(task, str) or not task:
             raise ConfigError(f"task must be a non-empty str, got {task!r}")
         key, task = check_key(key), encodable("task", task)
@@ -691,7 +710,7 @@ class Locks:
         ``shadow=True`` for a skip a guard in shadow mode would have made (the run went ahead)."""
         self._emit("skip", skipped.key, skipped.reason, task=skipped.task, shadow=shadow)
 
-    def check_health(self) -> "Health":
+    def check_health(self) -> Health:
         raise NotImplementedError
 
     def close(self, timeout: float | None = None) -> None:
@@ -781,7 +800,7 @@ class Locks:
             lease._mark_lost("not held in Redis")
         return ok
 
-    def _holder_meta(self, holder: Mapping[str, Any] | None) -> tuple[dict, str]:
+    def _holder_meta(self, holder: Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
         pid = os.getpid()
         base = _BASE_META.get(pid)
         if base is None:

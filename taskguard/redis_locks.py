@@ -6,7 +6,8 @@ import json
 import logging
 import secrets
 import time
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
@@ -18,6 +19,9 @@ from .events import Listener
 from .lease import HolderInfo
 from .locks import Health, Locks, _ms, check_seconds
 from .urls import ACCEPTED, redact_url, scrub
+
+if TYPE_CHECKING:
+    from redis.cluster import RedisCluster
 
 log = logging.getLogger("taskguard")
 
@@ -115,7 +119,7 @@ class RedisLocks(Locks):
         retries: int = 1,
         cluster: bool = False,
         **opts: Any,
-    ) -> "RedisLocks":
+    ) -> RedisLocks:
         """Build from a ``redis://``, ``rediss://`` or ``unix://`` URL.
 
         ``connect_timeout`` and ``socket_timeout`` are seconds (float > 0); ``retries`` is how
@@ -152,6 +156,7 @@ class RedisLocks(Locks):
             else:
                 url = parts._replace(path=f"/{db}").geturl()
         problem = None
+        client: redis.Redis | RedisCluster
         try:
             if cluster:
                 from redis.cluster import RedisCluster
@@ -276,12 +281,12 @@ class RedisLocks(Locks):
             missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
             if missing:
                 again = self._pipeline_renew([items[i] for i in missing], use_eval=True)
-                for i, r in zip(missing, again):
+                for i, r in zip(missing, again, strict=True):
                     results[i] = r
         except RedisError as e:
             return [LeaseBackendError("renew", None, _detail(e))] * len(items)
-        out: list[Any] = []
-        for (key, _, _), r in zip(items, results):
+        out = []
+        for (key, _, _), r in zip(items, results, strict=True):
             if isinstance(r, Exception):
                 out.append(LeaseBackendError("renew", key, _detail(r)))
             else:
@@ -329,7 +334,7 @@ class RedisLocks(Locks):
                     replies = pipe.execute(raise_on_error=False)
                 except RedisError as e:  # this node unreachable: its leases fall back one by one below
                     replies = [e] * len(idx)
-                for i, r in zip(idx, replies):
+                for i, r in zip(idx, replies, strict=True):
                     results[i] = r
         for i, r in enumerate(results):
             if isinstance(r, RedisError) and not isinstance(r, NoScriptError):
@@ -396,7 +401,8 @@ class RedisLocks(Locks):
         return False, None, (pttl / 1000.0 if pttl >= 0 else float(pttl))
 
     def _release_run(self, key: str, run_id: str) -> bool:
-        code = int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (self._lease_key(key),), (run_id, _nonce())))
+        code = int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (self._lease_key(key),),
+                             (run_id, _nonce())))
         return self._signalled(key, code)
 
     def _force_release_one(self, key: str) -> bool:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 from .context import running
 from .errors import ConfigError, LeaseBackendError, LeaseLost
@@ -127,7 +128,7 @@ class GuardedRun:
                  "limit", "once", "enforce", "_record")
 
     def __init__(self, locks: Locks, request: RunRequest | str, *,
-                 on_lost_report: Callable[["GuardedRun", str], None] | None = None, tag: Any = None,
+                 on_lost_report: Callable[[GuardedRun, str], None] | None = None, tag: Any = None,
                  **fields: Any) -> None:
         if not isinstance(request, RunRequest):  # the keyword form: GuardedRun(locks, key, ttl=..., ...)
             request = RunRequest(request, **fields)
@@ -137,7 +138,7 @@ class GuardedRun:
             raise ConfigError(f"on_lost must be one of {ON_LOST}, got {request.on_lost!r}")
         r = self.request = request
         self.limit, self.once, self.enforce = r.limit, r.once, r.enforce
-        self._record: dict | None = None
+        self._record: dict[str, Any] | None = None
         self.locks, self.key, self.ttl, self.wait, self.renew = locks, r.key, r.ttl, r.wait, r.renew
         self.holder, self.max_hold, self.run_id, self.task = r.holder, r.max_hold, r.run_id, r.task
         self.on_lost, self.finished_ttl, self.on_lost_report, self.tag = OnLost(r.on_lost), r.finished_ttl, \
@@ -304,7 +305,9 @@ class GuardedRun:
         """The lease is held by another execution of this run id (a redelivered copy, a retry
         published while the body still runs, an abandoned RQ job re-queued)."""
         info = next((i for i in self.locks.holders(self.key) if i.run_id == self.run_id), None)
-        if info is not None and holder_is_dead(info.holder) and self.locks.release_run(self.key, self.run_id):
+        # (a holder of this run id found: self.run_id is a str below)
+        if (info is not None and holder_is_dead(info.holder)
+                and self.locks.release_run(self.key, cast(str, self.run_id))):
             log.warning("%s: the previous holder of %r (pid %s) is dead; lease released", self._who(), self.key,
                         info.holder.get("pid"))
             acq = self._acquire(0.0, refuse_finished)
@@ -339,7 +342,7 @@ class GuardedRun:
         self.finish(value)
         return value
 
-    def __enter__(self) -> "GuardedRun":
+    def __enter__(self) -> GuardedRun:
         self._ctx = running(self)
         self._ctx.__enter__()
         return self

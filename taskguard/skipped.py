@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .values import Reason
 
@@ -65,7 +66,7 @@ class Skipped:
         return d
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Skipped":
+    def from_dict(cls, data: Mapping[str, Any]) -> Skipped:
         """Rebuild from :meth:`to_dict` output. Raises ``ValueError`` when ``data`` is not one."""
         if not _is_tagged(data):
             raise ValueError("not a tagged Skipped dict")

@@ -48,7 +48,8 @@ def redacted(url: str) -> str:
     if parts.password is None and "@" not in parts.netloc:
         return parts.geturl()
     user = parts.username or ""
-    netloc = f"{user}:***@{host}{port}" if user else f":***@{host}{port}" if parts.password is not None else f"***@{host}{port}"
+    netloc = (f"{user}:***@{host}{port}" if user
+              else f":***@{host}{port}" if parts.password is not None else f"***@{host}{port}")
     return parts._replace(netloc=netloc).geturl()
 
 
@@ -142,7 +143,7 @@ def _parse_as_redis_py_does(url: str, name: str, shown: str) -> None:
     from redis.connection import parse_url
 
     try:
-        parse_url(url)
+        parse_url(url)  # type: ignore[no-untyped-call]  # (redis-py does not annotate parse_url)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{name} must be a Redis URL ({ACCEPTED}) that redis-py accepts: {scrub(str(e), url)}, "
                           f"got {shown}") from None

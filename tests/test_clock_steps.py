@@ -22,8 +22,7 @@ from .celery_app import make_app
 from .celery_support import BeatProcess, WorkerProcess, body_log, leader_pid
 from .faketime import SteppedClock
 from .tcp_proxy import TcpProxy
-from .test_rq import RQWorker, rq_env, wait_done  # noqa: F401  (rq_env: a fixture)
-from .test_rq import log as rq_log
+from .test_rq import RQWorker, log as rq_log, wait_done
 
 STEPS = [90, -90]
 _REAL_TIME = time.time
@@ -283,9 +282,9 @@ def test_a_leader_that_gives_its_lease_up_releases_it_and_leads_again(redis_url,
     standby's — was refused as held while the heartbeat kept renewing the dropped lease."""
     from celery import Celery
     from celery.beat import PersistentScheduler
-    from taskguard_celery.beat import SingletonBeatMixin
 
     from taskguard.clock import FixedClock
+    from taskguard_celery.beat import SingletonBeatMixin
 
     now = [_REAL_TIME()]
     locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
@@ -318,10 +317,10 @@ def test_beat_takes_its_time_source_from_the_injected_clock(tmp_path):
     lateness follow it (here a simulated clock, as a DST test drives the scheduler)."""
     from celery import Celery
     from celery.beat import PersistentScheduler
-    from taskguard_celery.beat import SingletonBeatMixin
 
     from taskguard import MemoryLocks
     from taskguard.clock import FixedClock
+    from taskguard_celery.beat import SingletonBeatMixin
 
     now = [1_000_000.5]
     app = Celery("clocked", set_as_current=False, broker="memory://")
@@ -333,13 +332,14 @@ def test_beat_takes_its_time_source_from_the_injected_clock(tmp_path):
 
     s = Sched(app, schedule_filename=str(tmp_path / "s"), taskguard_clock=FixedClock(lambda: now[0]))
     try:
-        assert s._tg_now() == now[0] and s.taskguard_leader() is not None
+        assert s.taskguard_periodic.now() == now[0] and s.taskguard_leader() is not None
         entry = s.schedule["e"]
         due, next_in = s.is_due(entry)
         assert due and abs(next_in - 9.5) < 1e-6  # the window 1000000.0 (0.5 s late), the next in 9.5 s
-        assert s._tg_due(entry, s._tg_now())[0] == 1_000_000.0
+        core = s.taskguard_periodic
+        assert core.latest(s.taskguard_entry(entry), core.now())[0] == 1_000_000.0
         now[0] += 123.0
         due, next_in = s.is_due(entry)
-        assert due and abs(next_in - 6.5) < 1e-6 and s._tg_due(entry, s._tg_now())[0] == 1_000_120.0
+        assert due and abs(next_in - 6.5) < 1e-6 and core.latest(s.taskguard_entry(entry), core.now())[0] == 1_000_120.0
     finally:
         s.close()

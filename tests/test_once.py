@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from taskguard import ConfigError, IdempotencyConflict, LeaseEvent, Skipped, is_skipped
-from taskguard.once import Fingerprint, OncePolicy, fingerprint_of
 from taskguard.keys import KeyTemplate
+from taskguard.once import Fingerprint, OncePolicy, fingerprint_of
 from taskguard.run import GuardedRun
 
 

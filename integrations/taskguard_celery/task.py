@@ -8,23 +8,24 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, cast
 
 from celery import Task, shared_task
 from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 from celery.utils.time import get_exponential_backoff_interval, maybe_iso8601
 
-from taskguard import ConfigError, LeaseBackendError, Locks
+from taskguard import ConfigError, Lease, LeaseBackendError, Locks
 from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, release_handle
-from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.pipeline import Run, decide
+from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 
 from . import identity, skipping, uniqueness
-from .beat import beat_run, entry_guard
+from .beat_runs import beat_run, entry_guard
 from .config import locks_for
 from .decisions import CeleryHooks, execution, outcome
 from .headers import BEAT_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, new_publish_stamp, read_header

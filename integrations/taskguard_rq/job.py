@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rq import Retry, get_current_job
 
