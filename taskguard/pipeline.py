@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Mapping, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, cast
 
+from .keys import KeyTemplate
 from .locks import Locks
 from .pacing import pace, shadow_check
 from .policy import GuardOptions
@@ -105,7 +107,7 @@ class Hooks(Protocol):
     def result_codec(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """``(dumps, loads)`` for a ``once`` value, as the framework stores results."""
 
-    def rate_state(self) -> dict | None:
+    def rate_state(self) -> dict[str, Any] | None:
         """The pacing state this execution carried back from a rate deferral, or ``None``."""
 
     def rate_bound(self) -> float:
@@ -148,7 +150,7 @@ class Defer:
     countdown: float
     why: Reason
     key: str
-    state: dict | None = None
+    state: dict[str, Any] | None = None
     run: GuardedRun | None = None
     skipped: Skipped | None = None
 
@@ -174,7 +176,7 @@ class Duplicate:
 Decision = Run | Skip | Defer | Stored | Duplicate
 
 
-def decide(opts: GuardOptions, key: str, args: tuple, kwargs: dict, ex: Execution, hooks: Hooks,
+def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], ex: Execution, hooks: Hooks,
            locks: Locks) -> Decision:
     """Decide one execution (see the module's table). Raises what the call's arguments cause
     (``TypeError``...), LeaseBackendError when Redis fails before the body could run,
@@ -228,20 +230,21 @@ def decide(opts: GuardOptions, key: str, args: tuple, kwargs: dict, ex: Executio
     return Run(run)
 
 
-def _pace(opts: GuardOptions, args: tuple, kwargs: dict, ex: Execution, hooks: Hooks, locks: Locks,
+def _pace(opts: GuardOptions, args: tuple[Any, ...], kwargs: dict[str, Any], ex: Execution, hooks: Hooks, locks: Locks,
           handle: Mapping[str, Any] | None) -> Skip | Defer | None:
     """The rate (:func:`taskguard.pacing.pace`): ``None`` when the run goes on now (a local
     call waits for its turn here), else the :class:`Skip` or :class:`Defer`."""
     state = hooks.rate_state()
-    rate_key = opts.rate_key.render(args, kwargs)
+    rate_key = cast(KeyTemplate, opts.rate_key).render(args, kwargs)  # (a guard with a rate has its key)
+    rate = cast("tuple[int, float]", opts.rate)
     bound = hooks.rate_bound()
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the run goes ahead
-        if shadow_check(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+        if shadow_check(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
                         max_countdown=bound, task=ex.task):
             hooks.shadow(rate_key, Reason.RATE_LIMITED.value, None, False, True)
         return None
     while True:
-        p = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+        p = pace(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
                  max_countdown=bound, state=state)
         if p.go:
             if p.countdown > 0:

@@ -10,8 +10,8 @@ from typing import Any
 from .errors import ConfigError
 from .keys import KeyTemplate
 from .once import Fingerprint
-from .values import OnLost, OnSkip
 from .validate import check_burst, check_limit, check_rate, check_seconds, check_ttl
+from .values import OnLost, OnSkip
 
 __all__ = ["GuardOptions", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS",
            "check_option_names"]
@@ -188,8 +188,8 @@ class GuardOptions:
                 raise bad(f"{flag} must be True or False, got {value!r}")
         if isinstance(skip_max_retries, bool) or not isinstance(skip_max_retries, int) or skip_max_retries < 0:
             raise bad(f"skip_max_retries must be an int >= 0, got {skip_max_retries!r}")
-        return cls(template, ttl, wait, renew, OnSkip(on_skip), OnLost(on_lost), skip_retry_delay, skip_max_retries, max_hold,
-                   continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait, once, once_ttl,
+        return cls(template, ttl, wait, renew, OnSkip(on_skip), OnLost(on_lost), skip_retry_delay, skip_max_retries,
+                   max_hold, continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait, once, once_ttl,
                    fingerprint, once_max_bytes, enforce, unique, unique_ttl)
 
     def once_policy(self, args: tuple[Any, ...], kwargs: dict[str, Any], dumps: Any = None, loads: Any = None) -> Any:

@@ -86,8 +86,8 @@ class GuardedRun:
         limit: how many runs may hold ``key`` at once (``int`` >= 1; see :meth:`Locks.acquire`).
         run_id: the identity of the run (a Celery task id, an RQ job id), or ``None``.
         task: the task name for skips, events and logs, or ``None``.
-        on_lost: :class:`~taskguard.values.OnLost`: ``"raise"`` (:meth:`finish` raises :class:`~taskguard.LeaseLost` when the
-            lease was lost while the body ran) or ``"warn"`` (log and carry on).
+        on_lost: :class:`~taskguard.values.OnLost`: ``"raise"`` (:meth:`finish` raises
+            :class:`~taskguard.LeaseLost` when the lease was lost while the body ran) or ``"warn"`` (log and carry on).
         finished_ttl: seconds a finished run's own marker is kept (see
             :meth:`~taskguard.Lease.release`); ``None``: no marker, only the key's fence record
             remembers its last finished run (the caller has another record of finished runs,
@@ -114,7 +114,8 @@ class GuardedRun:
             :meth:`stored_value`). In shadow mode: what the guard would have done (the body
             runs anyway), or ``None``.
         holder_ttl: seconds left on the holder's lease when not acquired, where known.
-        state: a :class:`~taskguard.values.RunState`: ``"new"``, ``"running"``, ``"skipped"``, ``"finished"``, ``"handed_back"`` or ``"kept"``.
+        state: a :class:`~taskguard.values.RunState`: ``"new"``, ``"running"``, ``"skipped"``,
+            ``"finished"``, ``"handed_back"`` or ``"kept"``.
         tag: free for the adapter (e.g. the Celery task object the run belongs to).
         delivery: which delivery of ``run_id`` this is, when an id can run more than once (a
             Celery publish stamp): finished runs are recorded per (``run_id``, ``delivery``).

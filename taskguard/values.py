@@ -16,8 +16,11 @@ __all__ = ["Reason", "RunState", "OnSkip", "OnLost", "plain"]
 
 
 class _Value(str, enum.Enum):
-    __str__ = str.__str__  # "held", not "Reason.HELD", in messages and logs
-    __format__ = str.__format__
+    def __str__(self) -> str:  # "held", not "Reason.HELD", in messages and logs
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
 
     @classmethod
     def of(cls, value: Any) -> Any:

@@ -20,14 +20,16 @@ each of its decisions means for a Celery execution.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 from celery.exceptions import Retry
 
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.pacing import parse_state
-from taskguard.values import Reason
 from taskguard.pipeline import Decision, Defer, Duplicate, Execution, Skip, Stored
+from taskguard.run import GuardedRun
+from taskguard.skipped import Skipped
+from taskguard.values import Reason
 
 from . import identity, skipping, uniqueness
 from .headers import DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, read_header
@@ -123,7 +125,7 @@ def outcome(task: Any, decision: Decision, skips: int, redelivered: bool) -> Any
         return skipping.duplicate(task, decision.key, task.taskguard_locks)
     assert isinstance(decision, Defer)
     if decision.why == Reason.RUNNING:
-        identity.defer(task, decision.run, redelivered)  # raises Ignore
+        identity.defer(task, cast(GuardedRun, decision.run), redelivered)  # raises Ignore
     _defer_rate(task, decision)
 
 
@@ -137,7 +139,7 @@ def _defer_rate(task: Any, d: Defer) -> None:
     headers.pop(HEADER, None)
     if skips:
         headers[HEADER] = {"skips": skips}
-    skipping.send_skip_event(task, d.skipped, retrying=True, retry_after=round(d.countdown, 3),
+    skipping.send_skip_event(task, cast(Skipped, d.skipped), retrying=True, retry_after=round(d.countdown, 3),
                              turn=None if d.state is None else d.state.get("turn"))
     booked = d.state is not None and d.state.get("turn") is not None
     log.info("task %s[%s]: rate-limited; %s in %.2fs", task.name, req.id,

@@ -10,14 +10,14 @@ import logging
 import weakref
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, cast
+from typing import Any
 
 from celery import Task, shared_task
 from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 from celery.utils.time import get_exponential_backoff_interval, maybe_iso8601
 
-from taskguard import ConfigError, Lease, LeaseBackendError, Locks
+from taskguard import ConfigError, LeaseBackendError, Locks
 from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.pipeline import Run, decide

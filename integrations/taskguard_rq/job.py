@@ -28,8 +28,8 @@ from rq import Retry, get_current_job
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
 from taskguard.pacing import parse_state
-from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.pipeline import Execution, Run, Skip, Stored, decide
+from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 from taskguard.values import Reason
 
