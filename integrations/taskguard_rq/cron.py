@@ -215,7 +215,10 @@ def check_registration(data: Mapping[str, Any], zone: tzinfo) -> CronEntry:
     if guard is not None:
         if not isinstance(guard, dict):
             raise ConfigError(f"{where}: meta[{ENTRY_OPTION!r}] must be a dict of guard options, got {guard!r}")
-        check_option_names(name, guard, supported=ENTRY_OPTIONS, elsewhere=_ELSEWHERE)
+        try:
+            check_option_names(name, guard, supported=ENTRY_OPTIONS, elsewhere=_ELSEWHERE)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: meta[{ENTRY_OPTION!r}]: {str(e).split(': ', 1)[-1]}") from None
         if getattr(func, "taskguard_options", None) is None:
             raise ConfigError(
                 f"{where}: meta[{ENTRY_OPTION!r}] gives guard options, but {name} is not a "
