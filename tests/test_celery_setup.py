@@ -94,7 +94,8 @@ EXPECTED = {
 
 @pytest.mark.parametrize("how", ["app.task", "shared", "register_task", "install"])
 def test_import_connects_nothing_and_binding_connects_every_receiver_once(how):
-    out = subprocess.run([sys.executable, "-c", PROBE, how], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", PROBE, how], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     steps = json.loads(out.stdout.strip().splitlines()[-1])
     assert steps["import"] == {}, steps  # importing taskguard_celery connects no receiver

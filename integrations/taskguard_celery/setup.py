@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from celery.utils.dispatch import Signal
 
