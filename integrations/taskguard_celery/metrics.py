@@ -2,8 +2,8 @@
 
 Enabled by ``TASKGUARD_METRICS=1`` or ``app.conf.taskguard_metrics = True``: each worker process
 (the main process and every prefork child) installs the listener; with ``TASKGUARD_METRICS=1``
-so does any process that binds a guarded task (:func:`taskguard_celery.setup.install`). With the prefork pool set
-``PROMETHEUS_MULTIPROC_DIR`` for the worker and serve ``/metrics`` from one process:
+so does any process that binds a guarded task (:func:`taskguard_celery.setup.install`). With the
+prefork pool set ``PROMETHEUS_MULTIPROC_DIR`` for the worker and serve ``/metrics`` from one process:
 ``app.conf.taskguard_metrics_port`` makes the worker's main process serve it, or run
 ``taskguard metrics --port PORT`` beside the worker with the same directory.
 """
