@@ -94,8 +94,9 @@ EXPECTED = {
 
 @pytest.mark.parametrize("how", ["app.task", "shared", "register_task", "install"])
 def test_import_connects_nothing_and_binding_connects_every_receiver_once(how):
-    out = subprocess.run([sys.executable, "-c", PROBE, how], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, how], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     steps = json.loads(out.stdout.strip().splitlines()[-1])
     assert steps["import"] == {}, steps  # importing taskguard_celery connects no receiver
@@ -108,8 +109,13 @@ def test_import_connects_nothing_and_binding_connects_every_receiver_once(how):
 def test_a_fresh_cli_worker_runs_the_worker_init_check(redis_url, prefix):
     """``celery worker`` binds its app's tasks (finalizing it) before it sends ``worker_init``, so
     the settings check connected by the first bind still stops a worker with a bad setting."""
-    worker = WorkerProcess(f"q-{prefix}", prefix, pool="solo", concurrency=1,
-                           conf={"taskguard_locks": None, "taskguard_redis_url": "redis://:s3cr3t@host:6379/0?bogus=1"})
+    worker = WorkerProcess(
+        f"q-{prefix}",
+        prefix,
+        pool="solo",
+        concurrency=1,
+        conf={"taskguard_locks": None, "taskguard_redis_url": "redis://:s3cr3t@host:6379/0?bogus=1"},
+    )
     worker.start(wait_ready=False)
     try:
         code = worker.proc.wait(60)
@@ -130,8 +136,13 @@ def test_spawned_prefork_children_run_the_worker_process_init_receiver(redis_url
     app = make_app(queue, prefix)
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "TASKGUARD_METRICS": ""}
     # (the app is pickled to the child: its Redis from settings, not a RedisLocks object)
-    conf = {"taskguard_metrics": True, "worker_pool_start_method": "spawn", "taskguard_locks": None,
-            "taskguard_redis_url": redis_url, "taskguard_prefix": prefix}
+    conf = {
+        "taskguard_metrics": True,
+        "worker_pool_start_method": "spawn",
+        "taskguard_locks": None,
+        "taskguard_redis_url": redis_url,
+        "taskguard_prefix": prefix,
+    }
     try:
         with WorkerProcess(queue, prefix, concurrency=2, env=env, conf=conf) as worker:
             first = app.tasks["tg.slow"].delay(7, seconds=1.0)
@@ -141,8 +152,9 @@ def test_spawned_prefork_children_run_the_worker_process_init_receiver(redis_url
             output = worker.output()
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
-        skips = registry.get_sample_value("taskguard_skips_total",
-                                          {"task": "tg.slow", "reason": "held", "shadow": "false"})
+        skips = registry.get_sample_value(
+            "taskguard_skips_total", {"task": "tg.slow", "reason": "held", "shadow": "false"}
+        )
         assert skips == 1, output[-3000:]
     finally:
         redis.Redis.from_url(redis_url).delete(app.tg_log, queue)
