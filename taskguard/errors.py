@@ -7,6 +7,8 @@ round trip. None of them ever carries an owner token.
 
 from __future__ import annotations
 
+from .skipped import Skipped
+
 __all__ = [
     "TaskguardError",
     "ConfigError",
@@ -134,9 +136,7 @@ class TaskSkipped(TaskguardError):
         return self.args[1]
 
     @property
-    def skipped(self):  # -> Skipped (import cycle avoided)
-        from .skipped import Skipped
-
+    def skipped(self) -> Skipped:
         return Skipped(key=self.args[0], reason=self.args[1], task=self.args[2], holder_ttl=self.args[3])
 
     def __str__(self) -> str:
