@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, NamedTuple, Protocol, Sequence, Union
+from typing import NamedTuple, Protocol, Sequence, Union
 
 from .errors import ConfigError, LeaseBackendError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .lease import HolderInfo
+from .lease import HolderInfo
 
 __all__ = ["Backend", "AcquireRequest", "AcquireStatus", "AcquireReply", "ClaimReply", "RateVerdict",
            "RateReply", "QueueReply", "RecordCondition", "LeaseWrite", "RenewItem", "Health", "not_a_counter"]
@@ -180,7 +178,7 @@ class Backend(Protocol):
 
     def force_release(self, key: str) -> bool: ...
 
-    def holders(self, key: str) -> list["HolderInfo"]: ...
+    def holders(self, key: str) -> list[HolderInfo]: ...
 
     def owns(self, key: str, owner: str) -> bool: ...
 

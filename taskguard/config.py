@@ -23,6 +23,7 @@ import os
 from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
+from .redis_locks import RedisLocks
 from .urls import check_url
 from .validate import MAX_SECONDS, check_fraction, check_prefix, check_seconds, check_setting_names
 
@@ -105,7 +106,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     return out
 
 
-def from_env(environ: Mapping[str, str] | None = None, *, client: Any = None, **overrides: Any):
+def from_env(environ: Mapping[str, str] | None = None, *, client: Any = None, **overrides: Any) -> RedisLocks:
     """Build a :class:`~taskguard.RedisLocks` from ``TASKGUARD_*`` variables.
 
     Args:
@@ -119,8 +120,6 @@ def from_env(environ: Mapping[str, str] | None = None, *, client: Any = None, **
         ConfigError: a variable is malformed, or ``TASKGUARD_REDIS_URL`` is missing while no
             ``client`` is given.
     """
-    from .redis_locks import RedisLocks
-
     opts = read_env(environ)
     opts.update(overrides)
     url = opts.pop("url", None)

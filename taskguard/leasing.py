@@ -73,42 +73,40 @@ def _task_of(meta: Mapping[str, Any]) -> str | None:
 
 
 @dataclasses.dataclass(slots=True)
-class LeaseRequest:
-    """A validated :meth:`~taskguard.Locks.acquire` call: what the backend is asked each try
-    (:attr:`backend`) and what the policy does around it.
+class LeaseRequest(AcquireRequest):
+    """A validated :meth:`~taskguard.Locks.acquire` call: the
+    :class:`~taskguard.backend.AcquireRequest` the backend is sent on each try, plus what the
+    policy does around it.
 
-    Attributes:
-        backend: the :class:`~taskguard.backend.AcquireRequest` sent on each try.
+    Attributes (beside the backend's):
         wait: seconds to wait for a held lease (0: try once).
         renew: register the lease with the heartbeat.
         max_hold: seconds the heartbeat renews it at most (``None``: no bound).
         holder: the holder metadata (``dict``) the handle carries.
     """
 
-    backend: AcquireRequest
-    wait: float
-    renew: bool
-    max_hold: float | None
-    holder: dict
+    wait: float = 0.0
+    renew: bool = False
+    max_hold: float | None = None
+    holder: dict | None = None
 
     @classmethod
-    def build(cls, key: str, *, ttl: float, wait: float = 0.0, holder: Mapping[str, Any] | None = None,
+    def build(cls, key: str, ttl: float, wait: float = 0.0, holder: Mapping[str, Any] | None = None,
               renew: bool = False, max_hold: float | None = None, run_id: str | None = None,
               refuse_finished: bool = False, delivery: str | None = None, markers: bool = True,
-              limit: int = 1, default_max_hold: float | None = None) -> "LeaseRequest":
-        """Validate the arguments of :meth:`~taskguard.Locks.acquire` (see there) and draw a fresh
-        owner token. Raises ConfigError."""
+              limit: int = 1) -> "LeaseRequest":
+        """Validate the arguments of :meth:`~taskguard.Locks.acquire` (see there; ``max_hold``:
+        ``None`` for no bound) and draw a fresh owner token. Raises ConfigError."""
         key = check_key(key)
         ttl = check_ttl(ttl)
         wait = check_seconds("wait", wait, allow_zero=True)
-        max_hold = default_max_hold if max_hold is None else check_seconds("max_hold", max_hold)
+        max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
         run_id = check_run_id(run_id)
         limit = check_limit(limit)
         fid = finished_id(run_id, delivery)
         meta, meta_json = holder_meta(holder)
-        req = AcquireRequest(key, new_owner_token(), ttl, meta_json, run_id, refuse_finished and run_id is not None,
-                             fid, markers, limit)
-        return cls(req, wait, renew, max_hold, meta)
+        return cls(key, new_owner_token(), ttl, meta_json, run_id, refuse_finished and run_id is not None, fid, markers,
+                   limit, wait, renew, max_hold, meta)
 
 
 class Leases:
@@ -140,8 +138,9 @@ class Leases:
     # -- taking leases ------------------------------------------------------------------------
     def acquire(self, request: LeaseRequest) -> Acquisition:
         """Try, and wait up to ``request.wait`` seconds, for the lease (see :meth:`Locks.acquire`)."""
-        req, meta = request.backend, request.holder
-        key, ttl, wait = req.key, req.ttl, request.wait
+        req = request
+        meta = req.holder or {}
+        key, ttl, wait = req.key, req.ttl, req.wait
         backend, clock = self.backend, self.clock
         started = time.monotonic()
         deadline = started + wait
@@ -287,7 +286,8 @@ class Leases:
         also write the key's completion record atomically with the release (the run finished)."""
         if lease.inherited or lease.released:
             return False
-        lease.stop_renewing()
+        if lease.renewing:
+            lease.stop_renewing()
         started = time.monotonic()
         try:
             if finished_ttl is not None:

@@ -185,10 +185,9 @@ class Locks:
             ConfigError: invalid ``key``, ``ttl``, ``wait``, ``max_hold``, ``limit`` or ``holder``.
             LeaseBackendError: Redis unreachable or failing. Never reported as "held".
         """
-        return self.leasing.acquire(LeaseRequest.build(
-            key, ttl=ttl, wait=wait, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id,
-            refuse_finished=refuse_finished, delivery=delivery, markers=markers, limit=limit,
-            default_max_hold=self.leasing.max_hold))
+        leasing = self.leasing
+        return leasing.acquire(LeaseRequest.build(key, ttl, wait, holder, renew, leasing.max_hold if max_hold is None
+                                                  else max_hold, run_id, refuse_finished, delivery, markers, limit))
 
     def restore(
         self,
