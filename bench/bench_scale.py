@@ -56,7 +56,7 @@ except ImportError:  # pragma: no cover
 
 from taskguard import RedisLocks
 from taskguard.heartbeat import COALESCE, get_heartbeat
-from taskguard.redis_locks import SIGNAL_TTL
+from taskguard.redis_backend import SIGNAL_TTL
 from taskguard.urls import redact_url
 from benchlib import arg_parser, cleanup, exit_on_sigterm, fmt_table, git_state, open_admin, pct, run_prefix, verdict  # noqa: E402
 

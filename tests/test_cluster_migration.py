@@ -197,7 +197,7 @@ def test_cluster_renewal_batches_are_cut_per_node(cluster_locks, monkeypatch):
     pipeline per node: the batch limit applies per node, not before the leases are routed."""
     from redis.client import Pipeline
 
-    from taskguard.redis_locks import RENEW_BATCH
+    from taskguard.redis_backend import RENEW_BATCH
 
     cl, client, locks = cluster_locks
     n = 2400
