@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import NamedTuple, Protocol, Sequence, Union
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 from .errors import ConfigError, LeaseBackendError
 from .lease import HolderInfo
@@ -110,7 +111,7 @@ class RecordCondition(str, enum.Enum):
     ABSENT_OR_EQ = "absent_or_eq"
 
     @classmethod
-    def of(cls, if_absent: bool, if_value: str | None) -> "RecordCondition":
+    def of(cls, if_absent: bool, if_value: str | None) -> RecordCondition:
         if if_value is not None:
             return cls.ABSENT_OR_EQ if if_absent else cls.EQ
         return cls.ABSENT if if_absent else cls.ANY
@@ -159,7 +160,7 @@ class Backend(Protocol):
     def renew(self, key: str, owner: str, ttl: float) -> bool:
         """Extend the lease if ``owner`` holds it; never recreate it."""
 
-    def renew_many(self, items: Sequence[RenewItem]) -> list[Union[bool, LeaseBackendError]]:
+    def renew_many(self, items: Sequence[RenewItem]) -> list[bool | LeaseBackendError]:
         """Renew several leases; one outcome each: ``True``, ``False`` or the error (not raised)."""
 
     def release(self, key: str, owner: str, finished_run: str | None = None,

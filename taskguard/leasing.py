@@ -12,7 +12,8 @@ import os
 import secrets
 import time
 import weakref
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .backend import AcquireRequest, AcquireStatus, Backend, LeaseWrite, RecordCondition, RenewItem
 from .clock import LOCAL, Clock
@@ -21,8 +22,17 @@ from .events import Emitter, LeaseEvent
 from .heartbeat import get_heartbeat
 from .lease import Acquisition, HolderInfo, Lease, slot_of, slot_suffix
 from .liveness import process_identity
-from .validate import (check_key, check_limit, check_name, check_run_id, check_seconds, check_token, check_ttl,
-                       check_value, encodable)
+from .validate import (
+    check_key,
+    check_limit,
+    check_name,
+    check_run_id,
+    check_seconds,
+    check_token,
+    check_ttl,
+    check_value,
+    encodable,
+)
 
 __all__ = ["Leases", "LeaseRequest", "new_owner_token", "finished_id", "holder_meta"]
 
@@ -44,10 +54,10 @@ def finished_id(run_id: str | None, delivery: Any) -> str | None:
     return run_id + "#" + encodable("delivery", delivery)
 
 
-_BASE_META: dict[int, tuple[dict, str]] = {}  # per pid: default holder metadata and its JSON
+_BASE_META: dict[int, tuple[dict[str, Any], str]] = {}  # per pid: default holder metadata and its JSON
 
 
-def holder_meta(holder: Mapping[str, Any] | None) -> tuple[dict, str]:
+def holder_meta(holder: Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
     """The holder metadata stored with a lease: this process's ``host`` and ``pid`` plus
     ``holder``, and its JSON. Raises ConfigError for a non-mapping or non-JSON ``holder``."""
     pid = os.getpid()
@@ -88,13 +98,13 @@ class LeaseRequest(AcquireRequest):
     wait: float = 0.0
     renew: bool = False
     max_hold: float | None = None
-    holder: dict | None = None
+    holder: dict[str, Any] | None = None
 
     @classmethod
     def build(cls, key: str, ttl: float, wait: float = 0.0, holder: Mapping[str, Any] | None = None,
               renew: bool = False, max_hold: float | None = None, run_id: str | None = None,
               refuse_finished: bool = False, delivery: str | None = None, markers: bool = True,
-              limit: int = 1) -> "LeaseRequest":
+              limit: int = 1) -> LeaseRequest:
         """Validate the arguments of :meth:`~taskguard.Locks.acquire` (see there; ``max_hold``:
         ``None`` for no bound) and draw a fresh owner token. Raises ConfigError."""
         key = check_key(key)
@@ -127,7 +137,7 @@ class Leases:
         self.clock: Clock = LOCAL
         self.renew_fraction = renew_fraction
         self.max_hold = max_hold
-        self._live: "weakref.WeakSet[Lease]" = weakref.WeakSet()
+        self._live: weakref.WeakSet[Lease] = weakref.WeakSet()
 
     def _emit(self, kind: str, key: str, status: str, **fields: Any) -> None:
         # hot paths test self.emitter.active first, so that no event (nor its fields) is built
@@ -154,8 +164,9 @@ class Leases:
                 raise
             status = reply.status
             if status is AcquireStatus.ACQUIRED:
-                lease = Lease(self, key, req.owner + slot_suffix(reply.slot), ttl=ttl, fencing_token=reply.fencing_token,
-                              expires_at=sent_at + ttl, holder=meta, run_id=req.run_id, deadline=sent_mono + ttl)
+                lease = Lease(self, key, req.owner + slot_suffix(reply.slot), ttl=ttl,
+                              fencing_token=reply.fencing_token, expires_at=sent_at + ttl, holder=meta,
+                              run_id=req.run_id, deadline=sent_mono + ttl)
                 lease.finished_id = req.finished_id
                 self.track(lease, request.renew, request.max_hold)
                 if self.emitter.active:
@@ -227,11 +238,11 @@ class Leases:
     # -- without a handle ---------------------------------------------------------------------
     def release_run(self, key: str, run_id: str) -> bool:
         """See :meth:`Locks.release_run`."""
-        run_id = check_run_id(run_id)
-        if run_id is None:
+        run = check_run_id(run_id)
+        if run is None:
             raise ConfigError("run_id is required")
         started = time.monotonic()
-        ok = self.backend.release_run(check_key(key), run_id)
+        ok = self.backend.release_run(check_key(key), run)
         self._emit("release", key, "released_for_run" if ok else "not_owner", duration=time.monotonic() - started)
         return ok
 

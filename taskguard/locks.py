@@ -12,7 +12,8 @@ of ``once`` (:class:`~taskguard.completions.Completions`) and queue marks
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 from .backend import Backend, Health
 from .clock import Clock

@@ -5,10 +5,23 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from .backend import (AcquireReply, AcquireRequest, AcquireStatus, ClaimReply, Health, LeaseWrite, QueueReply,
-                      RateReply, RateVerdict, RecordCondition, RenewItem, not_a_counter)
+from .backend import (
+    AcquireReply,
+    AcquireRequest,
+    AcquireStatus,
+    ClaimReply,
+    Health,
+    LeaseWrite,
+    QueueReply,
+    RateReply,
+    RateVerdict,
+    RecordCondition,
+    RenewItem,
+    not_a_counter,
+)
 from .lease import HolderInfo, slot_of, slot_suffix
 from .throttle import gcra
 

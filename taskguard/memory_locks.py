@@ -8,7 +8,7 @@ Leases live in this process only, so it gives no mutual exclusion across process
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from .clock import LOCAL, FixedClock
 from .events import Listener

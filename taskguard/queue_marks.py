@@ -29,9 +29,10 @@ class QueueMarks:
         self.emitter = emitter
 
     def mark(self, key: str, run_id: str, *, ttl: float, task: str, shadow: bool = False) -> QueueReply:
-        run_id = check_run_id(run_id)
-        if run_id is None:
+        run = check_run_id(run_id)
+        if run is None:
             raise ConfigError("run_id is required")
+        run_id = run
         if not isinstance(task, str) or not task:
             raise ConfigError(f"task must be a non-empty str, got {task!r}")
         key, task = check_key(key), encodable("task", task)

@@ -12,13 +12,26 @@ import logging
 import math
 import secrets
 import time
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
 
 from . import scripts
-from .backend import (AcquireReply, AcquireRequest, AcquireStatus, ClaimReply, Health, LeaseWrite, QueueReply,
-                      RateReply, RateVerdict, RecordCondition, RenewItem, not_a_counter)
+from .backend import (
+    AcquireReply,
+    AcquireRequest,
+    AcquireStatus,
+    ClaimReply,
+    Health,
+    LeaseWrite,
+    QueueReply,
+    RateReply,
+    RateVerdict,
+    RecordCondition,
+    RenewItem,
+    not_a_counter,
+)
 from .errors import LeaseBackendError, TaskguardError
 from .lease import HolderInfo
 
@@ -66,6 +79,10 @@ def _nonce() -> str:
 
 def _text(raw: Any) -> Any:
     return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _text_or_none(raw: Any) -> str | None:
+    return None if raw is None else str(_text(raw))
 
 
 def socket_timeout_of(client: Any) -> float | None:
@@ -207,12 +224,12 @@ class RedisBackend:
             missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
             if missing:
                 again = self._pipeline_renew([items[i] for i in missing], use_eval=True)
-                for i, r in zip(missing, again):
+                for i, r in zip(missing, again, strict=True):
                     results[i] = r
         except RedisError as e:
             return [backend_error("renew", None, e)] * len(items)
         out = []
-        for (key, _, _), r in zip(items, results):
+        for (key, _, _), r in zip(items, results, strict=True):
             out.append(backend_error("renew", key, r) if isinstance(r, Exception) else int(r) == 1)
         return out
 
@@ -257,7 +274,7 @@ class RedisBackend:
                     replies = pipe.execute(raise_on_error=False)
                 except RedisError as e:  # this node unreachable: its leases fall back one by one below
                     replies = [e] * len(idx)
-                for i, r in zip(idx, replies):
+                for i, r in zip(idx, replies, strict=True):
                     results[i] = r
         for i, r in enumerate(results):
             if isinstance(r, RedisError) and not isinstance(r, NoScriptError):
@@ -357,14 +374,14 @@ class RedisBackend:
                                           (owner, "d:" + name, value, cond.value, expect)))]
 
     def get_lease_record(self, key: str, name: str) -> str | None:
-        return _text(self._call("record", key, self.client.hget, self.lease_key(key), "d:" + name))
+        return _text_or_none(self._call("record", key, self.client.hget, self.lease_key(key), "d:" + name))
 
     def put_record(self, key: str, name: str, value: str, ttl: float, cond: RecordCondition, expect: str) -> bool:
         return int(self._run("record", key, scripts.PUT_RECORD, (self.record_key(key, name),),
                              (value, ms(ttl), cond.value, expect))) == 1
 
     def get_record(self, key: str, name: str) -> str | None:
-        return _text(self._call("record", key, self.client.get, self.record_key(key, name)))
+        return _text_or_none(self._call("record", key, self.client.get, self.record_key(key, name)))
 
     def delete_record(self, key: str, name: str, expect: str) -> bool:
         return int(self._run("record", key, scripts.DELETE_RECORD, (self.record_key(key, name),), (expect,))) == 1
@@ -389,7 +406,7 @@ class RedisBackend:
 
     # -- completions, queue marks, rates -----------------------------------------------------------
     def get_completion(self, key: str) -> str | None:
-        return _text(self._call("once", key, self.client.get, self.completion_key(key)))
+        return _text_or_none(self._call("once", key, self.client.get, self.completion_key(key)))
 
     def mark_queued(self, key: str, run_id: str, ttl: float, task: str) -> QueueReply:
         res = self._run("queue", key, scripts.QUEUE, (self.lease_key(key),),

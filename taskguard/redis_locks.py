@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .clock import Clock, ServerClock
 from .errors import ConfigError
@@ -75,7 +76,7 @@ class RedisLocks(Locks):
         retries: int = 1,
         cluster: bool = False,
         **opts: Any,
-    ) -> "RedisLocks":
+    ) -> RedisLocks:
         """Build from a ``redis://``, ``rediss://`` or ``unix://`` URL.
 
         ``connect_timeout`` and ``socket_timeout`` are seconds (float > 0); ``retries`` is how

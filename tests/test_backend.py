@@ -10,8 +10,18 @@ import pytest
 import redis
 
 from taskguard import LeaseBackendError, MemoryLocks, RedisLocks
-from taskguard.backend import (AcquireReply, AcquireRequest, AcquireStatus, Backend, ClaimReply, LeaseWrite,
-                               QueueReply, RateReply, RateVerdict, RecordCondition)
+from taskguard.backend import (
+    AcquireReply,
+    AcquireRequest,
+    AcquireStatus,
+    Backend,
+    ClaimReply,
+    LeaseWrite,
+    QueueReply,
+    RateReply,
+    RateVerdict,
+    RecordCondition,
+)
 from taskguard.memory_backend import MemoryBackend
 from taskguard.redis_backend import RedisBackend
 from taskguard.redis_client import client_from_url
