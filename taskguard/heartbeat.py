@@ -186,7 +186,7 @@ class Heartbeat:
         emitter = lease.manager.emitter
         emit = emitter.emit
         if outcome is True:
-            lease.extend(sent[0], sent[1], lease.ttl)
+            lease.note_renewed(sent[0], sent[1], lease.ttl)
             with self._cond:
                 # counted from when the round was sent, as the new expiry is: the cadence stays
                 # one interval, not an interval plus the round trip and the settling

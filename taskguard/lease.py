@@ -137,7 +137,7 @@ class Lease:
         """The TTL ran out (on the monotonic clock) since the last successful acquire/renew."""
         return self._deadline is not None and self._manager.clock.monotonic() >= self._deadline
 
-    def extend(self, sent_mono: float, sent_wall: float, ttl: float) -> None:
+    def note_renewed(self, sent_mono: float, sent_wall: float, ttl: float) -> None:
         """A renewal sent at ``sent_mono`` (monotonic) / ``sent_wall`` (epoch) succeeded: the
         lease runs ``ttl`` seconds from then (counted from the send: conservative)."""
         self._deadline = sent_mono + ttl

@@ -285,7 +285,7 @@ class Leases:
         self._emit("renew", lease.key, "renewed" if ok else "not_owner", duration=time.monotonic() - started,
                    fencing_token=lease.fencing_token, ttl=ttl, task=lease.task)
         if ok:
-            lease.extend(sent_mono, sent_at, ttl)
+            lease.note_renewed(sent_mono, sent_at, ttl)
         else:
             get_heartbeat().discard(lease)
             lease.mark_lost("renew found another owner or no lease")
