@@ -58,8 +58,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import redis
 import redis.utils
@@ -76,8 +77,10 @@ except ImportError:  # pragma: no cover
     sys.path[:0] = EXTRA_PATH[1:]
     import taskguard
 
-from taskguard.urls import redact_url
+# (imported after the sys.path set-up above)
 from benchlib import delete_matching, fmt_table, git_state, pct, run_prefix, verdict  # noqa: E402
+
+from taskguard.urls import redact_url  # noqa: E402
 
 KINDS = ("unguarded", "guarded")  # latency and command counts
 #: throughput also runs the two comparison tasks of celery_bench_app (no taskguard in them)
@@ -514,7 +517,7 @@ def print_throughput(per: dict[str, list[dict[str, Any]]], n: int, rounds: int, 
     med = {}
 
     def ratios(a: str, b: str, field: str = "rate") -> list[float]:
-        return [x[field] / y[field] for x, y in zip(per[a], per[b])]
+        return [x[field] / y[field] for x, y in zip(per[a], per[b], strict=True)]
 
     for kind in kinds:
         rates = [x["rate"] for x in per[kind]]
@@ -536,7 +539,8 @@ def print_throughput(per: dict[str, list[dict[str, Any]]], n: int, rounds: int, 
         if other in med:
             fl, vs = ratios(other, "unguarded"), ratios("guarded", other)
             out[other] = statistics.median(fl)
-            print(f"   {other + ' / unguarded':<30} = {statistics.median(fl):.3f}x  (rounds {min(fl):.3f}..{max(fl):.3f})"
+            print(f"   {other + ' / unguarded':<30} = {statistics.median(fl):.3f}x  "
+                  f"(rounds {min(fl):.3f}..{max(fl):.3f})"
                   f"   guarded / {label} = {statistics.median(vs):.3f}x")
     print(f"   added time per task: {(1 / med['guarded'] - 1 / med['unguarded']) * 1e6:+.0f} us of wall time "
           f"(at -c {concurrency}; the pool runs tasks in parallel)")
@@ -584,7 +588,7 @@ def print_latency(lat: dict[str, list[float]], calls: int) -> None:
     print(fmt_table(["kind", "p50 ms", "p90 ms", "p99 ms", "mean ms", "min ms", "max ms"], rows))
     gu = sorted(lat["guarded"])
     uu = sorted(lat["unguarded"])
-    paired = [(g - u) * 1e3 for g, u in zip(lat["guarded"], lat["unguarded"])]
+    paired = [(g - u) * 1e3 for g, u in zip(lat["guarded"], lat["unguarded"], strict=True)]
     print()
     print(f"   median difference guarded - unguarded = {(pct(gu, .5) - pct(uu, .5)) * 1e3:+.3f} ms "
           f"(p50 - p50); median of the {len(paired)} adjacent-call differences {statistics.median(paired):+.3f} ms; "
@@ -825,9 +829,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
 
     import celery
-    import kombu
-
     import celery_bench_app  # reads TGBENCH_QUEUE / TGBENCH_PREFIX, set just above
+    import kombu
 
     hv = None
     try:

@@ -60,7 +60,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -112,10 +113,20 @@ except ImportError:  # pragma: no cover
     sys.path.insert(0, ROOT)
     import taskguard
 
+from benchlib import (  # noqa: E402
+    arg_parser,
+    cleanup,
+    exit_on_sigterm,
+    fmt_table,
+    git_state,
+    interleaved_rounds,
+    open_admin,
+    pct,
+    run_prefix,
+)
+
 from taskguard import RedisLocks, scripts  # noqa: E402
 from taskguard.urls import redact_url  # noqa: E402
-from benchlib import (arg_parser, cleanup, exit_on_sigterm, fmt_table, git_state, interleaved_rounds,  # noqa: E402
-                      open_admin, pct, run_prefix)
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -294,7 +305,7 @@ def section_throughput(url: str, admin: redis.Redis, prefix: str, ops: int, roun
     client = redis.Redis.from_url(url)
     ops_by_name: dict[str, Callable[[], None]] = {}
     skipped: dict[str, str] = {}
-    for name, dist, factory, _ in CONTENDERS:
+    for name, _dist, factory, _ in CONTENDERS:
         try:
             ops_by_name[name] = factory(client, prefix)[0]
         except Skip as e:
@@ -319,10 +330,10 @@ def section_throughput(url: str, admin: redis.Redis, prefix: str, ops: int, roun
     def ratios(a: str, b: str) -> list[float]:
         if a not in per_round or b not in per_round:
             return []
-        return [x / y for x, y in zip(per_round[a], per_round[b])]
+        return [x / y for x, y in zip(per_round[a], per_round[b], strict=True)]
 
     rows = []
-    for name, dist, _, _ in CONTENDERS:
+    for name, _dist, _, _ in CONTENDERS:
         if name in skipped:
             rows.append([name, f"skipped: {skipped[name]}"])
             continue
@@ -359,7 +370,7 @@ def section_costs(url: str, admin: redis.Redis, prefix: str, n: int, skipped: di
         started[0] += 1
         orig_start(self)
 
-    for name, dist, factory, what in CONTENDERS:
+    for name, _dist, factory, _what in CONTENDERS:
         if name in skipped:
             continue
         fn, client_side, inside = factory(client, prefix + ":cnt")
@@ -391,7 +402,7 @@ def section_costs(url: str, admin: redis.Redis, prefix: str, n: int, skipped: di
     for line in notes:
         print(line)
     print("\n   what each does per acquire + release:")
-    for name, dist, _, what in CONTENDERS:
+    for name, _dist, _, what in CONTENDERS:
         print(f"   - {name}: {what}")
     client.close()
 
@@ -418,7 +429,7 @@ def section_profile(url: str, prefix: str, n: int) -> None:
         st = pstats.Stats(prof).stats  # type: ignore[attr-defined]
         split = {"recv": 0.0, "send": 0.0, "taskguard": 0.0, "redis-py": 0.0, "stdlib": 0.0}
         top: list[tuple[float, str]] = []
-        for (path, line, func), (_, _, tt, _, _) in st.items():
+        for (path, _line, func), (_, _, tt, _, _) in st.items():
             if path == "~" and "recv" in func:  # <method 'recv_into' of '_socket.socket' objects>
                 split["recv"] += tt
             elif path == "~" and "send" in func:
@@ -572,7 +583,7 @@ def run_contention(kind: str, mode: str, n: int, url: str, admin: redis.Redis, p
     window_end = t0 + duration
     in_window = [x for x in recs if x[0] <= window_end]
     handoffs, self_again, overlaps = [], 0, 0
-    for prev, nxt in zip(in_window, in_window[1:]):
+    for prev, nxt in zip(in_window, in_window[1:], strict=False):
         if nxt[0] < prev[1]:
             overlaps += 1  # the next holder got it before the previous one began releasing
         if nxt[2] == prev[2]:

@@ -65,9 +65,20 @@ except ImportError:  # pragma: no cover
 import multiprocessing
 import signal
 
+from benchlib import (  # noqa: E402
+    arg_parser,
+    cleanup,
+    exit_on_sigterm,
+    fmt_table,
+    git_state,
+    interleaved_rounds,
+    open_admin,
+    pct,
+    run_prefix,
+)
+
 from taskguard import RedisLocks
 from taskguard.urls import redact_url
-from benchlib import arg_parser, cleanup, exit_on_sigterm, fmt_table, git_state, interleaved_rounds, open_admin, pct, run_prefix  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for name in contenders:
             med = statistics.median(per_round[name])
-            ratios = sorted(a / b for a, b in zip(per_round[name], base))
+            ratios = sorted(a / b for a, b in zip(per_round[name], base, strict=True))
             rows.append([name, f"{1 / med:,.0f}", f"{med * 1e6:.1f}", f"{pct(lat[name], .5) * 1e6:.1f}",
                          f"{pct(lat[name], .99) * 1e6:.1f}",
                          f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}..{ratios[-1]:.2f})"])
@@ -209,10 +220,11 @@ def bench_holder_limits(args, client, locks, admin, prefix) -> None:
     rows = []
     for name in contenders:
         med = statistics.median(per_round[name])
-        r_ping = sorted(a / b for a, b in zip(per_round[name], base))
-        r_one = sorted(a / b for a, b in zip(per_round[name], one))
+        r_ping = sorted(a / b for a, b in zip(per_round[name], base, strict=True))
+        r_one = sorted(a / b for a, b in zip(per_round[name], one, strict=True))
         rows.append([name, f"{med * 1e6:.1f}", f"{pct(lat[name], .99) * 1e6:.1f}", f"{redis_us[name][1]:.1f}",
-                     f"{redis_us[name][0]:.1f}", f"{statistics.median(r_ping):.3f}x ({r_ping[0]:.2f}..{r_ping[-1]:.2f})",
+                     f"{redis_us[name][0]:.1f}",
+                     f"{statistics.median(r_ping):.3f}x ({r_ping[0]:.2f}..{r_ping[-1]:.2f})",
                      f"{statistics.median(r_one):.3f}x"])
     print(f"## §1 holder limits: acquire + release, {args.rounds} interleaved rounds x {args.ops} ops\n")
     print(fmt_table(["contender", "us/op", "p99 us", "cmds/op", "redis us/op", "vs 2x PING", "vs limit=1"], rows,
@@ -252,13 +264,14 @@ def bench_unique_publish(args: Any, admin: Any, prefix: str) -> None:
         job.apply_async((-1,), unique=True)  # the first call marked it; every later one is suppressed
 
     try:
-        contenders = {"apply_async": plain, "unique=True, new key": unique_new, "unique=True, key queued": unique_queued}
+        contenders = {"apply_async": plain, "unique=True, new key": unique_new,
+                      "unique=True, key queued": unique_queued}
         per_round, lat, _orders = interleaved_rounds(contenders, ops, args.rounds)
         base = per_round["apply_async"]
         rows = []
         for name in contenders:
             med = statistics.median(per_round[name])
-            ratios = sorted(a / b for a, b in zip(per_round[name], base))
+            ratios = sorted(a / b for a, b in zip(per_round[name], base, strict=True))
             rows.append([name, f"{med * 1e6:.1f}", f"{pct(lat[name], .99) * 1e6:.1f}",
                          f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}..{ratios[-1]:.2f})"])
         print(f"## §3 publishing a guarded Celery task, {args.rounds} interleaved rounds x {ops} publishes\n")

@@ -54,12 +54,12 @@ except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import taskguard
 
+from benchlib import arg_parser, cleanup, exit_on_sigterm, fmt_table, git_state, open_admin, pct, run_prefix, verdict  # noqa: E402
+
 from taskguard import RedisLocks
 from taskguard.heartbeat import COALESCE, get_heartbeat
 from taskguard.redis_backend import SIGNAL_TTL
 from taskguard.urls import redact_url
-from benchlib import arg_parser, cleanup, exit_on_sigterm, fmt_table, git_state, open_admin, pct, run_prefix, verdict  # noqa: E402
-
 
 
 # -- small helpers ---------------------------------------------------------------------------------

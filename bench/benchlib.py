@@ -11,7 +11,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -38,9 +39,10 @@ def fmt_table(headers: list[str], rows: list[list[str]], align: str | None = Non
 
     def line(cells: list[str]) -> str:
         if len(cells) < len(headers):
-            head = [c.ljust(w) for c, w in zip(cells[:lead], widths)]
+            head = [c.ljust(w) for c, w in zip(cells[:lead], widths, strict=False)]
             return "  ".join(head + [" ".join(cells[lead:])]).rstrip()
-        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align)).rstrip()
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w)
+                         for c, w, a in zip(cells, widths, align, strict=False)).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 

@@ -39,7 +39,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import redis  # noqa: E402
-
 from benchlib import arg_parser, cleanup, exit_on_sigterm, open_admin, run_prefix  # noqa: E402
 
 TTL = 0.5
@@ -176,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(args.keys):
         clean = clean_by_key[f"k{k}"] = admin.smembers(f"{prefix}:clean:k{k}")
         fences = [int(x) for x in admin.lrange(f"{prefix}:order:k{k}", 0, -1) if x in clean]
-        regressions += sum(1 for a, b in zip(fences, fences[1:]) if b <= a)
+        regressions += sum(1 for a, b in zip(fences, fences[1:], strict=False) if b <= a)
         # the entry (e:) and exit (x:) records of the clean holds must not interleave
         inside = None
         for ev in admin.lrange(f"{prefix}:events:k{k}", 0, -1):

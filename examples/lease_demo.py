@@ -44,7 +44,7 @@ def make_locks(prefix: str) -> RedisLocks:
     return RedisLocks(redis.Redis.from_url(URL), prefix=prefix)
 
 
-def report_worker(name: str, prefix: str, db_path: str, start_at: float, out: "mp.Queue") -> None:
+def report_worker(name: str, prefix: str, db_path: str, start_at: float, out: mp.Queue) -> None:
     locks = make_locks(prefix)
     time.sleep(max(0.0, start_at - time.time()))
 
@@ -57,7 +57,7 @@ def report_worker(name: str, prefix: str, db_path: str, start_at: float, out: "m
     out.put((name, result))
 
 
-def outbox_worker(name: str, prefix: str, db_path: str, out: "mp.Queue") -> None:
+def outbox_worker(name: str, prefix: str, db_path: str, out: mp.Queue) -> None:
     locks = make_locks(prefix)
     acq = locks.acquire("outbox-drain", ttl=10, wait=20, holder={"worker": name})
     with acq.lease as lease:
@@ -70,7 +70,7 @@ def outbox_worker(name: str, prefix: str, db_path: str, out: "mp.Queue") -> None
         time.sleep(0.1)
 
 
-def paused_worker(prefix: str, db_path: str, out: "mp.Queue") -> None:
+def paused_worker(prefix: str, db_path: str, out: mp.Queue) -> None:
     locks = make_locks(prefix)
     lease = locks.acquire("nightly-export", ttl=1.0).lease  # no heartbeat: the pause outlives it
     out.put(("paused", "acquired", lease.fencing_token))
@@ -80,7 +80,7 @@ def paused_worker(prefix: str, db_path: str, out: "mp.Queue") -> None:
     out.put(("paused", "woke up", lease.fencing_token, accepted, released, lease.lost))
 
 
-def takeover_worker(prefix: str, db_path: str, out: "mp.Queue") -> None:
+def takeover_worker(prefix: str, db_path: str, out: mp.Queue) -> None:
     locks = make_locks(prefix)
     time.sleep(0.3)
     acq = locks.acquire("nightly-export", ttl=10, wait=5)
@@ -139,7 +139,7 @@ def main() -> int:
     fences = [t[1] for t in turns]
     with sqlite3.connect(db_path) as db:
         moved = db.execute("SELECT COUNT(*) FROM outbox WHERE sent_fence IS NOT NULL").fetchone()[0]
-    increasing = all(a < b for a, b in zip(fences, fences[1:]))
+    increasing = all(a < b for a, b in zip(fences, fences[1:], strict=False))
     print(f"   -> turns: {len(turns)}, fences strictly increasing in lease order: {increasing}, "
           f"rows moved: {moved}/12\n")
 

@@ -52,15 +52,16 @@ def _locks(url: str | None, prefix: str | None) -> RedisLocks:
         raise click.UsageError(str(e)) from None
 
 
-def _info(client: Any, section: str) -> dict:
-    return client.info(section)
+def _info(client: Any, section: str) -> dict[str, Any]:
+    info: dict[str, Any] = client.info(section)
+    return info
 
 
-def doctor_checks(locks: RedisLocks) -> list[dict]:
+def doctor_checks(locks: RedisLocks) -> list[dict[str, Any]]:
     """Deployment checks (design: single primary, noeviction, persistence). Each is
     ``{"name", "status": "ok" | "warn" | "fail", "detail"}``."""
     c = locks.client
-    checks: list[dict] = []
+    checks: list[dict[str, Any]] = []
 
     def add(name: str, status: str, detail: str) -> None:
         checks.append({"name": name, "status": status, "detail": detail})
@@ -119,7 +120,8 @@ def main() -> None:
 
 
 _url = click.option("--url", envvar="TASKGUARD_REDIS_URL", help="Redis URL (default: $TASKGUARD_REDIS_URL).")
-_prefix = click.option("--prefix", envvar="TASKGUARD_PREFIX", help="Key prefix (default: $TASKGUARD_PREFIX or taskguard).")
+_prefix = click.option("--prefix", envvar="TASKGUARD_PREFIX",
+                       help="Key prefix (default: $TASKGUARD_PREFIX or taskguard).")
 _json = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
@@ -158,7 +160,8 @@ def leases(url: str | None, prefix: str | None, as_json: bool, pattern: str) -> 
     except LeaseBackendError as e:
         raise click.ClickException(str(e)) from None
     rows = [{"key": i.key, "slot": i.slot, "ttl": i.ttl, "fencing_token": i.fencing_token,
-             "task": i.holder.get("task") or i.holder.get("job"), "task_id": i.holder.get("task_id") or i.holder.get("job_id"),
+             "task": i.holder.get("task") or i.holder.get("job"),
+             "task_id": i.holder.get("task_id") or i.holder.get("job_id"),
              "host": i.holder.get("host"), "pid": i.holder.get("pid"), "since": i.since} for i in found]
     if as_json:
         click.echo(json.dumps(rows, indent=2))

@@ -20,12 +20,16 @@ a URL is only ever shown with its password masked.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 from .redis_locks import RedisLocks
 from .urls import check_url
 from .validate import MAX_SECONDS, check_fraction, check_prefix, check_seconds, check_setting_names
+
+if TYPE_CHECKING:  # redis_locks imports this module
+    from .redis_locks import RedisLocks
 
 __all__ = ["from_env", "read_env", "ENV_VARS"]
 

@@ -7,6 +7,8 @@ round trip. None of them ever carries an owner token.
 
 from __future__ import annotations
 
+from typing import cast
+
 from .skipped import Skipped
 
 __all__ = [
@@ -42,8 +44,8 @@ class LeaseBackendError(TaskguardError):
 
     ``LeaseBackendError(operation, key, detail)``: ``operation`` is ``"acquire"``, ``"renew"``,
     ``"release"``, ``"claim"``, ``"holder"``, ``"health"`` or ``"time"`` (reading the server
-    clock); ``key`` is the user's lease key (or ``None``); ``detail`` is the redis-py error type and message. The redis-py exception is
-    kept as ``__cause__`` (it does not survive pickling).
+    clock); ``key`` is the user's lease key (or ``None``); ``detail`` is the redis-py error type and
+    message. The redis-py exception is kept as ``__cause__`` (it does not survive pickling).
 
     This is never a "lease is held" answer: callers must not treat it as a skip.
     """
@@ -53,11 +55,11 @@ class LeaseBackendError(TaskguardError):
 
     @property
     def operation(self) -> str:
-        return self.args[0]
+        return cast("str", self.args[0])
 
     @property
     def key(self) -> str | None:
-        return self.args[1]
+        return cast("str | None", self.args[1])
 
     def __str__(self) -> str:
         op, key, detail = self.args
@@ -76,11 +78,11 @@ class LeaseLost(TaskguardError):
 
     @property
     def key(self) -> str:
-        return self.args[0]
+        return cast("str", self.args[0])
 
     @property
     def reason(self) -> str:
-        return self.args[1]
+        return cast("str", self.args[1])
 
     def __str__(self) -> str:
         return f"lease {self.args[0]!r} lost: {self.args[1]}"
@@ -99,11 +101,11 @@ class IdempotencyConflict(TaskguardError):
 
     @property
     def key(self) -> str:
-        return self.args[0]
+        return cast("str", self.args[0])
 
     @property
     def task(self) -> str | None:
-        return self.args[1]
+        return cast("str | None", self.args[1])
 
     def __str__(self) -> str:
         who = f"{self.args[1]}: " if self.args[1] else ""
@@ -129,11 +131,11 @@ class TaskSkipped(TaskguardError):
 
     @property
     def key(self) -> str:
-        return self.args[0]
+        return cast("str", self.args[0])
 
     @property
     def reason(self) -> str:
-        return self.args[1]
+        return cast("str", self.args[1])
 
     @property
     def skipped(self) -> Skipped:

@@ -15,7 +15,8 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 __all__ = ["LeaseEvent", "Listener", "add_listener", "remove_listener", "Emitter"]
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 from .lease import Acquisition, Lease, slot_of
@@ -84,8 +85,8 @@ def resume(
 
     Returns the :class:`~taskguard.Acquisition`: claimed (same fencing token), acquired anew
     (larger fencing token, the old lease having expired), or not acquired (``reason="held"``:
-    another owner holds ``key``, ``holder_run`` says which run; the caller must not run). A handle for a different key (the retry's
-    arguments changed the key) is released and ``key`` acquired.
+    another owner holds ``key``, ``holder_run`` says which run; the caller must not run). A handle
+    for a different key (the retry's arguments changed the key) is released and ``key`` acquired.
 
     ``refuse_finished``, ``delivery``, ``markers`` and ``limit`` are passed on (see
     :meth:`Locks.acquire`). Under ``limit > 1``, a handle whose slot another holder took meanwhile

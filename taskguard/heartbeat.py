@@ -14,9 +14,9 @@ are renewed together (for Redis: one pipelined round trip). Outcomes:
   lease expires by its TTL.
 
 Each locks object's round runs on its own pool thread, so a slow or unreachable Redis never
-delays renewals in another. The thread never dies on an error. After ``fork`` the child gets a fresh, empty heartbeat: the
-leases it inherited are neither renewed nor released there (their handles are inert in the
-child); it starts its own thread when it registers its own leases.
+delays renewals in another. The thread never dies on an error. After ``fork`` the child gets a
+fresh, empty heartbeat: the leases it inherited are neither renewed nor released there (their
+handles are inert in the child); it starts its own thread when it registers its own leases.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ IDLE_MIN = 0.5
 class _Entry:
     __slots__ = ("lease", "interval", "next_due", "deadline")
 
-    def __init__(self, lease: "Lease", interval: float, deadline: float | None) -> None:
+    def __init__(self, lease: Lease, interval: float, deadline: float | None) -> None:
         self.lease = lease
         self.interval = interval
         self.next_due = time.monotonic() + interval
@@ -76,7 +76,7 @@ class Heartbeat:
         self.beats = 0  # renewal rounds run (for tests and benchmarks)
         self.wakeups = 0  # times add() woke the thread (for tests and benchmarks)
 
-    def add(self, lease: "Lease", fraction: float, max_hold: float | None = None) -> None:
+    def add(self, lease: Lease, fraction: float, max_hold: float | None = None) -> None:
         deadline = time.monotonic() + max_hold if max_hold is not None else None
         entry = _Entry(lease, lease.ttl * fraction, deadline)
         with self._cond:
@@ -89,7 +89,7 @@ class Heartbeat:
                 self.wakeups += 1
                 self._cond.notify()
 
-    def discard(self, lease: "Lease") -> None:
+    def discard(self, lease: Lease) -> None:
         with self._cond:
             self._entries.pop(id(lease), None)
 
@@ -166,7 +166,7 @@ class Heartbeat:
                 log.exception("taskguard renewal round failed")
                 outcomes = [exc] * len(entries)
             took = time.monotonic() - started
-            for e, outcome in zip(entries, outcomes):
+            for e, outcome in zip(entries, outcomes, strict=True):
                 try:
                     self._settle(e, outcome, (sent_mono, sent_wall), started, took)
                 except Exception:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 import string
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .errors import ConfigError
 
@@ -107,11 +108,11 @@ class KeyTemplate:
     def is_fixed(self) -> bool:
         return isinstance(self.spec, str) and not self.fields
 
-    def bind(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """The call's arguments by parameter name, defaults applied (``**kwargs`` flattened).
         Raises TypeError when they do not bind to the signature (as calling the function would)."""
         if self._simple and len(args) <= len(self._positional):
-            values = dict(zip(self._positional, args))
+            values = dict(zip(self._positional, args, strict=False))  # args may be fewer: defaults below
             for name, value in kwargs.items():
                 if name not in self._names or name in values:
                     break  # unknown or given twice: Signature.bind says which
@@ -134,7 +135,7 @@ class KeyTemplate:
                 values.update(values.pop(p.name, {}))
         return values
 
-    def render(self, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> str:
+    def render(self, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None) -> str:
         """The lease key for one call. Raises TypeError, ConfigError or what the arguments make
         the key fail with (see the class docstring)."""
         if self.is_fixed:

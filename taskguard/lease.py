@@ -6,7 +6,8 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .errors import LeaseLost
 from .events import LeaseEvent
@@ -30,7 +31,7 @@ def slot_of(owner_token: str) -> int:
 
 def slot_suffix(slot: int) -> str:
     """What a slot's owner tokens end with: ``""`` for slot 0, ``"#i"`` for slot ``i``."""
-    return "#%d" % slot if slot else ""
+    return f"#{slot}" if slot else ""
 
 
 class Lease:
@@ -59,7 +60,7 @@ class Lease:
 
     def __init__(
         self,
-        manager: "Leases",
+        manager: Leases,
         key: str,
         owner_token: str,
         *,
@@ -93,7 +94,7 @@ class Lease:
         self._released = False
         #: ``True`` while registered with the heartbeat (see :meth:`stop_renewing`).
         self.renewing = False
-        self._lost_callbacks: list[Callable[["Lease", str], None]] = []
+        self._lost_callbacks: list[Callable[[Lease, str], None]] = []
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -101,7 +102,7 @@ class Lease:
         return self._owner_token
 
     @property
-    def manager(self) -> "Leases":
+    def manager(self) -> Leases:
         """The lease policy (:class:`taskguard.leasing.Leases`) this handle belongs to."""
         return self._manager
 
@@ -222,7 +223,7 @@ class Lease:
         if verify and not self._manager.verify(self):
             raise LeaseLost(self.key, self.lost_reason or "not held in Redis")
 
-    def on_lost(self, callback: Callable[["Lease", str], None]) -> None:
+    def on_lost(self, callback: Callable[[Lease, str], None]) -> None:
         """Call ``callback(lease, reason)`` once — this :class:`Lease` and the reason (``str``,
         e.g. ``"not the owner"``) — on the thread that finds the lease lost (often the heartbeat's:
         keep it short; what it raises is logged, never propagated).
@@ -233,7 +234,7 @@ class Lease:
         check_callback("on_lost callback", callback, self, "reason")
         self._lost_callbacks.append(callback)
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -316,7 +317,7 @@ class HolderInfo:
     """
 
     key: str
-    holder: dict
+    holder: dict[str, Any]
     fencing_token: int | None
     ttl: float | None
     since: float | None

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["process_identity", "holder_is_dead"]
 

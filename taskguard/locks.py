@@ -301,7 +301,8 @@ class Locks:
         """
         run = GuardedRun(self, key, ttl=ttl, wait=wait, renew=renew, holder=holder, max_hold=max_hold,
                          on_lost=on_lost, task=task, limit=limit)
-        return run.call(fn)
+        result: T | Skipped = run.call(fn)  # (GuardedRun.call is untyped in fn's value)
+        return result
 
     def once(
         self,
@@ -340,7 +341,8 @@ class Locks:
         """
         policy = OncePolicy(fingerprint_of(fingerprint), ttl=check_seconds("once_ttl", once_ttl))
         run = GuardedRun(self, key, ttl=ttl, wait=wait, renew=renew, holder=holder, task=task, once=policy)
-        return run.call(fn)
+        result: T | Skipped = run.call(fn)  # (GuardedRun.call is untyped in fn's value)
+        return result
 
     # -- publish-time uniqueness -------------------------------------------------------------
     def mark_queued(self, key: str, run_id: str, *, ttl: float, task: str, shadow: bool = False) -> tuple[bool, str]:

@@ -34,7 +34,7 @@ from .events import LeaseEvent, add_listener
 
 __all__ = ["install", "serve", "Metrics", "enabled_by_env"]
 
-_installed: "Metrics | None" = None
+_installed: Metrics | None = None
 _lock = threading.Lock()
 
 
@@ -103,7 +103,8 @@ def install(registry: Any = None) -> Metrics:
             try:
                 metrics = Metrics(registry)
             except ImportError as e:
-                raise ImportError('taskguard metrics need prometheus_client: pip install "taskguard[prometheus]"') from e
+                raise ImportError(
+                    'taskguard metrics need prometheus_client: pip install "taskguard[prometheus]"') from e
             add_listener(metrics)
             _installed = metrics
         return _installed
@@ -129,6 +130,6 @@ def serve(port: int, addr: str = "0.0.0.0") -> Any:
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # (not annotated upstream)
         return start_http_server(port, addr=addr, registry=registry)
     return start_http_server(port, addr=addr, registry=REGISTRY)

@@ -25,7 +25,8 @@ import dataclasses
 import hashlib
 import json
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .errors import ConfigError
 from .keys import same_kind
@@ -76,7 +77,7 @@ class Fingerprint:
                               f"{template.fn_name}{template.signature} has no parameter for")
         self.spec = tuple(spec)
 
-    def of(self, args: tuple, kwargs: Mapping[str, Any]) -> str:
+    def of(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """The fingerprint of one call. Raises what the call's arguments cause with its own type:
         ``TypeError`` when they do not bind to the signature (:meth:`KeyTemplate.bind`) or have
         no JSON form (:func:`fingerprint_of`), ``KeyError`` when a named argument is not passed,
@@ -144,7 +145,7 @@ def encode_record(policy: OncePolicy, value: Any, key: str) -> str:
     return json.dumps(record, separators=(",", ":"))
 
 
-def decode_record(raw: str) -> dict | None:
+def decode_record(raw: str) -> dict[str, Any] | None:
     """A stored record's fields (``fp``, ``ct``, ``enc``, ``at``, and ``v`` or ``b64``), or
     ``None`` for one that is not a record (never raised over)."""
     try:

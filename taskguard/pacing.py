@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .errors import LeaseBackendError
 from .locks import Locks
@@ -46,7 +47,7 @@ class Pace:
     go: bool
     skip: bool = False
     countdown: float = 0.0
-    state: dict | None = None
+    state: dict[str, Any] | None = None
 
 
 GO = Pace(True)
@@ -55,7 +56,7 @@ GO = Pace(True)
 MAX_EARLY = 2.0
 
 
-def parse_state(value: Any) -> dict | None:
+def parse_state(value: Any) -> dict[str, Any] | None:
     """A deferred run's pacing state as it came back (``None`` when absent). Raises ``ValueError``
     saying what is wrong for a malformed one (the caller logs it and paces the run afresh)."""
     if value is None:

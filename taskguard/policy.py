@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
 
 from .errors import ConfigError
 from .keys import KeyTemplate
@@ -84,7 +85,7 @@ class GuardOptions:
         unique: bool = False,
         unique_ttl: float | None = None,
         allowed_on_skip: tuple[str, ...] = ON_SKIP,
-    ) -> "GuardOptions":
+    ) -> GuardOptions:
         """Validate options for the task ``name`` whose body is ``fn``.
 
         Args:
@@ -190,7 +191,7 @@ class GuardOptions:
                    continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait, once, once_ttl,
                    fingerprint, once_max_bytes, enforce, unique, unique_ttl)
 
-    def once_policy(self, args: tuple, kwargs: dict, dumps: Any = None, loads: Any = None) -> Any:
+    def once_policy(self, args: tuple[Any, ...], kwargs: dict[str, Any], dumps: Any = None, loads: Any = None) -> Any:
         """The :class:`~taskguard.once.OncePolicy` of one call (``None`` without ``once``), its
         value stored with ``dumps`` / read with ``loads`` (default JSON). Raises what
         :meth:`taskguard.once.Fingerprint.of` raises when the call's arguments cannot be

@@ -17,7 +17,8 @@ Helper (an import, not a fixture): :func:`taskguard.testing.assert_skipped`.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 

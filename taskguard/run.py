@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from .context import running
 from .errors import ConfigError, LeaseBackendError, LeaseLost
 from .handoff import persist, resume
 from .lease import Acquisition, Lease
-from .liveness import holder_is_dead
 from .leasing import finished_id
+from .liveness import holder_is_dead
 from .policy import ON_LOST
 from .skipped import Skipped
 
@@ -106,12 +107,12 @@ class GuardedRun:
     def __init__(self, locks: Locks, key: str, *, ttl: float, wait: float = 0.0, renew: bool = True,
                  holder: Mapping[str, Any] | None = None, max_hold: float | None = None, run_id: str | None = None,
                  task: str | None = None, on_lost: str = "raise", finished_ttl: float | None = None,
-                 on_lost_report: Callable[["GuardedRun", str], None] | None = None, tag: Any = None,
+                 on_lost_report: Callable[[GuardedRun, str], None] | None = None, tag: Any = None,
                  delivery: str | None = None, limit: int = 1, once: Any = None, enforce: bool = True) -> None:
         if on_lost not in ON_LOST:
             raise ConfigError(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
         self.limit, self.once, self.enforce = limit, once, enforce
-        self._record: dict | None = None
+        self._record: dict[str, Any] | None = None
         self.locks, self.key, self.ttl, self.wait, self.renew = locks, key, ttl, wait, renew
         self.holder, self.max_hold, self.run_id, self.task = holder, max_hold, run_id, task
         self.on_lost, self.finished_ttl, self.on_lost_report, self.tag = on_lost, finished_ttl, on_lost_report, tag
@@ -277,7 +278,9 @@ class GuardedRun:
         """The lease is held by another execution of this run id (a redelivered copy, a retry
         published while the body still runs, an abandoned RQ job re-queued)."""
         info = next((i for i in self.locks.holders(self.key) if i.run_id == self.run_id), None)
-        if info is not None and holder_is_dead(info.holder) and self.locks.release_run(self.key, self.run_id):
+        # (a holder of this run id found: self.run_id is a str below)
+        if (info is not None and holder_is_dead(info.holder)
+                and self.locks.release_run(self.key, cast(str, self.run_id))):
             log.warning("%s: the previous holder of %r (pid %s) is dead; lease released", self._who(), self.key,
                         info.holder.get("pid"))
             acq = self._acquire(0.0, refuse_finished)
@@ -312,7 +315,7 @@ class GuardedRun:
         self.finish(value)
         return value
 
-    def __enter__(self) -> "GuardedRun":
+    def __enter__(self) -> GuardedRun:
         self._ctx = running(self)
         self._ctx.__enter__()
         return self

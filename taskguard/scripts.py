@@ -75,7 +75,8 @@ script: THROTTLE (a re-send counts twice, on the strict side), and PUT_RECORD / 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from redis.exceptions import NoScriptError
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["Skipped", "is_skipped", "SKIP_REASONS", "TAG"]
 
@@ -59,7 +60,7 @@ class Skipped:
         return d
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Skipped":
+    def from_dict(cls, data: Mapping[str, Any]) -> Skipped:
         """Rebuild from :meth:`to_dict` output. Raises ``ValueError`` when ``data`` is not one."""
         if not _is_tagged(data):
             raise ValueError("not a tagged Skipped dict")

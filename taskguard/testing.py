@@ -33,7 +33,7 @@ def assert_skipped(value: Any, reason: str | None = None, *, key: str | None = N
     return skipped
 
 
-class CapturedEvents(list):
+class CapturedEvents(list[LeaseEvent]):
     """The :class:`~taskguard.LeaseEvent` s of every locks object in this process, in order, from
     :meth:`start` to :meth:`stop` (thread-safe: the heartbeat thread emits renewals)."""
 
@@ -46,7 +46,7 @@ class CapturedEvents(list):
         with self._lock:
             self.append(event)
 
-    def start(self) -> "CapturedEvents":
+    def start(self) -> CapturedEvents:
         self._remove = add_listener(self._record)
         return self
 

@@ -42,7 +42,8 @@ class Throttle:
         return self.allowed
 
 
-def gcra(tat_us: int | None, now_us: int, interval_us: int, tau_us: int, book_us: int) -> tuple[int, int, int, int | None]:
+def gcra(tat_us: int | None, now_us: int, interval_us: int, tau_us: int,
+         book_us: int) -> tuple[int, int, int, int | None]:
     """One GCRA decision. Returns ``(code, wait µs, remaining, new TAT or None)``: code 1 passed,
     0 denied, 2 denied and booked; a new TAT to store, or ``None`` to leave it."""
     tat = max(tat_us or 0, now_us)

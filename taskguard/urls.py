@@ -50,7 +50,8 @@ def redacted(url: str) -> str:
     if parts.password is None and "@" not in parts.netloc:
         return parts.geturl()
     user = parts.username or ""
-    netloc = f"{user}:***@{host}{port}" if user else f":***@{host}{port}" if parts.password is not None else f"***@{host}{port}"
+    netloc = (f"{user}:***@{host}{port}" if user
+              else f":***@{host}{port}" if parts.password is not None else f"***@{host}{port}")
     return parts._replace(netloc=netloc).geturl()
 
 
@@ -140,7 +141,7 @@ def _parse_as_redis_py_does(url: str, name: str, shown: str) -> None:
     """The client is built by redis-py's own URL parser (``redis.connection.parse_url``): what it
     refuses is refused here first, with the setting's name and the password masked."""
     try:
-        parse_url(url)
+        parse_url(url)  # type: ignore[no-untyped-call]  # (redis-py does not annotate parse_url)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{name} must be a Redis URL ({ACCEPTED}) that redis-py accepts: {scrub(str(e), url)}, "
                           f"got {shown}") from None

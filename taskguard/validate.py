@@ -11,12 +11,14 @@ import difflib
 import inspect
 import math
 import re
-from typing import Any, Collection, Iterable
+from collections.abc import Collection, Iterable
+from typing import Any
 
 from .errors import ConfigError
 
 __all__ = ["MAX_SECONDS", "MIN_TTL", "check_seconds", "check_ttl", "check_fraction", "check_key", "check_token",
-           "check_name", "check_value", "check_run_id", "check_rate", "check_burst", "check_prefix", "check_callback", "check_setting_names", "encodable"]
+           "check_name", "check_value", "check_run_id", "check_rate", "check_burst", "check_prefix", "check_callback",
+           "check_setting_names", "encodable"]
 
 #: Longest duration accepted anywhere, seconds (about 31 years; far inside Redis's PEXPIRE range).
 MAX_SECONDS = 1e9

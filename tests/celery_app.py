@@ -107,7 +107,8 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         app.task(base=GuardedTask, bind=True, shared=False, name=f"tg.on_skip_{mode}", ttl=5, key="modes", on_skip=mode,
                  skip_retry_delay=0.4, skip_max_retries=2, max_retries=0)(body)
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.continuing", ttl=5, key="slow:{n}", continue_on_skip=True)
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.continuing", ttl=5, key="slow:{n}",
+              continue_on_skip=True)
     def continuing(self, n, seconds=0.0):
         return n
 
@@ -480,7 +481,8 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
 
     if os.environ.get("TG_TEST_BEAT"):
         app.conf.beat_schedule = {
-            "tick": {"task": os.environ.get("TG_TEST_BEAT_TASK", "tg.tick"), "schedule": float(os.environ["TG_TEST_BEAT"])},
+            "tick": {"task": os.environ.get("TG_TEST_BEAT_TASK", "tg.tick"),
+                     "schedule": float(os.environ["TG_TEST_BEAT"])},
         }
 
     app.tg_log = log
@@ -489,7 +491,6 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
 
 # compare-and-set on a fence: the protected resource's own check (the recipe in examples/fencing.py)
 from examples.fencing import FENCED_SET_SCRIPT as FENCED_SET  # noqa: E402
-
 
 if os.environ.get("TG_TEST_QUEUE"):
     import json

@@ -110,7 +110,7 @@ class WorkerProcess:
         self.proc: subprocess.Popen | None = None
         self.log_path = Path(tempfile.gettempdir()) / f"tg-worker-{queue}-{time.time_ns()}.log"
 
-    def start(self, wait_ready: bool = True) -> "WorkerProcess":
+    def start(self, wait_ready: bool = True) -> WorkerProcess:
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -165,7 +165,7 @@ class BeatProcess:
                     **(env or {})}
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "BeatProcess":
+    def start(self) -> BeatProcess:
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)

@@ -144,3 +144,33 @@ def redis_server():
     srv = RedisServer(appendonly=True).start()
     yield srv
     srv.close()
+
+
+@pytest.fixture
+def rq_env(redis_url, prefix, monkeypatch):
+    """Leases under the test's prefix (here and in worker processes), and the test's own queue."""
+    # RQ imported here: only the RQ tests (test_rq*.py and a few others) use this fixture
+    from rq import Queue
+    from rq.job import Job
+
+    import taskguard_rq.config
+
+    monkeypatch.setenv("TASKGUARD_REDIS_URL", redis_url)
+    monkeypatch.setenv("TASKGUARD_PREFIX", prefix)
+    monkeypatch.setattr(taskguard_rq.config, "_default", None)
+    conn = redis.Redis.from_url(redis_url)
+    queue = Queue(f"q-{prefix}", connection=conn)
+    yield queue
+    # the jobs RQ keeps in its registries (finished, failed, ...) and their results have no TTL
+    # of their own for a long while (failure_ttl: a year): they go with the test
+    registries = (queue.finished_job_registry, queue.failed_job_registry, queue.started_job_registry,
+                  queue.deferred_job_registry, queue.scheduled_job_registry, queue.canceled_job_registry)
+    for registry in registries:
+        for job_id in registry.get_job_ids():
+            try:
+                Job.fetch(job_id, connection=conn).delete()
+            except Exception:  # already gone
+                conn.delete(f"rq:job:{job_id}", f"rq:results:{job_id}")
+    queue.delete(delete_jobs=True)
+    for key in conn.scan_iter(match="{" + prefix + ":*"):
+        conn.delete(key)

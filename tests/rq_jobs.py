@@ -8,7 +8,6 @@ import signal
 import time
 
 import redis
-
 from rq import Retry
 
 from taskguard_rq import current_lease, guarded_job
@@ -172,6 +171,7 @@ def down(n):
     """Calls itself directly (a new key each level) and another guarded job; logs, after the
     inner calls, which lease key the job's kept handle record names (the job's own)."""
     from rq import get_current_job
+
     from taskguard_rq import load_handle
     from taskguard_rq.config import locks_for
 

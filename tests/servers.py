@@ -80,7 +80,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                 "--save", "", "--daemonize", "no", "--logfile", str(self.dir / "redis.log")]
         if self.appendonly:
@@ -124,7 +124,7 @@ class RedisCluster:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
-    def start(self) -> "RedisCluster":
+    def start(self) -> RedisCluster:
         binary = redis_server_binary()
         for port in self.ports:
             d = self.dir / str(port)

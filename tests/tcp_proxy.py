@@ -51,7 +51,7 @@ class TcpProxy:
         while not self._stop.is_set():
             try:
                 data = src.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 break

@@ -21,10 +21,10 @@ import redis
 from celery import Celery, signals
 from celery._state import get_current_app
 from celery.schedules import crontab, solar
-from taskguard_celery.beat import TaskguardScheduler
 
 from taskguard import RedisLocks
 from taskguard.clock import FixedClock
+from taskguard_celery.beat import TaskguardScheduler
 
 UTC = timezone.utc
 MINUTE = timedelta(minutes=1)
@@ -232,7 +232,8 @@ def test_solar_entries_across_dst_changes_run_at_each_event_once(tmp_path, redis
         expected = solar_events(ev, lat, lon, start, end)
         say(f"{ev}: {[f'{t:%m-%d %H:%M:%S}' for t in got[ev]]}")
         assert len(got[ev]) == len(expected) == 4
-        assert all(abs((g - e).total_seconds()) <= 1 for g, e in zip(got[ev], expected)), (got[ev], expected)
+        assert all(abs((g - e).total_seconds()) <= 1
+                   for g, e in zip(got[ev], expected, strict=True)), (got[ev], expected)
 
 
 # Public reports turned into tests: (zone, crontab fields, minutes, hours, start, end)

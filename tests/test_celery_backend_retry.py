@@ -71,7 +71,7 @@ def test_autoretry_for_lease_backend_error_retries_with_the_tasks_backoff(outage
         retries = res.get(timeout=20)
     runs = _runs(starts, "tg.lease_autoretry")
     assert [r for _, r in runs] == list(range(retries + 1)) and retries >= 3, runs
-    gaps = [b[0] - a[0] for a, b in zip(runs, runs[1:])]
+    gaps = [b[0] - a[0] for a, b in zip(runs, runs[1:], strict=False)]
     assert 0.9 < gaps[0] < 3.0 and 1.9 < gaps[1] < 4.0 and 1.9 < gaps[2] < 4.0, gaps  # 1 s, 2 s, 2 s (max)
     assert [e.split(":")[:3] for e in _log(app)] == [["lar", "x", str(retries)]]
     assert res.status == "SUCCESS"

@@ -83,7 +83,8 @@ def test_redbeat_with_the_mixin_publishes_each_slot_once(beat_env, redis_url):
     conf = {"TG_TEST_CONF": json.dumps({"redbeat_redis_url": redis_url, "redbeat_key_prefix": f"{prefix}:redbeat",
                                         "redbeat_lock_key": None})}
     with WorkerProcess(queue, prefix, pool="threads", concurrency=4):
-        beats = [BeatProcess(queue, prefix, tmp, n, env=conf, scheduler="tests.beat_schedulers:SingletonRedBeat").start()
+        beats = [BeatProcess(queue, prefix, tmp, n, env=conf,
+                             scheduler="tests.beat_schedulers:SingletonRedBeat").start()
                  for n in ("a", "b")]
         time.sleep(4.0)
         started = time.time()
@@ -192,12 +193,13 @@ def test_crontab_across_daylight_saving_changes_each_utc_instant_once():
     ``last_run_at`` differ, which must not matter); every due instant goes through the slot claims."""
     app = Celery("dst", set_as_current=False)
     app.conf.timezone = "Europe/Berlin"
-    for start in (datetime(2026, 3, 28, 22, 0, tzinfo=timezone.utc), datetime(2026, 10, 24, 22, 0, tzinfo=timezone.utc)):
+    for start in (datetime(2026, 3, 28, 22, 0, tzinfo=timezone.utc),
+                  datetime(2026, 10, 24, 22, 0, tzinfo=timezone.utc)):
         locks = MemoryLocks()
         now = [start]
         beats = []
         for offset in (0, 7):
-            sched = crontab(minute="*/30", nowfun=lambda: now[0], app=app)
+            sched = crontab(minute="*/30", nowfun=lambda now=now: now[0], app=app)
             beats.append([offset, ScheduleEntry(name="half-hourly", task="t", schedule=sched, app=app,
                                                 last_run_at=start + timedelta(minutes=offset))])
         published, fired = [], []

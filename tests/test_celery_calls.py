@@ -7,9 +7,9 @@ import time
 
 import pytest
 import redis
-from taskguard_celery import GuardedTask, current_lease
 
 from taskguard import ConfigError
+from taskguard_celery import GuardedTask, current_lease
 
 from .celery_app import make_app
 from .celery_support import body_log, embedded_worker

@@ -48,7 +48,8 @@ def test_limit_admits_n_runs_at_once_and_skips_the_rest_with_reason_limit(app, r
     assert sorted(ran) == [0, 1] and len(skipped) == 3
     assert {s["reason"] for s in skipped} == {"limit"}
     assert {e["reason"] for e in skipped_events} == {"limit"} and len(skipped_events) == 3
-    assert registry.get_sample_value("taskguard_skips_total", {"task": "tg.export", "reason": "limit", "shadow": "false"}) == 3
+    assert registry.get_sample_value("taskguard_skips_total",
+                                     {"task": "tg.export", "reason": "limit", "shadow": "false"}) == 3
     assert ledger.peak(_ledger(redis_url, prefix, "export:t1"), 2) == 2
     assert app.conf.taskguard_locks.holders("export:t1") == []
 
@@ -119,7 +120,7 @@ def test_a_deferred_run_comes_back_at_its_booked_turn(app, redis_url, prefix):
     # distinct turns at least one emission interval (1/6 s) apart (a call that finds the rate with
     # room again passes instead of booking, so a gap may span several intervals); (turn: the
     # worker's clock + the server's wait)
-    assert all((b - a) > 1 / 6 - 0.04 for a, b in zip(turns, turns[1:])), turns
+    assert all((b - a) > 1 / 6 - 0.04 for a, b in zip(turns, turns[1:], strict=False)), turns
     assert all(e["retry_after"] > 0 for e in deferrals)
     records = [x.decode().split() for x in redis.Redis.from_url(redis_url).lrange(f"{prefix}:calls", 0, -1)]
     assert all(float(x[0]) >= float(x[2]) - 0.002 for x in records)  # none ran before its turn
@@ -204,7 +205,8 @@ def test_a_retry_after_a_rate_deferral_asks_the_rate_again(app, redis_url, prefi
         assert [res.get(timeout=20) for res in results] == [0, 1]
     starts = sorted(float(x.decode().split()[0]) for x in r.lrange(f"{prefix}:rr", 0, -1))
     assert len(starts) == 3
-    assert all(b - a >= 0.9 for a, b in zip(starts, starts[1:])), [round(b - a, 2) for a, b in zip(starts, starts[1:])]
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert all(gap >= 0.9 for gap in gaps), [round(gap, 2) for gap in gaps]
 
 
 def test_rate_max_wait_zero_runs_when_the_rate_has_room_and_skips_when_not(any_locks):

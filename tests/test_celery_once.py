@@ -33,7 +33,8 @@ def test_the_first_success_is_stored_and_returned_across_workers_and_restarts(ap
     with EventLog(app, tasks=["tg.charge"]) as events, embedded_worker(app):
         first = charge.delay(1, 100).get(timeout=10)
         again = charge.delay(1, 100, seconds=5).get(timeout=10)  # would sleep 5 s if it ran
-        same_id = charge.apply_async((1, 100), task_id=charge.delay(1, 100).id).get(timeout=10)  # a new publish of an id
+        # a new publish of an id
+        same_id = charge.apply_async((1, 100), task_id=charge.delay(1, 100).id).get(timeout=10)
         hits = events.wait_for("task-skipped", 3)
     assert first["n"] == 1 and again == first == same_id
     assert {e["reason"] for e in hits} == {"once"}
@@ -146,6 +147,7 @@ def test_a_shadow_retry_claims_its_kept_lease(app):
 
 def test_shadow_mode_runs_the_body_when_the_lease_redis_is_down(redis_url, prefix):
     from taskguard import RedisLocks
+
     from .servers import free_port
 
     app = make_app(f"q-{prefix}", prefix, taskguard_locks=RedisLocks.from_url(

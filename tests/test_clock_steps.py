@@ -22,8 +22,7 @@ from .celery_app import make_app
 from .celery_support import BeatProcess, WorkerProcess, body_log, leader_pid
 from .faketime import SteppedClock
 from .tcp_proxy import TcpProxy
-from .test_rq import RQWorker, rq_env, wait_done  # noqa: F401  (rq_env: a fixture)
-from .test_rq import log as rq_log
+from .test_rq import RQWorker, log as rq_log, wait_done
 
 STEPS = [90, -90]
 _REAL_TIME = time.time
@@ -283,9 +282,9 @@ def test_a_leader_that_gives_its_lease_up_releases_it_and_leads_again(redis_url,
     standby's — was refused as held while the heartbeat kept renewing the dropped lease."""
     from celery import Celery
     from celery.beat import PersistentScheduler
-    from taskguard_celery.beat import SingletonBeatMixin
 
     from taskguard.clock import FixedClock
+    from taskguard_celery.beat import SingletonBeatMixin
 
     now = [_REAL_TIME()]
     locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
@@ -318,10 +317,10 @@ def test_beat_takes_its_time_source_from_the_injected_clock(tmp_path):
     lateness follow it (here a simulated clock, as a DST test drives the scheduler)."""
     from celery import Celery
     from celery.beat import PersistentScheduler
-    from taskguard_celery.beat import SingletonBeatMixin
 
     from taskguard import MemoryLocks
     from taskguard.clock import FixedClock
+    from taskguard_celery.beat import SingletonBeatMixin
 
     now = [1_000_000.5]
     app = Celery("clocked", set_as_current=False, broker="memory://")

@@ -18,11 +18,11 @@ from .servers import REDIS_CLI
 
 
 def _node_ids(cl) -> dict[int, str]:
-    return {p: c.execute_command("CLUSTER", "MYID").decode() for p, c in zip(cl.ports, cl.node_clients())}
+    return {p: c.execute_command("CLUSTER", "MYID").decode() for p, c in zip(cl.ports, cl.node_clients(), strict=True)}
 
 
 def _owner_port(cl, slot: int) -> int:
-    for port, c in zip(cl.ports, cl.node_clients()):
+    for c in cl.node_clients():
         for lo, hi, *nodes in c.execute_command("CLUSTER", "SLOTS"):
             if lo <= slot <= hi:
                 return int(nodes[0][1])
@@ -41,7 +41,7 @@ class _Migration:
         self.src_c, self.dst_c = redis.Redis(port=self.src), redis.Redis(port=self.dst)
         self.src_id, self.dst_id = ids[self.src], ids[self.dst]
 
-    def start(self) -> "_Migration":
+    def start(self) -> _Migration:
         self.dst_c.execute_command("CLUSTER", "SETSLOT", self.slot, "IMPORTING", self.src_id)
         self.src_c.execute_command("CLUSTER", "SETSLOT", self.slot, "MIGRATING", self.dst_id)
         return self

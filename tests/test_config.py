@@ -13,8 +13,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from taskguard import ConfigError, MemoryLocks, RedisLocks, TaskguardError, from_env
 from taskguard.config import ENV_VARS

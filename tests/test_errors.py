@@ -11,8 +11,7 @@ import inspect
 import pickle
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import taskguard.errors as errors_module
 from taskguard import (

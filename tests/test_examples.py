@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import re
-import time
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest

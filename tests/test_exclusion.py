@@ -12,7 +12,7 @@ PROCS = 4
 ROUNDS = 100
 
 
-def contend(url: str, prefix: str, rounds: int, out: "mp.Queue") -> None:
+def contend(url: str, prefix: str, rounds: int, out: mp.Queue) -> None:
     c = redis.Redis.from_url(url)
     locks = RedisLocks(c, prefix=prefix)
     occupancy = f"{prefix}:occupancy"
@@ -45,7 +45,7 @@ def test_processes_never_overlap_and_fences_follow_acquisition_order(redis_url, 
         ledger = [int(x) for x in c.lrange(f"{prefix}:ledger", 0, -1)]
         assert sum(violations) == 0
         assert len(ledger) == PROCS * ROUNDS
-        assert all(a < b for a, b in zip(ledger, ledger[1:])), "fences must strictly increase"
+        assert all(a < b for a, b in zip(ledger, ledger[1:], strict=False)), "fences must strictly increase"
     finally:
         c.delete(f"{prefix}:ledger", f"{prefix}:occupancy")
         c.close()

@@ -30,7 +30,7 @@ def say(*parts):
 
 # -- a holder paused past its TTL --------------------------------------------------------------------
 
-def paused_holder(url: str, prefix: str, ready: "mp.Event", out: "mp.Queue") -> None:
+def paused_holder(url: str, prefix: str, ready: mp.Event, out: mp.Queue) -> None:
     c = redis.Redis.from_url(url)
     locks = RedisLocks(c, prefix=prefix, renew_fraction=0.25)
     lease = locks.acquire("paused", ttl=1.0, renew=True).lease
@@ -176,7 +176,7 @@ def run_soak(redis_url: str, prefix: str, seconds: float, units: int, keys: int,
     increasing = True
     for k in range(keys):
         fences = [int(x.split(b":")[0]) for x in r.lrange(f"{prefix}:ledger:k{k}", 0, -1)]
-        increasing &= all(a < b for a, b in zip(fences, fences[1:]))
+        increasing &= all(a < b for a, b in zip(fences, fences[1:], strict=False))
     say(f"injected: {kills} SIGKILLs (whole workers and pool children) over {units} units on {keys} keys; "
         f"observed {done}/{units} completed, {len(violations)} overlaps, fences increasing per key: {increasing}")
     keys_left = list(r.scan_iter(match=f"{prefix}:*"))

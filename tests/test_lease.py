@@ -206,7 +206,7 @@ def test_waiter_wakes_on_release_not_by_polling(backend, prefix):
         holder = locks.acquire("handoff", ttl=30).lease
         got = {}
 
-        def wait_for_it():
+        def wait_for_it(got=got):
             acq = waiter_locks.acquire("handoff", ttl=5, wait=5)
             got["at"] = time.monotonic()
             got["lease"] = acq.lease

@@ -40,9 +40,7 @@ import time
 import uuid
 
 import redis
-from hypothesis import HealthCheck, settings
-from hypothesis import event as _hypothesis_event
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event as _hypothesis_event, settings, strategies as st
 from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import (
     Bundle,
@@ -418,7 +416,7 @@ class LocksEquivalence(RuleBasedStateMachine):
             assert [h.slot for h in hms] == [h.slot for h in hrs], (key, hms, hrs)
             assert len(hms) <= LIMITS[key]
             assert (first is None) == (not hrs) and (first is None or first.slot == hrs[0].slot)
-            for hm, hr in zip(hms, hrs):
+            for hm, hr in zip(hms, hrs, strict=True):
                 self._holder_agrees(key, hm, hr)
 
     def _holder_agrees(self, key, hm, hr):

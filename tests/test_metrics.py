@@ -95,7 +95,8 @@ def test_a_skip_in_an_rq_work_horse_is_counted(redis_url, prefix, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert job.return_value().reason == "held"
     registry = multiproc_registry(tmp_path)
-    assert sample(registry, "taskguard_skips_total", task=rq_jobs.slow.taskguard_name, reason="held", shadow="false") == 1
+    assert sample(registry, "taskguard_skips_total", task=rq_jobs.slow.taskguard_name, reason="held",
+                  shadow="false") == 1
     queue.delete(delete_jobs=True)
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from taskguard import ConfigError, IdempotencyConflict, LeaseEvent, Skipped, is_skipped
-from taskguard.once import Fingerprint, OncePolicy, fingerprint_of
 from taskguard.keys import KeyTemplate
+from taskguard.once import Fingerprint, OncePolicy, fingerprint_of
 from taskguard.run import GuardedRun
 
 
@@ -116,8 +116,9 @@ def test_the_record_never_holds_the_owner_token(redis_url, prefix):
     locks = RedisLocks(client, prefix=prefix)
     tokens = []
     locks.once("tok", lambda lease: tokens.append(lease.owner_token) or "v", ttl=5)
-    raw = client.get(locks.backend.completion_key("tok"))
-    assert raw and tokens[0].encode() not in raw and 0 < client.pttl(locks.backend.completion_key("tok")) <= 86400 * 1000
+    record_key = locks.backend.completion_key("tok")
+    raw = client.get(record_key)
+    assert raw and tokens[0].encode() not in raw and 0 < client.pttl(record_key) <= 86400 * 1000
 
 
 # -- shadow mode ------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ import redis
 from taskguard import LeaseBackendError, RedisLocks, scripts
 
 from .servers import RedisServer
-from .test_rq import rq_env  # noqa: F401  (the fixture: the test's own RQ queue)
 
 #: Busy for ARGV[1] µs by the server's clock: every other client waits for it.
 BUSY = """
@@ -136,7 +135,8 @@ def _state(client, prefix):
     out = {}
     for k in sorted(client.scan_iter(match="{" + prefix + ":*")):
         kind = client.type(k)
-        out[k] = client.hgetall(k) if kind == b"hash" else client.get(k) if kind == b"string" else client.lrange(k, 0, -1)
+        out[k] = (client.hgetall(k) if kind == b"hash" else client.get(k) if kind == b"string"
+                  else client.lrange(k, 0, -1))
     return out
 
 

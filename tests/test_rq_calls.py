@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 from rq.job import JobStatus
-from taskguard_rq import enqueue_unique
 
 from taskguard import ConfigError
+from taskguard_rq import enqueue_unique
 
 from . import rq_jobs
-from .test_rq import RQWorker, log, rq_env, wait_done  # noqa: F401 (rq_env: a fixture)
+from .test_rq import RQWorker, log, wait_done
 
 
 def _guard_keys(queue) -> list[str]:

@@ -14,7 +14,7 @@ from rq.job import JobStatus
 from taskguard import ConfigError, is_skipped
 
 from . import ledger, rq_jobs
-from .test_rq import RQWorker, locks, rq_env, wait_done  # noqa: F401  (rq_env: the fixture)
+from .test_rq import RQWorker, locks, wait_done
 
 
 def _ledger(queue, key):

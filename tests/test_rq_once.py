@@ -8,7 +8,7 @@ from rq.job import JobStatus
 from taskguard import IdempotencyConflict
 
 from . import rq_jobs
-from .test_rq import RQWorker, locks, rq_env, wait_done  # noqa: F401  (rq_env: the fixture)
+from .test_rq import RQWorker, locks, wait_done
 
 
 def test_the_first_success_is_stored_and_returned_across_workers_and_restarts(rq_env):

@@ -16,7 +16,7 @@ from taskguard.locks import SHADOW_QUEUED
 from taskguard_rq import enqueue_unique
 
 from . import rq_jobs
-from .test_rq import RQWorker, locks, log, rq_env, wait_done  # noqa: F401  (rq_env: the fixture)
+from .test_rq import RQWorker, locks, log, wait_done
 
 
 def test_ten_concurrent_enqueues_make_one_job_and_one_run(rq_env):

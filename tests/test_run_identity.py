@@ -27,7 +27,7 @@ from . import rq_jobs
 from .celery_app import make_app
 from .celery_support import WorkerProcess, body_log, embedded_worker
 from .test_celery_failures import wait_for
-from .test_rq import RQWorker, locks as rq_locks, log as rq_log, rq_env, wait_done  # noqa: F401  (fixture)
+from .test_rq import RQWorker, locks as rq_locks, log as rq_log, wait_done
 
 FAST_RESTORE = {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
 
@@ -182,11 +182,11 @@ def test_a_finished_deferral_chain_does_not_drop_a_later_deliverys_copy(celery_e
         raw = json.loads(r.lindex(queue, 0))
         before = len(executions(app, prefix, "tg.slow"))
         with embedded_worker(app, pool="threads", concurrency=2):
-            assert wait_for(lambda: len(entries(app, "slow:9:start")) == n, timeout=10)
+            assert wait_for(lambda n=n: len(entries(app, "slow:9:start")) == n, timeout=10)
             r.lpush(queue, _redelivered(raw))  # the broker hands this delivery out again while it runs
-            assert wait_for(lambda: len(entries(app, "slow:9:end")) == n, timeout=15)
+            assert wait_for(lambda n=n: len(entries(app, "slow:9:end")) == n, timeout=15)
             # the copy was deferred (a second copy came back) and then dropped as a duplicate
-            assert wait_for(lambda: len(executions(app, prefix, "tg.slow")) - before >= 3, timeout=15)
+            assert wait_for(lambda before=before: len(executions(app, prefix, "tg.slow")) - before >= 3, timeout=15)
             assert wait_for(lambda: records() == [], timeout=5), records()
     assert len(entries(app, "slow:9:start")) == 2
 

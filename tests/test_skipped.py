@@ -9,8 +9,7 @@ import pickle
 
 import msgpack
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from taskguard import MemoryLocks, Skipped, is_skipped
 from taskguard.skipped import SKIP_REASONS, TAG

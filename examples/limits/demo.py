@@ -135,7 +135,6 @@ def main() -> int:
     os.environ.update({k: env[k] for k in ("LIMITS_QUEUE", "LIMITS_PREFIX")})
     sys.path.insert(0, str(HERE))
     import app as limits  # noqa: E402  (configured by the environment above)
-
     import redis
 
     from taskguard import as_skipped
@@ -194,7 +193,7 @@ def main() -> int:
         peak, entered, fences = peak_and_fences(ledger, tenant)
         deferred = sum(limit_deferrals.get(r.id, 0) for r in results)
         waited = sum(1 for r in results if limit_deferrals.get(r.id))
-        growing = all(b > a for fs in fences.values() for a, b in zip(fs, fs[1:]))
+        growing = all(b > a for fs in fences.values() for a, b in zip(fs, fs[1:], strict=False))
         slots = ", ".join(f"slot {s} x{len(fs)}" for s, fs in sorted(fences.items()))
         print(f"  {tenant}: {len(done)}/{len(results)} ran, peak {peak} at once; {waited} found both slots taken "
               f"and were re-published ({deferred} deferrals in all)")

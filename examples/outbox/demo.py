@@ -110,7 +110,6 @@ def main() -> int:
     os.environ.update({k: v for k, v in env.items() if k not in ("PROMETHEUS_MULTIPROC_DIR", "TASKGUARD_METRICS")})
     sys.path.insert(0, str(HERE))
     import app as outbox  # noqa: E402  (configured by the environment above)
-
     import redis
 
     from taskguard import as_skipped, is_skipped
@@ -235,7 +234,8 @@ def main() -> int:
     # every run that held the lease acquired it afresh, once; a retry restores its run's lease
     counted = {"Celery": (total("taskguard_leases_acquired_total", "outbox."),
                           total("taskguard_leases_restored_total", "outbox.")),
-               "RQ": (total("taskguard_leases_acquired_total", "jobs."), total("taskguard_leases_restored_total", "jobs."))}
+               "RQ": (total("taskguard_leases_acquired_total", "jobs."),
+                      total("taskguard_leases_restored_total", "jobs."))}
     expected = {"Celery": (len(results["ran"]), len(results["retried"])), "RQ": (rq["ran"], rq["retried"])}
     agree = counted == expected
     print(f"  metrics vs summary: acquired afresh = ran, restored = retried and restored: "

@@ -12,11 +12,13 @@ worker-pool check and the main-process lease release (:mod:`taskguard_celery.sup
 
 from taskguard import Skipped, TaskSkipped, is_skipped
 
-from . import metrics as _metrics  # noqa: F401  (Prometheus in worker processes, when enabled)
-from . import pools as _pools  # noqa: F401  (connects the worker_init check)
-from . import supervision as _supervision  # noqa: F401  (main-process lease release)
-from .serialization import MARKER
+from . import (
+    metrics as _metrics,  # noqa: F401  (Prometheus in worker processes, when enabled)
+    pools as _pools,  # noqa: F401  (connects the worker_init check)
+    supervision as _supervision,  # noqa: F401  (main-process lease release)
+)
 from .config import use_locks
+from .serialization import MARKER
 from .task import HEADER, GuardedTask, current_lease, guarded_task, release_retry_handle
 
 __all__ = [

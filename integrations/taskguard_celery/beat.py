@@ -57,13 +57,13 @@ import socket
 import sys
 import uuid
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, cast
 
 from celery.beat import PersistentScheduler, event_t
 from celery.schedules import schedule, solar
 from celery.utils.log import LoggingProxy
 
-from taskguard import ConfigError, LeaseBackendError, LeaseLost, Lease
+from taskguard import ConfigError, Lease, LeaseBackendError, LeaseLost
 from taskguard.clock import Clock
 from taskguard.keys import KeyTemplate
 from taskguard.validate import check_limit, check_rate, check_ttl
@@ -179,6 +179,7 @@ def cron_instants(sched: Any, after: float, until: float, tz: Any = None) -> lis
     offs = (_offset(tz, after), _offset(tz, until))
     lo = _naive_utc(after) + min(offs) - timedelta(minutes=1)
     hi = _naive_utc(until) + max(offs)
+    out: set[float]
     wild, out = _cron_wildcard_hour(sched), set()
     for wall in _cron_walls(sched, lo.replace(second=0, microsecond=0), (hi.date() - lo.date()).days + 1):
         if wall > hi:
@@ -372,6 +373,8 @@ class SingletonBeatMixin:
     #: server's clock, read once per tick).
     taskguard_clock: Clock | None = None
 
+    _heap: list[Any] | None  # Celery's heap of due entries (None: rebuilt at the next tick)
+
     def __init__(self, *args: Any, taskguard_clock: Clock | None = None, **kwargs: Any) -> None:
         if taskguard_clock is not None:
             self.taskguard_clock = taskguard_clock
@@ -448,11 +451,11 @@ class SingletonBeatMixin:
             if leader != self._tg_leader_seen:
                 log.info("beat %s is waiting: beat %s leads (%s); it takes over within %gs if that one stops",
                          self.taskguard_id, leader, self.taskguard_leader_key,
-                         self.taskguard_leader_ttl + self.max_interval)  # type: ignore[attr-defined]
+                         self.taskguard_leader_ttl + self.max_interval)
                 self._tg_leader_seen = leader
             return None
         self._tg_leader, self._tg_leader_seen = acq.lease, self.taskguard_id
-        log.warning("beat %s is the leader (fencing token %s)", self.taskguard_id, acq.lease.fencing_token)
+        log.warning("beat %s is the leader (fencing token %s)", self.taskguard_id, cast(Lease, acq.lease).fencing_token)
         if getattr(self, "_heap", None) is not None:
             self._heap = None  # every entry is looked at again now: catch-up of the hand-over
         return acq.lease
@@ -495,7 +498,7 @@ class SingletonBeatMixin:
         (Unix seconds), or ``None`` for a schedule that cannot say (then Celery's own ``is_due``
         decides)."""
         try:
-            return latest_due(entry, self.taskguard_settings.allowed_lateness + self.max_interval,  # type: ignore[attr-defined]
+            return latest_due(entry, self.taskguard_settings.allowed_lateness + self.max_interval,
                               now)
         except NotImplementedError:
             return None
@@ -510,7 +513,7 @@ class SingletonBeatMixin:
         instant, next_in = due
         if not self._tg_is_leader():
             # a follower looks again every loop, so that a take-over finds the entry due
-            return False, min(next_in, self.max_interval)  # type: ignore[attr-defined]
+            return False, min(next_in, self.max_interval)
         if instant is None or instant <= self._tg_handled.get(entry.name, -math.inf) + slot_slack(entry):
             return False, next_in
         late = now - instant
@@ -526,7 +529,7 @@ class SingletonBeatMixin:
         """A claim or publish failed (Redis, the broker): look at the entry again in a second
         (while the slot is within the allowed lateness) instead of at its next slot."""
         self._tg_retry_at[entry.name] = (self.taskguard_clock.monotonic()  # type: ignore[union-attr]
-                                         + min(1.0, float(self.max_interval)))  # type: ignore[attr-defined]
+                                         + min(1.0, float(self.max_interval)))
         if getattr(self, "_heap", None) is not None:
             self._heap = None  # Celery re-heaped the entry at its next slot: rebuild with is_due
 
@@ -548,7 +551,7 @@ class SingletonBeatMixin:
                 due, delay = self.is_due(entry)
             except Exception:
                 due, delay = self._is_due_failed(entry)  # type: ignore[attr-defined]
-            self._heap.append(event_t(self._when(entry, 0 if due else delay) or 0, 5, entry))  # type: ignore[attr-defined]
+            self._heap.append(event_t(self._when(entry, 0 if due else delay) or 0, 5, entry))
         heapify(self._heap)
 
     def maybe_due(self, entry: Any, **kwargs: Any) -> Any:

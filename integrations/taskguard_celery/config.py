@@ -42,7 +42,7 @@ SETTINGS = frozenset({"taskguard_locks", "taskguard_redis_url", "taskguard_prefi
                       "taskguard_metrics_port", "taskguard_redelivery_timeout", "taskguard_beat_leader_ttl",
                       "taskguard_beat_catch_up", "taskguard_beat_name"})
 
-_cache: "weakref.WeakKeyDictionary[Any, Locks]" = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[Any, Locks] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -72,7 +72,8 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
                 locks = RedisLocks.from_url(url, prefix=prefix)
             except ConfigError as e:
                 msg = str(e)
-                raise ConfigError(msg if msg.startswith("app.conf.") else f"app.conf.taskguard_redis_url: {msg}") from None
+                raise ConfigError(msg if msg.startswith("app.conf.")
+                                  else f"app.conf.taskguard_redis_url: {msg}") from None
         else:
             try:
                 locks = taskguard.from_env()

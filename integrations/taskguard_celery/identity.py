@@ -43,8 +43,8 @@ from celery.backends.rpc import RPCBackend
 from celery.exceptions import Ignore, TimeLimitExceeded
 
 from taskguard import LeaseBackendError
-from taskguard.validate import check_seconds
 from taskguard.run import GuardedRun
+from taskguard.validate import check_seconds
 
 from .headers import DEFER_HEADER, PUBLISH_HEADER, publish_time, read_header
 
@@ -72,7 +72,7 @@ SQS_VISIBILITY_TIMEOUT = 1800.0
 #: Other transports.
 DEFAULT_REDELIVERY_TIMEOUT = 3600.0
 
-_timeouts: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()
+_timeouts: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
 
 def redelivery_timeout(app: Any) -> float:

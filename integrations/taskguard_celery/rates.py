@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 from celery.exceptions import Retry
 
 from taskguard import Locks, Skipped
 from taskguard.handoff import parse_handle, release_handle
+from taskguard.keys import KeyTemplate
 from taskguard.pacing import pace, parse_state, shadow_check
 from taskguard.policy import GuardOptions
 
@@ -50,17 +51,18 @@ def pace_run(task: Any, opts: GuardOptions, key: str, args: tuple, kwargs: dict,
         log.error("task %s[%s]: ignoring a malformed %r header (%s); pacing it afresh", task.name, req.id,
                   RATE_HEADER, e)
         state = None
-    rate_key = opts.rate_key.render(args, kwargs)
+    rate_key = cast(KeyTemplate, opts.rate_key).render(args, kwargs)  # (a guard with a rate has its key)
+    rate = cast("tuple[int, float]", opts.rate)
     bound = max_countdown(task.app)
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the run goes ahead
-        if shadow_check(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+        if shadow_check(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
                         max_countdown=bound, task=task.name):
             from .skipping import send_event
 
             send_event(task, "task-guard-shadow", key=rate_key, reason="rate_limited", holder_ttl=None, leased=False)
         return None
     while True:
-        p = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+        p = pace(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
                  max_countdown=bound, state=state)
         if p.go:
             if p.countdown > 0:

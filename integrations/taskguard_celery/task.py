@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, cast
 
 from celery import Task, shared_task
 from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 from celery.utils.time import get_exponential_backoff_interval, maybe_iso8601
 
-from taskguard import ConfigError, LeaseBackendError, Locks
+from taskguard import ConfigError, Lease, LeaseBackendError, Locks
 from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
@@ -328,7 +329,8 @@ class GuardedTask(Task):
                      and r.locks is locks and r.state == "running"), None)
 
     def _report_lost(self, run: GuardedRun, reason: str) -> None:
-        skipping.send_event(self, "task-lease-lost", key=run.key, reason=reason, fencing_token=run.lease.fencing_token)
+        skipping.send_event(self, "task-lease-lost", key=run.key, reason=reason,
+                            fencing_token=cast(Lease, run.lease).fencing_token)
 
     # -- publishing ------------------------------------------------------------------------------
     def apply_async(self, args=None, kwargs=None, task_id=None, producer=None, link=None, link_error=None,

@@ -19,8 +19,9 @@ guarded as always.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 from celery.utils.time import maybe_iso8601
 from kombu.utils.uuid import uuid

@@ -12,8 +12,8 @@ settled at once (see :mod:`taskguard_rq.worker`).
 from taskguard import Skipped, TaskSkipped, is_skipped, metrics as _metrics
 from taskguard.context import current_lease
 
-from .handles import load_handle
 from .config import locks_for, use_locks
+from .handles import load_handle
 from .job import META_KEY, ON_SKIP, guarded_job, skip_count
 from .unique import enqueue_unique
 from .worker import GuardedWorker, settle_killed_job

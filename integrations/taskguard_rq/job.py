@@ -22,11 +22,13 @@ import contextvars
 import functools
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, cast
 
 from rq import Retry, get_current_job
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
+from taskguard.keys import KeyTemplate
 from taskguard.pacing import pace, parse_state, shadow_check
 from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
@@ -305,14 +307,15 @@ def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args:
             state = parse_state(job.meta.get(RATE_META_KEY))
         except ValueError as e:
             log.error("job %s: ignoring a malformed meta[%r] (%s); pacing it afresh", job.id, RATE_META_KEY, e)
-    rate_key = opts.rate_key.render(args, kwargs)
+    rate_key = cast(KeyTemplate, opts.rate_key).render(args, kwargs)  # (a guard with a rate has its key)
+    rate = cast("tuple[int, float]", opts.rate)
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the job runs
-        if shadow_check(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+        if shadow_check(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
                         max_countdown=RATE_MAX_COUNTDOWN, task=name):
             log.info("%s: shadow mode: would have been rate-limited (%r); running it", name, rate_key)
         return None
     while True:
-        p = pace(locks, rate_key, rate=opts.rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+        p = pace(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
                  max_countdown=RATE_MAX_COUNTDOWN, state=state)
         if p.go:
             if p.countdown > 0:

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable
+from typing import Any
 
 from taskguard import ConfigError, LeaseBackendError
 from taskguard.validate import check_seconds
@@ -70,13 +71,14 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
     opts = getattr(fn, "taskguard_options", None)
     if opts is None:
         raise ConfigError(f"enqueue_unique needs a @guarded_job function, got {fn!r}")
+    task_name: str = fn.taskguard_name  # type: ignore[attr-defined]  # (set by @guarded_job with its options)
     if unique_ttl is not None:
         unique_ttl = check_seconds("unique_ttl", unique_ttl)
     kwargs = dict(kwargs or {})
     try:
         from rq.exceptions import DuplicateJobError
     except ImportError:  # RQ < 2.8: no unique= of its own; the keyed mark below, under the given id
-        DuplicateJobError = None  # noqa: N806
+        DuplicateJobError = None  # type: ignore[misc,assignment]  # noqa: N806  (the name stays None on RQ < 2.8)
     if job_id is not None and DuplicateJobError is not None:
         for _ in range(_ROUNDS):
             try:
@@ -85,7 +87,7 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
                 if not _delete_if_over(Job, job_id, queue.connection):
                     break
         log.info("job %s is queued or running: not enqueued again", job_id)
-        locks_for(getattr(fn, "taskguard_locks", None)).report_suppressed(job_id, fn.taskguard_name, job_id)
+        locks_for(getattr(fn, "taskguard_locks", None)).report_suppressed(job_id, task_name, job_id)
         return _handle(Job, job_id, queue)
     key = opts.key.render(tuple(args), kwargs)
     locks = locks_for(getattr(fn, "taskguard_locks", None))
@@ -95,20 +97,20 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
         max(0.0, (at.astimezone(timezone.utc) - datetime.now(timezone.utc)).total_seconds()) if at is not None else 0.0
     shadow = not opts.enforce  # shadow mode: report what uniqueness would do, enqueue anyway
     try:
-        marked, existing = locks.mark_queued(key, new_id, ttl=max(base, 1.0) + delay, task=fn.taskguard_name,
+        marked, existing = locks.mark_queued(key, new_id, ttl=max(base, 1.0) + delay, task=task_name,
                                              shadow=shadow)
     except LeaseBackendError as e:
         if not shadow:
             raise
-        log.warning("%s: shadow mode: uniqueness of %r could not be checked (%s); enqueuing", fn.taskguard_name, key, e)
+        log.warning("%s: shadow mode: uniqueness of %r could not be checked (%s); enqueuing", task_name, key, e)
         return _enqueue(queue, fn, args, kwargs, new_id, at, in_, options)
     if not marked:
-        locks.report_suppressed(key, fn.taskguard_name, existing, shadow=shadow)
+        locks.report_suppressed(key, task_name, existing, shadow=shadow)
         if shadow:  # enqueued anyway, without a mark of its own
             log.info("%s: shadow mode: would not have been enqueued, a job of %r is queued or running: %s; "
-                     "enqueuing it", fn.taskguard_name, key, existing)
+                     "enqueuing it", task_name, key, existing)
             return _enqueue(queue, fn, args, kwargs, new_id, at, in_, options)
-        log.info("%s: not enqueued, a job of %r is queued or running: %s", fn.taskguard_name, key, existing)
+        log.info("%s: not enqueued, a job of %r is queued or running: %s", task_name, key, existing)
         return _handle(Job, existing, queue)
     meta = {**(options.pop("meta", None) or {}), UNIQUE_META_KEY: key}
     try:
@@ -116,7 +118,7 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
     except BaseException:
         try:
             # never leave a mark for a job that was not enqueued
-            locks.clear_queued(key, new_id, fn.taskguard_name, shadow)
+            locks.clear_queued(key, new_id, task_name, shadow)
         except LeaseBackendError as e:
             log.warning("could not clear the queued mark of a failed enqueue (its TTL bounds it): %s", e)
         raise

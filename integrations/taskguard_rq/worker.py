@@ -45,9 +45,10 @@ from typing import Any
 from rq import Worker
 
 from taskguard.liveness import holder_is_dead
+
+from .config import locks_for
 from .handles import drop_handle, load_handle, save_handle
 from .job import mirror_meta
-from .config import locks_for
 
 __all__ = ["GuardedWorker", "settle_killed_job", "settle_canceled_jobs"]
 

@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 from celery import current_task
+
 from taskguard_celery import GuardedTask
 
 

@@ -3,9 +3,9 @@ Redis, no broker, no worker — the ``taskguard_locks`` fixture (in memory; pass
 ``--taskguard-redis-url redis://...`` for a real Redis), the ``taskguard_events`` fixture and
 ``assert_skipped``. Run it from ``examples/outbox``: ``pytest tests/test_app.py``."""
 
+import app as example
 import pytest
 
-import app as example
 from taskguard.testing import assert_skipped
 from taskguard_celery import use_locks
 
