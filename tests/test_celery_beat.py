@@ -151,6 +151,17 @@ def test_a_message_from_an_older_leader_runs_and_a_slot_runs_once(beat_env):
     leader.release()
 
 
+def test_the_worker_side_imports_no_scheduler():
+    """A worker reads a beat message's slot (taskguard_celery.beat_runs) without importing the
+    scheduler module."""
+    import subprocess
+    import sys
+
+    code = "import sys, taskguard_celery; print('taskguard_celery.beat' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 def test_entry_options_set_the_runs_key_and_ttl(beat_env):
     app, queue, prefix, tmp = beat_env
     header = {"entry": "nightly", "slot": "at:1", "key": "nightly-report", "ttl": 7}
@@ -462,8 +473,8 @@ def test_the_catch_up_window_decides_what_a_new_leader_publishes(catch_up, tmp_p
 
     def step(s, at):
         clock.now = at
-        if s._tg_leader is not None:
-            s._tg_leader.renew()  # what the heartbeat thread does on the real clock
+        if s.taskguard_periodic.lease is not None:
+            s.taskguard_periodic.lease.renew()  # what the heartbeat thread does on the real clock
         s.taskguard_leader()
         entry = s.schedule["e"]
         due, _ = s.is_due(entry)
@@ -478,7 +489,7 @@ def test_the_catch_up_window_decides_what_a_new_leader_publishes(catch_up, tmp_p
             t = round(t + 0.5, 3)
 
     run([a, b], 1000.5, 1018.5)  # both tick (and renew) every 0.5 s
-    get_heartbeat().discard(a._tg_leader)  # the leader dies at 1018.5: its lease runs out at ~1024.5
+    get_heartbeat().discard(a.taskguard_periodic.lease)  # the leader dies at 1018.5: its lease runs out at ~1024.5
     run([b], 1018.5, 1031.0)
     windows = [int(slot.split(":")[1]) for _, slot in published]
     say(f"catch_up={catch_up}: published windows {windows}; b's stats {dict(b.taskguard_stats)}")
@@ -489,7 +500,7 @@ def test_the_catch_up_window_decides_what_a_new_leader_publishes(catch_up, tmp_p
         assert windows == [101, 103] and b.taskguard_stats["missed_slots"] == 1
     # a longer gap: nobody leads from 1031 to 1066 (b dies, a comes back late); a publishes the
     # latest slot only if it is within the window, and counts the ones that fell due meanwhile
-    get_heartbeat().discard(b._tg_leader)
+    get_heartbeat().discard(b.taskguard_periodic.lease)
     run([a], 1066.0, 1071.0)
     windows = [int(slot.split(":")[1]) for _, slot in published]
     say(f"after a gap: published windows {windows}; a's stats {dict(a.taskguard_stats)}")

@@ -332,13 +332,14 @@ def test_beat_takes_its_time_source_from_the_injected_clock(tmp_path):
 
     s = Sched(app, schedule_filename=str(tmp_path / "s"), taskguard_clock=FixedClock(lambda: now[0]))
     try:
-        assert s._tg_now() == now[0] and s.taskguard_leader() is not None
+        assert s.taskguard_periodic.now() == now[0] and s.taskguard_leader() is not None
         entry = s.schedule["e"]
         due, next_in = s.is_due(entry)
         assert due and abs(next_in - 9.5) < 1e-6  # the window 1000000.0 (0.5 s late), the next in 9.5 s
-        assert s._tg_due(entry, s._tg_now())[0] == 1_000_000.0
+        core = s.taskguard_periodic
+        assert core.latest(s.taskguard_entry(entry), core.now())[0] == 1_000_000.0
         now[0] += 123.0
         due, next_in = s.is_due(entry)
-        assert due and abs(next_in - 6.5) < 1e-6 and s._tg_due(entry, s._tg_now())[0] == 1_000_120.0
+        assert due and abs(next_in - 6.5) < 1e-6 and core.latest(s.taskguard_entry(entry), core.now())[0] == 1_000_120.0
     finally:
         s.close()

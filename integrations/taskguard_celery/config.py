@@ -15,7 +15,6 @@ up, with the core's validators.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import weakref
 from typing import Any
@@ -23,19 +22,23 @@ from typing import Any
 import taskguard
 from taskguard import ConfigError, Locks, RedisLocks
 from taskguard.config import parse_prefix
+from taskguard.schedule.settings import (
+    LEADER_TTL,
+    LEADER_TTL_MAX,
+    SKEW,
+    ScheduleSettings,
+    SettingNames,
+    schedule_settings,
+)
 from taskguard.urls import check_url
-from taskguard.validate import check_seconds, check_setting_names, check_ttl
+from taskguard.validate import check_setting_names
 
 __all__ = ["locks_for", "use_locks", "beat_settings", "BeatSettings", "BEAT_LEADER_TTL", "BEAT_LEADER_TTL_MAX",
            "BEAT_SKEW"]
 
-#: Default of ``app.conf.taskguard_beat_leader_ttl``, seconds.
-BEAT_LEADER_TTL = 30.0
-#: Longest leader TTL accepted, seconds: how long a crashed leader can keep every beat waiting.
-BEAT_LEADER_TTL_MAX = 3600.0
-#: Seconds allowed for the clocks of beats to differ and for a tick to come late; part of the
-#: default catch-up window and the lateness every due slot is allowed.
-BEAT_SKEW = 2.0
+#: Default of ``app.conf.taskguard_beat_leader_ttl``, its largest value, and the skew allowance
+#: (seconds): the periodic core's (:mod:`taskguard.schedule.settings`).
+BEAT_LEADER_TTL, BEAT_LEADER_TTL_MAX, BEAT_SKEW = LEADER_TTL, LEADER_TTL_MAX, SKEW
 
 #: Every ``app.conf.taskguard_*`` setting the adapter reads (a close misspelling is refused).
 SETTINGS = frozenset({"taskguard_locks", "taskguard_redis_url", "taskguard_prefix", "taskguard_metrics",
@@ -101,55 +104,26 @@ def use_locks(app: Any, locks: Locks) -> None:
             task._locks_cache = None
 
 
-@dataclasses.dataclass(frozen=True)
-class BeatSettings:
-    """The beat scheduler's settings, validated (see :func:`beat_settings`)."""
+#: The beat scheduler's settings, validated (see :func:`beat_settings`).
+BeatSettings = ScheduleSettings
 
-    leader_ttl: float
-    catch_up: float
-    name: str
-    loop_interval: float
-
-    @property
-    def allowed_lateness(self) -> float:
-        """How late (seconds) a due slot may still be published: the catch-up window, and never
-        less than one beat loop plus the skew allowance (a slot due between two ticks)."""
-        return max(self.catch_up, self.loop_interval + BEAT_SKEW)
+_BEAT_NAMES = SettingNames(leader_ttl="app.conf.taskguard_beat_leader_ttl", catch_up="app.conf.taskguard_beat_catch_up",
+                           name="app.conf.taskguard_beat_name", loop="beat_max_loop_interval", role="beat")
 
 
 def beat_settings(app: Any, loop_interval: float) -> BeatSettings:
-    """The beat settings of ``app``, checked. ``loop_interval`` (seconds) is the scheduler's
-    effective ``max_interval`` (``beat_max_loop_interval`` when set, celery/beat.py
-    ``Scheduler.__init__``).
+    """The beat settings of ``app``, checked by :func:`taskguard.schedule.schedule_settings`.
+    ``loop_interval`` (seconds) is the scheduler's effective ``max_interval``
+    (``beat_max_loop_interval`` when set, celery/beat.py ``Scheduler.__init__``).
 
-    * ``app.conf.taskguard_beat_leader_ttl``: seconds, default 30; at least :data:`~taskguard.validate.MIN_TTL`
-      and at least twice the loop interval (a leader looks at its lease once per loop).
+    * ``app.conf.taskguard_beat_leader_ttl``: seconds, default 30; at least :data:`~taskguard.validate.MIN_TTL`,
+      at most 3600, and at least twice the loop interval (a leader looks at its lease once per loop).
     * ``app.conf.taskguard_beat_catch_up``: seconds a new leader still publishes a slot that fell
       due during the hand-over; default leader TTL + loop interval + :data:`BEAT_SKEW`; ``0`` = none.
     * ``app.conf.taskguard_beat_name``: the leader lease's name (default: the app's ``main``).
 
     Raises ConfigError naming the setting."""
     conf = app.conf
-    raw = conf.get("taskguard_beat_leader_ttl")
-    try:
-        leader_ttl = BEAT_LEADER_TTL if raw is None else check_ttl(raw)
-    except ConfigError as e:
-        raise ConfigError(f"app.conf.taskguard_beat_leader_ttl: {e}") from None
-    if leader_ttl > BEAT_LEADER_TTL_MAX:
-        raise ConfigError(f"app.conf.taskguard_beat_leader_ttl must be at most {BEAT_LEADER_TTL_MAX:g} s (a crashed "
-                          f"leader holds every beat off for that long), got {leader_ttl:g}")
-    if leader_ttl < 2 * loop_interval:
-        raise ConfigError(f"app.conf.taskguard_beat_leader_ttl must be at least twice the beat loop interval "
-                          f"({loop_interval:g} s, beat_max_loop_interval), got {leader_ttl:g}")
-    raw = conf.get("taskguard_beat_catch_up")
-    try:
-        catch_up = (leader_ttl + loop_interval + BEAT_SKEW if raw is None
-                    else check_seconds("catch-up window", raw, allow_zero=True))
-    except ConfigError as e:
-        raise ConfigError(f"app.conf.taskguard_beat_catch_up: {e}") from None
-    name = conf.get("taskguard_beat_name")
-    if name is None:
-        name = app.main or "celery"
-    elif not isinstance(name, str) or not name.strip():
-        raise ConfigError(f"app.conf.taskguard_beat_name must be a non-empty str, got {name!r}")
-    return BeatSettings(leader_ttl=leader_ttl, catch_up=catch_up, name=name, loop_interval=float(loop_interval))
+    return schedule_settings(_BEAT_NAMES, leader_ttl=conf.get("taskguard_beat_leader_ttl"),
+                             catch_up=conf.get("taskguard_beat_catch_up"), name=conf.get("taskguard_beat_name"),
+                             default_name=app.main or "celery", loop_interval=float(loop_interval))

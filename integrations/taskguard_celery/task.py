@@ -24,7 +24,7 @@ from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_
 from taskguard.run import GuardedRun
 
 from . import identity, rates, skipping, uniqueness
-from .beat import beat_run, entry_guard
+from .beat_runs import beat_run, entry_guard
 from .config import locks_for
 from .headers import BEAT_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, new_publish_stamp, read_header
 

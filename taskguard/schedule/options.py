@@ -1,0 +1,116 @@
+"""Guard options of a periodic entry: the task's own options, some replaced for that entry's runs.
+
+An entry may give its runs their own ``key``, ``ttl``, ``limit``, ``rate`` and ``rate_key``
+(:data:`ENTRY_OPTIONS`, the fields of :class:`taskguard.policy.GuardOptions` of those names, with
+the same validators). They are checked when the scheduler starts (:func:`check_entry_options`),
+travel in the slot's message, and the worker lays them over the task's options
+(:func:`apply_entry_options`). One function checks each field: :func:`check_entry_option`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+from ..errors import ConfigError
+from ..keys import KeyTemplate
+from ..policy import GuardOptions
+from ..validate import check_limit, check_rate, check_ttl
+
+__all__ = ["ENTRY_OPTIONS", "check_entry_option", "check_entry_options", "apply_entry_options"]
+
+#: The guard options a periodic entry may set for its runs (names of :class:`GuardOptions` fields).
+ENTRY_OPTIONS = ("key", "ttl", "limit", "rate", "rate_key")
+
+log = logging.getLogger("taskguard.schedule")
+
+_templates: dict[tuple[Hashable, str], KeyTemplate] = {}
+
+
+def _template(value: str, fn: Callable[..., Any], cache: Any) -> KeyTemplate:
+    if cache is None:
+        return KeyTemplate(value, fn)
+    found = _templates.get((cache, value))
+    if found is None:
+        found = _templates[(cache, value)] = KeyTemplate(value, fn)
+    return found
+
+
+def check_entry_option(field: str, value: Any, fn: Callable[..., Any] | None = None, cache: Any = None) -> Any:
+    """The checked value of one entry option (``field`` one of :data:`ENTRY_OPTIONS`): ``ttl`` a
+    lease TTL in seconds (float), ``limit`` an int, ``rate`` ``(count, seconds)`` (a list is
+    read as a tuple); ``key`` / ``rate_key`` a non-empty template ``str``, returned as a
+    :class:`~taskguard.keys.KeyTemplate` bound to ``fn``'s signature when ``fn`` is given
+    (``cache``: a hashable that names ``fn``, to reuse bound templates), else as the ``str``.
+    Raises ConfigError naming the field."""
+    if field in ("key", "rate_key"):
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{field} must be a non-empty template str, got {value!r}")
+        if fn is None:
+            return value
+        try:
+            return _template(value, fn, cache)
+        except ConfigError as e:
+            raise ConfigError(f"{field}: {e}") from None
+    if field == "ttl":
+        return check_ttl(value)
+    if field == "limit":
+        return check_limit(value)
+    if field == "rate":
+        return check_rate(tuple(value) if isinstance(value, list) else value)
+    raise ConfigError(f"unknown entry option {field!r} (entry options: {', '.join(ENTRY_OPTIONS)})")
+
+
+def check_entry_options(
+    where: str, options: Any, fn: Callable[..., Any] | None = None, container: str = "options"
+) -> dict[str, Any]:
+    """Check an entry's guard options when the scheduler starts: a dict with keys from
+    :data:`ENTRY_OPTIONS`; ``rate_key`` needs ``rate``; with ``fn`` (the body of a guarded task
+    this process knows) the templates are bound to its signature too. Returns them JSON-safe (a
+    rate tuple as a list), for the slot's message. Raises ConfigError starting with ``where``
+    (e.g. ``"beat entry 'nightly'"``); ``container`` names the dict in the message."""
+    if not isinstance(options, dict) or set(options) - set(ENTRY_OPTIONS):
+        raise ConfigError(f"{where}: {container} must be a dict with keys {ENTRY_OPTIONS}, got {options!r}")
+    given = [field for field in ENTRY_OPTIONS if options.get(field) is not None]
+    try:
+        for field in given:
+            check_entry_option(field, options[field])
+        if options.get("rate_key") is not None and options.get("rate") is None:
+            raise ConfigError("rate_key needs rate")
+        for field in given:
+            if fn is not None and field in ("key", "rate_key"):
+                check_entry_option(field, options[field], fn)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    out = dict(options)
+    if isinstance(out.get("rate"), tuple):
+        out["rate"] = list(out["rate"])  # JSON-safe in the message
+    return out
+
+
+def apply_entry_options(
+    opts: GuardOptions, options: Mapping[str, Any], fn: Callable[..., Any], task: str, cache: Any = None
+) -> GuardOptions:
+    """The guard options of one run published for an entry: ``opts`` (the task's own) with the
+    entry's options (``options``, e.g. a slot message's header; other keys are ignored) laid over
+    them. Each field is checked on its own by :func:`check_entry_option`: a bad one is logged
+    (naming ``task``) and the task's own value is kept, never dropping the entry's other options.
+    A ``rate`` without a ``rate_key`` (the task having none) is keyed by the task's name; a
+    ``rate_key`` without any rate is dropped."""
+    changes: dict[str, Any] = {}
+    for field in ENTRY_OPTIONS:
+        value = options.get(field)
+        if value is None:
+            continue
+        try:
+            changes[field] = check_entry_option(field, value, fn, cache)
+        except ConfigError as e:
+            log.error("task %s: ignoring the beat entry's %s option: %s", task, field, e)
+    if "rate" in changes and "rate_key" not in changes and opts.rate_key is None:
+        changes["rate_key"] = _template(task, fn, cache)
+    if "rate_key" in changes and "rate" not in changes and opts.rate is None:
+        log.error("task %s: ignoring the beat entry's rate_key option: it needs rate", task)
+        del changes["rate_key"]
+    return dataclasses.replace(opts, **changes) if changes else opts
