@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+from .redis_locks import RedisLocks
 from .urls import check_url
 from .validate import MAX_SECONDS, check_fraction, check_prefix, check_seconds, check_setting_names
 
@@ -126,8 +127,6 @@ def from_env(environ: Mapping[str, str] | None = None, *, client: Any = None, **
         ConfigError: a variable is malformed, or ``TASKGUARD_REDIS_URL`` is missing while no
             ``client`` is given.
     """
-    from .redis_locks import RedisLocks
-
     opts = read_env(environ)
     opts.update(overrides)
     url = opts.pop("url", None)
