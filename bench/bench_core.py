@@ -84,10 +84,13 @@ from benchlib import (  # noqa: E402
 )
 
 from taskguard import RedisLocks, scripts
+from taskguard.backend import AcquireReply, AcquireStatus
 from taskguard.events import LeaseEvent
 from taskguard.heartbeat import get_heartbeat
 from taskguard.lease import Acquisition, Lease
-from taskguard.locks import check_seconds, new_owner_token
+from taskguard.leasing import holder_meta, new_owner_token
+from taskguard.locks import Locks, check_seconds
+from taskguard.redis_backend import RedisBackend
 from taskguard.urls import redact_url
 
 TTL = 10  # seconds, every contender
@@ -128,7 +131,7 @@ def make_contenders(client: redis.Redis, locks: RedisLocks, prefix: str) -> dict
         lk.release()
 
     # Diagnostic: taskguard's own scripts, same keys and argument sizes, no API around them.
-    lease_k = locks._lease_key("raw")
+    lease_k = locks.backend.lease_key("raw")
     owner = new_owner_token()
     holder_json = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}, separators=(",", ":"))
     acq_args = (owner, TTL * 1000, holder_json, int(locks.fence_idle_ttl * 1000), 0, "", "0", "")
@@ -448,21 +451,20 @@ def print_split(url: str, prefix: str, ops: int, rounds: int) -> None:
 
 
 # -- client-side CPU breakdown -----------------------------------------------------------------------
-class _NullRedisLocks(RedisLocks):
-    """The taskguard API over a backend that answers at once (no I/O): pure client-side cost."""
+class _NullBackend(RedisBackend):
+    """A Redis backend that answers at once (no I/O): the taskguard API over it costs pure client-side CPU."""
 
-    # *rest/**kw and the int 1 ("acquired", also truthy) keep this working while the primitives grow.
-    def _try_acquire(self, key, owner, ttl, holder_json, *rest, **kw):  # type: ignore[override]
-        self._lease_key(key)
-        return 1, 1, None, None
+    def acquire(self, request, wait):  # type: ignore[override]
+        self.lease_key(request.key)
+        return AcquireReply(AcquireStatus.ACQUIRED, 1)
 
-    def _release_one(self, key, owner, *rest, **kw):  # type: ignore[override]
-        self._lease_key(key)
+    def release(self, key, owner, *rest, **kw):  # type: ignore[override]
+        self.lease_key(key)
         return True
 
 
 def print_breakdown(client: redis.Redis) -> None:
-    null = _NullRedisLocks(client, prefix="tgbench-null")
+    null = Locks(_NullBackend(client, "tgbench-null", 1.0, 7 * 86400.0), prefix="tgbench-null")
     acquire = null.acquire
 
     def whole() -> None:
@@ -470,9 +472,9 @@ def print_breakdown(client: redis.Redis) -> None:
 
     meta = {"host": socket.gethostname(), "pid": os.getpid()}
     ws: weakref.WeakSet[Any] = weakref.WeakSet()
-    lease = Lease(null, "k", "o", ttl=10.0, fencing_token=1, expires_at=0.0, holder=meta)
+    lease = Lease(null.leasing, "k", "o", ttl=10.0, fencing_token=1, expires_at=0.0, holder=meta)
     hb = get_heartbeat()
-    emitter = null._emitter
+    emitter = null.emitter
 
     def events() -> None:
         emitter.emit(LeaseEvent("acquire", "k", "acquired", 0.0, fencing_token=1, ttl=10.0, holder=meta))
@@ -492,12 +494,12 @@ def print_breakdown(client: redis.Redis) -> None:
 
     parts = [
         ("whole API over a no-op backend (acquire+release)", whole),
-        ("_holder_meta(None): gethostname + getpid + json.dumps", lambda: null._holder_meta(None)),
+        ("holder_meta(None): gethostname + getpid + json.dumps", lambda: holder_meta(None)),
         ("socket.gethostname()", socket.gethostname),
         ("json.dumps(holder meta)", lambda: json.dumps(meta, separators=(",", ":"))),
         ("secrets.token_urlsafe(18) (owner token)", lambda: secrets.token_urlsafe(18)),
         ("2 LeaseEvent built + emitted (no listeners)", events),
-        ("Lease(...) handle (threading.Lock, getpid, dict)", lambda: Lease(null, "k", "o", ttl=10.0,
+        ("Lease(...) handle (threading.Lock, getpid, dict)", lambda: Lease(null.leasing, "k", "o", ttl=10.0,
                                                                          fencing_token=1, expires_at=0.0, holder=meta)),
         ("Acquisition(...) dataclass", lambda: Acquisition(True, lease)),
         ("WeakSet add + discard", weakset),

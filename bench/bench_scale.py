@@ -58,7 +58,7 @@ from benchlib import arg_parser, cleanup, exit_on_sigterm, fmt_table, git_state,
 
 from taskguard import RedisLocks
 from taskguard.heartbeat import COALESCE, get_heartbeat
-from taskguard.redis_locks import SIGNAL_TTL
+from taskguard.redis_backend import SIGNAL_TTL
 from taskguard.urls import redact_url
 
 
@@ -210,7 +210,7 @@ def part_heartbeat(url: str, admins: list[redis.Redis], prefix: str, n: int, ttl
     lost = sum(1 for lease in leases if lease.lost)
     pipe = client.pipeline(transaction=False)
     for lease in leases:
-        pipe.hget(locks._lease_key(lease.key), "x")
+        pipe.hget(locks.backend.lease_key(lease.key), "x")
     expiries = pipe.execute()
     sec, usec = admins[0].time()
     now_ms = sec * 1000 + usec // 1000
@@ -326,7 +326,7 @@ def part_memory(url: str, admin: redis.Redis, prefix: str, n: int, idle_ttl: flo
     after = used_memory(admin)
     keys_after = count_keys(admin, prefix)
     usage = mean_memory_usage(admin, prefix)
-    names = [locks._lease_key(f"k:{i}") for i in range(n)]
+    names = [locks.backend.lease_key(f"k:{i}") for i in range(n)]
     for i in range(0, n, 1000):
         admin.delete(*names[i:i + 1000])
     time.sleep(0.5)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+from .redis_locks import RedisLocks
 from .urls import check_url
 from .validate import MAX_SECONDS, check_fraction, check_prefix, check_seconds, check_setting_names
 
@@ -90,7 +91,10 @@ ENV_VARS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
 KNOWN_ENV_VARS = frozenset(ENV_VARS) | {
     "TASKGUARD_METRICS", "TASKGUARD_VENV", "TASKGUARD_SCRATCH_BASE", "TASKGUARD_REDIS_SERVER", "TASKGUARD_REDIS_CLI",
     "TASKGUARD_AMQP_URL", "TASKGUARD_REQUIRE_RABBITMQ", "TASKGUARD_CHROMIUM", "TASKGUARD_LIBFAKETIME",
-    "TASKGUARD_SOAK_SECONDS", "TASKGUARD_SUITE_REPORT"}
+    "TASKGUARD_SOAK_SECONDS", "TASKGUARD_SUITE_REPORT",
+    # read by `taskguard rq-cron` (taskguard/cli.py)
+    "TASKGUARD_RQ_CRON_TIMEZONE", "TASKGUARD_RQ_CRON_NAME", "TASKGUARD_RQ_CRON_LEADER_TTL",
+    "TASKGUARD_RQ_CRON_CATCH_UP"}
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -123,8 +127,6 @@ def from_env(environ: Mapping[str, str] | None = None, *, client: Any = None, **
         ConfigError: a variable is malformed, or ``TASKGUARD_REDIS_URL`` is missing while no
             ``client`` is given.
     """
-    from .redis_locks import RedisLocks
-
     opts = read_env(environ)
     opts.update(overrides)
     url = opts.pop("url", None)

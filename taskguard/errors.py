@@ -7,10 +7,9 @@ round trip. None of them ever carries an owner token.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
-if TYPE_CHECKING:
-    from .skipped import Skipped
+from .skipped import Skipped
 
 __all__ = [
     "TaskguardError",
@@ -139,9 +138,7 @@ class TaskSkipped(TaskguardError):
         return cast("str", self.args[1])
 
     @property
-    def skipped(self) -> Skipped:  # (imported below: import cycle avoided)
-        from .skipped import Skipped
-
+    def skipped(self) -> Skipped:
         return Skipped(key=self.args[0], reason=self.args[1], task=self.args[2], holder_ttl=self.args[3])
 
     def __str__(self) -> str:

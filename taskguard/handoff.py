@@ -17,12 +17,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
-from .heartbeat import get_heartbeat
 from .lease import Acquisition, Lease, slot_of
-from .locks import Locks
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .locks import Locks
 
 __all__ = ["persist", "parse_handle", "resume", "release_handle"]
 
@@ -34,8 +35,7 @@ def persist(lease: Lease, ttl: float) -> dict[str, Any] | None:
 
     Returns ``None`` when the lease is no longer held (the retry will then acquire afresh).
     Raises LeaseBackendError when Redis fails."""
-    get_heartbeat().discard(lease)  # first: a heartbeat round must not renew it after the stretch
-    lease._renewing = False
+    lease.stop_renewing()  # first: a heartbeat round must not renew it after the stretch
     if not lease.renew(ttl):
         return None
     return {"key": lease.key, "owner": lease.owner_token, "fence": lease.fencing_token, "expires": lease.expires_at}

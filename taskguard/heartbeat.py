@@ -108,10 +108,10 @@ class Heartbeat:
                 # this round too (a little early), so leases taken close together share rounds;
                 # leases whose locks object has a round in flight wait for it to finish
                 due = [e for e in self._entries.values()
-                       if e.next_due - COALESCE * e.interval <= now and id(e.lease._locks) not in self._in_flight]
+                       if e.next_due - COALESCE * e.interval <= now and id(e.lease.manager) not in self._in_flight]
                 if not due:
                     pending = [e.next_due for e in self._entries.values()
-                               if id(e.lease._locks) not in self._in_flight]
+                               if id(e.lease.manager) not in self._in_flight]
                     nxt = min(pending, default=None)
                     sleep = self._idle_sleep if nxt is None else max(nxt - now, 0.0)
                     self._wake_at = now + sleep
@@ -134,18 +134,18 @@ class Heartbeat:
         groups: dict[int, list[_Entry]] = {}
         for e in due:
             lease = e.lease
-            if lease.released or lease._lost_reason is not None:
+            if lease.released or lease.marked_lost:
                 self.discard(lease)
                 continue
             if e.deadline is not None and now >= e.deadline:
                 self.discard(lease)
                 log.warning("lease %r passed max_hold; no longer renewed", lease.key)
-                lease._locks._emitter.emit(
+                lease.manager.emitter.emit(
                     LeaseEvent("renew", lease.key, "max_hold", fencing_token=lease.fencing_token,
                                ttl=lease.ttl, holder=lease.holder, task=lease.task)
                 )
                 continue
-            groups.setdefault(id(lease._locks), []).append(e)
+            groups.setdefault(id(lease.manager), []).append(e)
         if not groups:
             return
         if self._executor is None:
@@ -157,11 +157,11 @@ class Heartbeat:
 
     def _renew_group(self, group_id: int, entries: list[_Entry]) -> None:
         try:
-            locks = entries[0].lease._locks
-            clock = locks.clock
+            manager = entries[0].lease.manager
+            clock = manager.clock
             sent_mono, sent_wall, started = clock.monotonic(), clock.time(), time.monotonic()
             try:
-                outcomes = locks._renew_many([(e.lease.key, e.lease.owner_token, e.lease.ttl) for e in entries])
+                outcomes = manager.renew_many([(e.lease.key, e.lease.owner_token, e.lease.ttl) for e in entries])
             except Exception as exc:  # a bug or an unexpected error: report it per lease, keep going
                 log.exception("taskguard renewal round failed")
                 outcomes = [exc] * len(entries)
@@ -183,10 +183,10 @@ class Heartbeat:
         if lease.released:  # released while the renewal was in flight: nothing to report
             self.discard(lease)
             return
-        emitter = lease._locks._emitter
+        emitter = lease.manager.emitter
         emit = emitter.emit
         if outcome is True:
-            lease._extended(sent[0], sent[1], lease.ttl)
+            lease.note_renewed(sent[0], sent[1], lease.ttl)
             with self._cond:
                 # counted from when the round was sent, as the new expiry is: the cadence stays
                 # one interval, not an interval plus the round trip and the settling
@@ -198,13 +198,13 @@ class Heartbeat:
             self.discard(lease)
             emit(LeaseEvent("renew", lease.key, "not_owner", took, fencing_token=lease.fencing_token, ttl=lease.ttl,
                             task=lease.task))
-            lease._mark_lost("renewal found another owner or no lease")
+            lease.mark_lost("renewal found another owner or no lease")
         else:
             emit(LeaseEvent("renew", lease.key, "error", took, fencing_token=lease.fencing_token,
                             ttl=lease.ttl, error=str(outcome), task=lease.task))
-            if lease._expired():
+            if lease.presumed_expired():
                 self.discard(lease)
-                lease._mark_lost(f"renewal failed until the lease expired: {outcome}")
+                lease.mark_lost(f"renewal failed until the lease expired: {outcome}")
             else:
                 log.warning("renewal of lease %r failed, retrying: %s", lease.key, outcome)
                 with self._cond:

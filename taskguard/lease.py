@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -10,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import LeaseLost
 from .events import LeaseEvent
+from .heartbeat import get_heartbeat
 from .validate import check_callback
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .locks import Locks
+    from .leasing import Leases
 
 __all__ = ["Lease", "Acquisition", "HolderInfo", "slot_of", "slot_suffix"]
 
@@ -58,7 +60,7 @@ class Lease:
 
     def __init__(
         self,
-        locks: Locks,
+        manager: Leases,
         key: str,
         owner_token: str,
         *,
@@ -69,9 +71,11 @@ class Lease:
         run_id: str | None = None,
         deadline: float | None = None,
     ) -> None:
-        """``deadline``: when the lease is presumed expired, on ``locks.clock.monotonic()``; when
+        """Made by the lease policy (``manager``, a :class:`taskguard.leasing.Leases`), never by
+        users: :meth:`Locks.acquire`, :meth:`Locks.claim` and :meth:`Locks.restore` give handles.
+        ``deadline``: when the lease is presumed expired, on ``manager.clock.monotonic()``; when
         not given it is derived once from ``expires_at`` (a persisted handle's epoch expiry)."""
-        self._locks = locks
+        self._manager = manager
         self.run_id = run_id
         self.finished_id = run_id  # what a finished release records (run_id, or run_id#delivery)
         self.key = key
@@ -79,7 +83,7 @@ class Lease:
         self.ttl = ttl
         self.fencing_token = fencing_token
         self.expires_at = expires_at
-        clock = locks.clock
+        clock = manager.clock
         if deadline is None and expires_at is not None:
             deadline = clock.monotonic() + (expires_at - clock.time())
         self._deadline = deadline  # monotonic: the lease is presumed gone from then on
@@ -88,13 +92,19 @@ class Lease:
         self._pid = os.getpid()
         self._lost_reason: str | None = None
         self._released = False
-        self._renewing = False  # registered with the heartbeat
+        #: ``True`` while registered with the heartbeat (see :meth:`stop_renewing`).
+        self.renewing = False
         self._lost_callbacks: list[Callable[[Lease, str], None]] = []
 
     # -- read-only state -------------------------------------------------------------------
     @property
     def owner_token(self) -> str:
         return self._owner_token
+
+    @property
+    def manager(self) -> Leases:
+        """The lease policy (:class:`taskguard.leasing.Leases`) this handle belongs to."""
+        return self._manager
 
     @property
     def slot(self) -> int:
@@ -116,13 +126,19 @@ class Lease:
             return True
         if self._released:
             return False
-        return self._expired()
+        return self.presumed_expired()
 
-    def _expired(self) -> bool:
+    @property
+    def marked_lost(self) -> bool:
+        """``True`` once a renew, release or check found the lease gone (not merely presumed
+        expired, see :attr:`lost`)."""
+        return self._lost_reason is not None
+
+    def presumed_expired(self) -> bool:
         """The TTL ran out (on the monotonic clock) since the last successful acquire/renew."""
-        return self._deadline is not None and self._locks.clock.monotonic() >= self._deadline
+        return self._deadline is not None and self._manager.clock.monotonic() >= self._deadline
 
-    def _extended(self, sent_mono: float, sent_wall: float, ttl: float) -> None:
+    def note_renewed(self, sent_mono: float, sent_wall: float, ttl: float) -> None:
         """A renewal sent at ``sent_mono`` (monotonic) / ``sent_wall`` (epoch) succeeded: the
         lease runs ``ttl`` seconds from then (counted from the send: conservative)."""
         self._deadline = sent_mono + ttl
@@ -159,7 +175,7 @@ class Lease:
         expired lease. Raises :class:`~taskguard.LeaseBackendError` when Redis fails and
         ``ValueError`` for a non-positive ``ttl``.
         """
-        return self._locks._renew_lease(self, ttl)
+        return self._manager.renew(self, ttl)
 
     def release(self, *, finished: bool = False, finished_ttl: float | None = None) -> bool:
         """Release the lease if this owner still holds it.
@@ -174,7 +190,7 @@ class Lease:
         when another owner holds it or it expired (the handle is then marked lost), or in a
         forked child. Raises :class:`~taskguard.LeaseBackendError` when Redis fails.
         """
-        return self._locks._release_lease(self, finished, finished_ttl)
+        return self._manager.release(self, finished=finished, finished_ttl=finished_ttl)
 
     def put_record(self, name: str, value: str, *, if_absent: bool = False, if_value: str | None = None) -> bool:
         """Write the lease record ``name`` (``str``) of this key, fenced by this lease: the write
@@ -191,7 +207,7 @@ class Lease:
         does not hold the lease (the handle is then marked lost; nothing is written),
         ``ConfigError`` for bad arguments, :class:`~taskguard.LeaseBackendError` when Redis fails.
         """
-        return self._locks._put_lease_record(self, name, value, if_absent, if_value)
+        return self._manager.put_record(self, name, value, if_absent, if_value)
 
     def ensure_held(self, verify: bool = False) -> None:
         """Raise :class:`~taskguard.LeaseLost` unless the lease is still held.
@@ -204,7 +220,7 @@ class Lease:
             raise LeaseLost(self.key, self.lost_reason or "lost")
         if self._released:
             raise LeaseLost(self.key, "released")
-        if verify and not self._locks._verify_lease(self):
+        if verify and not self._manager.verify(self):
             raise LeaseLost(self.key, self.lost_reason or "not held in Redis")
 
     def on_lost(self, callback: Callable[[Lease, str], None]) -> None:
@@ -225,13 +241,21 @@ class Lease:
         if not self._released:
             self.release()
 
-    # -- internal state transitions (used by the locks object and the heartbeat) ------------
-    def _mark_lost(self, reason: str) -> bool:
+    # -- state transitions (made by the lease policy and the heartbeat, not by users) ---------
+    def stop_renewing(self) -> None:
+        """Take the handle off the heartbeat (it is no longer renewed in this process)."""
+        if self.renewing:
+            get_heartbeat().discard(self)
+            self.renewing = False
+
+    def mark_lost(self, reason: str) -> bool:
+        """Record that the lease is gone (``reason``): emit the ``lost`` event and call the
+        :meth:`on_lost` callbacks, once. Returns ``False`` when it was already lost or released."""
         with _STATE_LOCK:
             if self._released or self._lost_reason is not None:
                 return False
             self._lost_reason = reason
-        self._locks._emitter.emit(
+        self._manager.emitter.emit(
             LeaseEvent("lost", self.key, reason, fencing_token=self.fencing_token, ttl=self.ttl,
                        holder=self.holder, task=self.task)
         )
@@ -239,12 +263,11 @@ class Lease:
             try:
                 cb(self, reason)
             except Exception:  # pragma: no cover - defensive, like listeners
-                import logging
-
                 logging.getLogger("taskguard").exception("on_lost callback failed")
         return True
 
-    def _mark_released(self) -> None:
+    def mark_released(self) -> None:
+        """Record that the lease was released (by this handle, or found gone at release)."""
         with _STATE_LOCK:
             self._released = True
 

@@ -41,15 +41,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .keys import KeyTemplate
-from .locks import Locks
 from .pacing import pace, shadow_check
 from .policy import GuardOptions
 from .run import GuardedRun, RunRequest
 from .skipped import Skipped
 from .values import Reason, plain
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .locks import Locks
 
 __all__ = ["Execution", "Hooks", "Decision", "Run", "Skip", "Defer", "Stored", "Duplicate", "decide"]
 

@@ -24,16 +24,20 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from .context import running
 from .errors import ConfigError, LeaseBackendError, LeaseLost
 from .handoff import persist, resume
 from .lease import Acquisition, Lease
+from .leasing import finished_id
 from .liveness import holder_is_dead
-from .locks import ON_LOST, Locks
+from .policy import ON_LOST
 from .skipped import Skipped
 from .values import OnLost, Reason, RunState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .locks import Locks
 
 __all__ = ["GuardedRun", "RunRequest", "SAME_RUN", "SHADOW_ONCE"]
 
@@ -222,7 +226,7 @@ class GuardedRun:
         from .errors import IdempotencyConflict
         from .once import decode_record
 
-        raw = self.locks._get_completion(self.key)
+        raw = self.locks.completions.get(self.key)
         record = decode_record(raw) if raw is not None else None
         if record is None:
             return False
@@ -382,7 +386,7 @@ class GuardedRun:
                 raise ConfigError(f"once=True: the value of {self.key!r} cannot be stored "
                                   f"({type(e).__name__}: {e}); nothing was stored") from None
         try:
-            released = self.locks._release_lease(lease, True, self.finished_ttl, store)
+            released = self.locks.leasing.release(lease, finished=True, finished_ttl=self.finished_ttl, store=store)
         except LeaseBackendError as e:
             log.warning("%s: could not release lease %r: %s", self._who(), self.key, e)
             released = not lease.lost
@@ -419,14 +423,12 @@ class GuardedRun:
         """:meth:`keep` handed the lease to a retry that was then never published (max retries
         exceeded, a publish error): the run ends here. Release the kept lease, recording the run as
         finished. Never raises (the caller's own exception must win)."""
-        from .locks import _finished_id
-
         if self.state != RunState.KEPT:
             return
         self.state = RunState.FINISHED
         lease = self.locks.restore(handle["key"], handle["owner"], ttl=self.ttl, fencing_token=handle["fence"])
         lease.run_id = self.run_id
-        lease.finished_id = _finished_id(self.run_id, self.delivery)
+        lease.finished_id = finished_id(self.run_id, self.delivery)
         self._release_quietly(lease, finished=True)
 
     def skip(self, report: bool = True) -> Skipped:

@@ -12,8 +12,12 @@ callers. Redis runs it in one script against its own clock (:data:`taskguard.scr
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-__all__ = ["Throttle", "gcra"]
+from .backend import Backend, RateVerdict
+from .validate import check_burst, check_key, check_rate, check_seconds
+
+__all__ = ["Throttle", "Rates", "gcra"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,3 +54,22 @@ def gcra(tat_us: int | None, now_us: int, interval_us: int, tau_us: int,
     if 0 < book_us and wait <= book_us:
         return 2, wait, 0, new_tat
     return 0, wait, 0, None
+
+
+class Rates:
+    """The rate policy over a :class:`~taskguard.backend.Backend`: :meth:`taskguard.Locks.throttle`."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def throttle(self, key: str, *, rate: Any, burst: int | None = None, book_within: float = 0.0,
+                 consume: bool = True, shadow: bool = False) -> Throttle:
+        """See :meth:`taskguard.Locks.throttle`."""
+        count, period = check_rate(rate)
+        burst = 1 if burst is None else check_burst(burst)
+        book = check_seconds("book_within", book_within, allow_zero=True)
+        interval_us = max(int(round(period / count * 1e6)), 1)
+        reply = self.backend.throttle(check_key(key), interval_us, (burst - 1) * interval_us,
+                                      int(book * 1e6) if consume else 0, consume, bool(shadow))
+        return Throttle(allowed=reply.verdict is RateVerdict.ALLOWED, retry_after=reply.wait_us / 1e6,
+                        remaining=reply.remaining, booked=reply.verdict is RateVerdict.BOOKED)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from urllib.parse import parse_qsl, urlsplit
 
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
+
 from .errors import ConfigError
 
 __all__ = ["check_url", "redact_url", "redacted", "scrub"]
@@ -97,8 +99,6 @@ def _port_problem(url: str) -> str:
 
 
 def _known_query_options() -> set[str]:
-    from redis.connection import URL_QUERY_ARGUMENT_PARSERS
-
     return set(URL_QUERY_ARGUMENT_PARSERS) | {"db", "password", "username", "protocol", "client_name"}
 
 
@@ -140,8 +140,6 @@ def check_url(url: object, name: str) -> str:
 def _parse_as_redis_py_does(url: str, name: str, shown: str) -> None:
     """The client is built by redis-py's own URL parser (``redis.connection.parse_url``): what it
     refuses is refused here first, with the setting's name and the password masked."""
-    from redis.connection import parse_url
-
     try:
         parse_url(url)  # type: ignore[no-untyped-call]  # (redis-py does not annotate parse_url)
     except (ValueError, TypeError) as e:

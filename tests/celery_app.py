@@ -35,6 +35,11 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     app = Celery(f"tg-{queue}", broker=broker or REDIS_URL, backend=REDIS_URL, set_as_current=False)
     app.conf.update(
         task_default_queue=queue,
+        # events of this test's workers only: on the shared Redis broker every app's events go
+        # through one fanout exchange, so a Flower or an event receiver of one test would count
+        # the task events of tests running beside it (RabbitMQ tests keep Celery's default
+        # exchange: a durable exchange per test would be left behind in the vhost)
+        **({} if broker else {"event_exchange": f"celeryev.{queue}"}),
         taskguard_locks=RedisLocks(redis.Redis.from_url(REDIS_URL), prefix=prefix),
         broker_connection_retry_on_startup=True,
         result_expires=600,

@@ -123,7 +123,7 @@ def test_a_value_the_result_serializer_cannot_encode_fails_the_run_and_releases_
             bad.get(timeout=10)
     time.sleep(0.3)
     assert app.conf.taskguard_locks.holder("sv:x") is None  # not left to the heartbeat
-    assert app.conf.taskguard_locks._get_completion("sv:x") is None
+    assert app.conf.taskguard_locks.completions.get("sv:x") is None
 
 
 def test_a_conflict_clears_the_unique_mark_so_the_right_call_gets_the_stored_value(app):

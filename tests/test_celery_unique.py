@@ -29,7 +29,7 @@ def app(redis_url, prefix):
 def _queued(app, key, task="tg.unique_slow"):
     """The task's queued mark on ``key``, as the lease hash holds it (or None)."""
     locks = app.conf.taskguard_locks
-    raw = locks.client.hget(locks._lease_key(key), "q:" + task)
+    raw = locks.client.hget(locks.backend.lease_key(key), "q:" + task)
     return raw.decode() if raw and not raw.startswith(b"~") else None  # "~<nonce>": a cleared mark
 
 
@@ -172,9 +172,9 @@ def test_a_key_made_only_for_a_mark_goes_with_it(redis_url, prefix):
 
     locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
     assert locks.mark_queued("only-marked", "r1", ttl=5, task="t")[0]
-    assert 0 < locks.client.pttl(locks._lease_key("only-marked")) <= 5000  # not the 7-day idle TTL of a fence
+    assert 0 < locks.client.pttl(locks.backend.lease_key("only-marked")) <= 5000  # not the 7-day idle TTL of a fence
     lease = locks.acquire("only-marked", ttl=1).lease  # an acquisition gives it a fence's idle TTL
-    assert locks.client.pttl(locks._lease_key("only-marked")) > 86400 * 1000
+    assert locks.client.pttl(locks.backend.lease_key("only-marked")) > 86400 * 1000
     lease.release()
 
 

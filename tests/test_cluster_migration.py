@@ -72,7 +72,7 @@ def test_every_operation_succeeds_while_its_slot_migrates(cluster_locks):
     used to raise ``ClusterError: TTL exhausted`` after 0.4 s, and a failed release left the lease held."""
     cl, client, locks = cluster_locks
     held = locks.acquire("held", ttl=30).lease
-    slot_of = lambda k: client.keyslot(locks._lease_key(k))  # noqa: E731
+    slot_of = lambda k: client.keyslot(locks.backend.lease_key(k))  # noqa: E731
     migrations = [_Migration(cl, slot_of(k)).start() for k in ("held", "free", "rec")]
     try:
         started = time.monotonic()
@@ -185,7 +185,7 @@ def test_cluster_renewals_cost_one_round_trip_per_node(cluster_locks):
     cl, client, locks = cluster_locks
     leases = [locks.acquire(f"r{i}", ttl=30).lease for i in range(300)]
     before = _getkeys_calls(cl)
-    outcomes = locks._renew_many([(lease.key, lease.owner_token, 30.0) for lease in leases])
+    outcomes = locks.backend.renew_many([(lease.key, lease.owner_token, 30.0) for lease in leases])
     assert outcomes == [True] * 300
     assert _getkeys_calls(cl) == before
     for lease in leases:
@@ -197,14 +197,14 @@ def test_cluster_renewal_batches_are_cut_per_node(cluster_locks, monkeypatch):
     pipeline per node: the batch limit applies per node, not before the leases are routed."""
     from redis.client import Pipeline
 
-    from taskguard.redis_locks import RENEW_BATCH
+    from taskguard.redis_backend import RENEW_BATCH
 
     cl, client, locks = cluster_locks
     n = 2400
     assert RENEW_BATCH < n < RENEW_BATCH * len(cl.ports)
     leases = [locks.acquire(f"b{i}", ttl=30).lease for i in range(n)]
     items = [(lease.key, lease.owner_token, 30.0) for lease in leases]
-    assert locks._renew_many(items) == [True] * n  # the first round also loads RENEW (NOSCRIPT, EVAL)
+    assert locks.backend.renew_many(items) == [True] * n  # the first round also loads RENEW (NOSCRIPT, EVAL)
     sizes: list[int] = []
     orig = Pipeline.execute
 
@@ -213,7 +213,7 @@ def test_cluster_renewal_batches_are_cut_per_node(cluster_locks, monkeypatch):
         return orig(pipe, *a, **k)
 
     monkeypatch.setattr(Pipeline, "execute", counting)
-    outcomes = locks._renew_many(items)
+    outcomes = locks.backend.renew_many(items)
     monkeypatch.setattr(Pipeline, "execute", orig)
     assert outcomes == [True] * n
     assert len(sizes) == len(cl.ports) and sum(sizes) == n and max(sizes) <= RENEW_BATCH
@@ -226,12 +226,12 @@ def test_cluster_renewals_follow_a_slot_that_moves(cluster_locks):
     client and succeeds; the lease is never reported lost."""
     cl, client, locks = cluster_locks
     lease = locks.acquire("moving", ttl=30).lease
-    m = _Migration(cl, client.keyslot(locks._lease_key("moving"))).start()
+    m = _Migration(cl, client.keyslot(locks.backend.lease_key("moving"))).start()
     try:
         src = m.src_c
-        src.execute_command("MIGRATE", "127.0.0.1", m.dst, locks._lease_key("moving"), 0, 5000)  # moved: ASK
-        assert locks._renew_many([(lease.key, lease.owner_token, 30.0)]) == [True]
+        src.execute_command("MIGRATE", "127.0.0.1", m.dst, locks.backend.lease_key("moving"), 0, 5000)  # moved: ASK
+        assert locks.backend.renew_many([(lease.key, lease.owner_token, 30.0)]) == [True]
     finally:
         m.finish()
-    assert locks._renew_many([(lease.key, lease.owner_token, 30.0)]) == [True]  # MOVED, then the new owner
+    assert locks.backend.renew_many([(lease.key, lease.owner_token, 30.0)]) == [True]  # MOVED, then the new owner
     assert lease.release()

@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from taskguard import ConfigError, MemoryLocks, RedisLocks, scripts
+from taskguard.backend import AcquireRequest, AcquireStatus
 from taskguard.handoff import persist
 from taskguard.heartbeat import get_heartbeat
 from taskguard.urls import redact_url
@@ -26,7 +27,7 @@ def test_scripts_are_idempotent_under_client_retries(client, prefix):
     """redis-py re-sends a command after a timeout although the server ran it: a second run of
     the same acquire / claim / release must give the same answer, never orphan a lease."""
     locks = RedisLocks(client, prefix=prefix)
-    lk = locks._lease_key("idem")
+    lk = locks.backend.lease_key("idem")
     args = ("owner-1", 5000, "{}", 60000, 0, "", "0", "")
     first = scripts.ACQUIRE(client, (lk,), args)
     again = scripts.ACQUIRE(client, (lk,), args)
@@ -47,7 +48,7 @@ def test_release_with_a_done_marker_is_idempotent(client, prefix):
     neither the hash nor the marker keeps the owner token."""
     locks = RedisLocks(client, prefix=prefix)
     lease = locks.acquire("done", ttl=5, run_id="task-1").lease
-    lk, done_k = locks._lease_key("done"), locks._done_key("done", "task-1")
+    lk, done_k = locks.backend.lease_key("done"), locks.backend.done_key("done", "task-1")
     args = (lease.owner_token, 60000, 60000, "nonce-1", "task-1")
     assert int(scripts.RELEASE(client, (lk, done_k), args)) == 1
     assert int(scripts.RELEASE(client, (lk, done_k), args)) == 1  # re-sent after it ran: released
@@ -107,9 +108,9 @@ def test_url_passwords_in_the_query_string_are_masked():
 
 def test_blocking_waits_are_sliced_even_when_the_client_hides_its_socket_timeout(redis_url, prefix):
     locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix, poll_interval=8)
-    assert locks._slice <= 1.0
+    assert locks.backend.slice <= 1.0
     explicit = RedisLocks(redis.Redis.from_url(redis_url, socket_timeout=0.4), prefix=prefix, poll_interval=8)
-    assert explicit._slice <= 0.2
+    assert explicit.backend.slice <= 0.2
 
 
 def test_close_stops_renewing_what_it_could_not_release(client, prefix):
@@ -124,11 +125,11 @@ def test_close_stops_renewing_what_it_could_not_release(client, prefix):
 def test_memory_locks_waiter_never_misses_a_release_between_try_and_wait():
     locks = MemoryLocks()
     holder = locks.acquire("k", ttl=30).lease
-    code = locks._try_acquire("k", "w", 5, "{}", None)[0]  # the waiter's failed try
-    assert code == 0
+    reply = locks.backend.acquire(AcquireRequest("k", "w", 5, "{}"), 0.0)  # the waiter's failed try
+    assert reply.status is AcquireStatus.HELD
     holder.release()  # lands before the waiter sleeps
     started = time.monotonic()
-    locks._wait_signal("k", 3.0)
+    locks.backend.wait_signal("k", 3.0)
     assert time.monotonic() - started < 1.5  # a missed signal would sleep the full 3 s
 
 

@@ -154,7 +154,7 @@ def test_renewals_go_out_in_batches_of_at_most_1000(redis_url, prefix):
     locks = RedisLocks(c, prefix=prefix)
     leases = [locks.acquire(f"b{i}", ttl=30).lease for i in range(2500)]
     c.pipelines.clear()
-    outcomes = locks._renew_many([(lease.key, lease.owner_token, 30.0) for lease in leases])
+    outcomes = locks.backend.renew_many([(lease.key, lease.owner_token, 30.0) for lease in leases])
     assert outcomes == [True] * 2500
     assert [len(p) for p in c.pipelines] == [1000, 1000, 500]
     for lease in leases:

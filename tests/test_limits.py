@@ -125,8 +125,8 @@ def test_a_resent_acquire_finds_its_own_slot(redis_url, prefix):
     locks = RedisLocks.from_url(redis_url, prefix=prefix)
     locks.acquire("idem", ttl=5, limit=3)
     args = ("tok", 5000, "{}", 60000, 0, "", "0", "", 3)
-    first = scripts.ACQUIRE(locks.client, (locks._lease_key("idem"),), args)
-    second = scripts.ACQUIRE(locks.client, (locks._lease_key("idem"),), args)
+    first = scripts.ACQUIRE(locks.client, (locks.backend.lease_key("idem"),), args)
+    second = scripts.ACQUIRE(locks.client, (locks.backend.lease_key("idem"),), args)
     assert first[0] == second[0] == 1 and first[1] == second[1] and first[3] == second[3] == 1
     assert len(locks.holders("idem")) == 2
 

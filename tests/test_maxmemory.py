@@ -127,7 +127,7 @@ def test_release_writes_its_finished_marker_at_maxmemory(oom):
     assert held.release(finished=True, finished_ttl=60)
     assert not lapsed.release(finished=True, finished_ttl=60)
     for key, run in (("a", "run-a"), ("b", "run-b")):
-        assert 0 < oom.client.pttl(locks._done_key(key, run)) <= 60000
+        assert 0 < oom.client.pttl(locks.backend.done_key(key, run)) <= 60000
     assert _refused(oom.client)
 
 
@@ -144,7 +144,7 @@ def test_once_record_written_at_maxmemory(oom):
 
     assert locks.once("pay:1", body, ttl=5) == {"paid": 42}
     assert _refused(oom.client)
-    assert decode_record(locks._get_completion("pay:1"))["fp"] is not None
+    assert decode_record(locks.completions.get("pay:1"))["fp"] is not None
     assert locks.once("pay:1", body, ttl=5) == {"paid": 42}  # the stored value, without the body
     assert len(calls) == 1
 
@@ -165,7 +165,7 @@ def test_once_record_of_a_lapsed_lease_written_at_maxmemory(oom):
                      once=OncePolicy(fingerprint_of(None), ttl=60))
     assert run.call(body) == "done"
     assert _refused(oom.client)
-    assert locks._get_completion("pay:2") is not None
+    assert locks.completions.get("pay:2") is not None
 
 
 def test_waiting_acquire_at_maxmemory_answers_held_not_oom(oom):

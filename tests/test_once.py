@@ -54,14 +54,14 @@ def test_a_completion_between_the_check_and_the_lease_is_found(any_locks, monkey
     """The first look finds no record; a run completes before this one takes the lease; the look
     made under the lease finds it: the body does not run, the stored value comes back."""
     any_locks.once("charge:inv-5", lambda lease: "done-by-other", ttl=5)
-    real = any_locks._get_completion
+    real = any_locks.completions.get
     looks = []
 
     def first_look_misses(key):
         looks.append(key)
         return None if len(looks) == 1 else real(key)
 
-    monkeypatch.setattr(any_locks, "_get_completion", first_look_misses)
+    monkeypatch.setattr(any_locks.completions, "get", first_look_misses)
     assert any_locks.once("charge:inv-5", lambda lease: pytest.fail("ran twice"), ttl=5) == "done-by-other"
     assert len(looks) == 2 and any_locks.holder("charge:inv-5") is None
 
@@ -79,7 +79,7 @@ def test_values_are_capped_and_must_have_a_stored_form(any_locks):
     assert run.begin()
     with pytest.raises(ConfigError, match="over the 100-byte bound"):
         run.finish("x" * 200)
-    assert any_locks.holder("big") is None and any_locks._get_completion("big") is None
+    assert any_locks.holder("big") is None and any_locks.completions.get("big") is None
     with pytest.raises(ConfigError, match="cannot be stored as JSON"):
         any_locks.once("unjson", lambda lease: object(), ttl=5)
     assert any_locks.holder("unjson") is None
@@ -116,8 +116,9 @@ def test_the_record_never_holds_the_owner_token(redis_url, prefix):
     locks = RedisLocks(client, prefix=prefix)
     tokens = []
     locks.once("tok", lambda lease: tokens.append(lease.owner_token) or "v", ttl=5)
-    raw = client.get(locks._completion_key("tok"))
-    assert raw and tokens[0].encode() not in raw and 0 < client.pttl(locks._completion_key("tok")) <= 86400 * 1000
+    record_key = locks.backend.completion_key("tok")
+    raw = client.get(record_key)
+    assert raw and tokens[0].encode() not in raw and 0 < client.pttl(record_key) <= 86400 * 1000
 
 
 # -- shadow mode ------------------------------------------------------------------------------------
@@ -152,7 +153,7 @@ def test_shadow_mode_never_waits_and_never_stores_a_completion(any_locks):
     fresh = GuardedRun(any_locks, "unpaid", ttl=5, enforce=False, once=OncePolicy(fingerprint_of(1)))
     assert fresh.begin() and fresh.reason is None
     fresh.finish("shadow value")
-    assert any_locks._get_completion("unpaid") is None  # shadow runs store nothing
+    assert any_locks.completions.get("unpaid") is None  # shadow runs store nothing
 
 
 def test_a_shadow_throttle_is_checked_not_consumed(any_locks):

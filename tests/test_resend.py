@@ -86,13 +86,13 @@ def test_a_unique_mark_during_a_latency_spike_is_published_or_leaves_no_mark(pri
         with stalled(private_redis, 1.6):
             marked, found = locks.mark_queued("k", "run-1", ttl=3600, task="t")
     except LeaseBackendError:
-        assert no_mark(locks.client.hget(locks._lease_key("k"), "q:t"))  # raised: no mark left
+        assert no_mark(locks.client.hget(locks.backend.lease_key("k"), "q:t"))  # raised: no mark left
     else:
         assert (marked, found) == (True, "run-1")  # answered: publish it
-        assert locks.client.hget(locks._lease_key("k"), "q:t").startswith(b"run-1 ")
+        assert locks.client.hget(locks.backend.lease_key("k"), "q:t").startswith(b"run-1 ")
     # either way the key is not blocked by a run that was never published, and a second publish
     # of the same key is still refused while the first is queued
-    locks.client.hdel(locks._lease_key("k"), "q:t")
+    locks.client.hdel(locks.backend.lease_key("k"), "q:t")
     assert locks.mark_queued("k", "run-2", ttl=3600, task="t") == (True, "run-2")
     assert locks.mark_queued("k", "run-3", ttl=3600, task="t") == (False, "run-2")
     locks.close()
@@ -157,7 +157,7 @@ def test_a_resent_release_answers_as_it_did_also_after_the_next_holder_took_the_
     lease = locks.acquire("r", ttl=30).lease
     if waiting:
         assert not locks.acquire("r", ttl=30, wait=0.01)  # leaves the waiting mark
-    lk = locks._lease_key("r")
+    lk = locks.backend.lease_key("r")
     args = (lease.owner_token, 60000, 60000, "n0nce001", "run-1")
     first = int(scripts.RELEASE(client, (lk,), args))
     assert first == (2 if waiting else 1)
@@ -174,7 +174,7 @@ def test_a_resent_storing_release_answers_as_it_did(client, prefix):
     locks = RedisLocks(client, prefix=prefix)
     lease = locks.acquire("s", ttl=30).lease
     assert not locks.acquire("s", ttl=30, wait=0.01)
-    keys = (locks._lease_key("s"), locks._completion_key("s"))
+    keys = (locks.backend.lease_key("s"), locks.backend.completion_key("s"))
     args = (lease.owner_token, "", 60000, "n0nce001", "run-1", "the record", 60000)
     assert int(scripts.RELEASE_STORING(client, keys, args)) == 2
     other = locks.acquire("s", ttl=30).lease
@@ -190,7 +190,7 @@ def test_a_resent_release_without_token_answers_as_it_did(client, prefix, run_id
     locks = RedisLocks(client, prefix=prefix)
     locks.acquire("w", ttl=30, run_id="job-1")
     assert not locks.acquire("w", ttl=30, wait=0.01)
-    lk = locks._lease_key("w")
+    lk = locks.backend.lease_key("w")
     args = (run_id, "n0nce001")
     assert int(scripts.RELEASE_WITHOUT_TOKEN(client, (lk,), args)) == 2
     assert int(scripts.RELEASE_WITHOUT_TOKEN(client, (lk,), args)) == 2
@@ -203,7 +203,7 @@ def test_a_resent_release_without_token_answers_as_it_did(client, prefix, run_id
 
 def test_a_resent_queue_mark_answers_marked_and_a_new_call_of_the_same_run_is_refused(client, prefix):
     locks = RedisLocks(client, prefix=prefix)
-    lk = locks._lease_key("q")
+    lk = locks.backend.lease_key("q")
     args = ("run-1", 60000, 60000, "t", "n0nce001")
     first, state, second = _resend(client, scripts.QUEUE, (lk,), args)
     assert [int(first[0]), first[1]] == [int(second[0]), second[1]] == [1, b"run-1"]
@@ -222,7 +222,7 @@ def test_a_resent_queue_mark_answers_marked_and_a_new_call_of_the_same_run_is_re
 def test_a_mark_of_an_older_version_is_still_read(client, prefix):
     """Marks written before the nonce ("<run id> <expiry ms>") block and are cleared as before."""
     locks = RedisLocks(client, prefix=prefix)
-    lk = locks._lease_key("old")
+    lk = locks.backend.lease_key("old")
     client.hset(lk, "q:t", "run 0 " + str(int(time.time() * 1000) + 60000))
     client.pexpire(lk, 60000)
     assert locks.mark_queued("old", "new", ttl=60, task="t") == (False, "run 0")
@@ -237,7 +237,7 @@ def test_the_other_scripts_answer_a_resend_as_they_did(client, prefix):
     to pop) and HOLDERS (reads only). (PUT_RECORD and DELETE_RECORD, plain string records, and
     THROTTLE are the documented exceptions: see taskguard/scripts.py.)"""
     locks = RedisLocks(client, prefix=prefix)
-    lk = locks._lease_key("o")
+    lk = locks.backend.lease_key("o")
     acquire = ("tok-1", 30000, "{}", 60000, 0, "run-1", "0", "", 1)
     first, state, second = _resend(client, scripts.ACQUIRE, (lk,), acquire)
     same = lambda a, b: (a[0], a[1], a[3]) == (b[0], b[1], b[3])  # noqa: E731 (ms left moves on)
@@ -260,7 +260,7 @@ def test_the_other_scripts_answer_a_resend_as_they_did(client, prefix):
         args = ("tok-3", "d:slot", value, cond, expect)
         first, state, second = _resend(client, scripts.PUT_LEASE_RECORD, (lk,), args)
         assert int(first) == int(second) == 1 and _state(client, prefix) == state
-    sk = locks._signal_key("o")
+    sk = locks.backend.signal_key("o")
     assert int(scripts.SIGNAL(client, (sk,), (10000,))) == int(scripts.SIGNAL(client, (sk,), (10000,))) == 1
     assert client.llen(sk) == 1
     without_ms_left = lambda flat: [x for i, x in enumerate(flat) if i % 6 != 3]  # noqa: E731
@@ -288,7 +288,7 @@ def test_a_unique_celery_publish_during_a_latency_spike_goes_out_or_raises_leavi
                 result = task.delay("a", seconds=0)
         except LeaseBackendError:
             result = None
-        mark = locks.client.hget(locks._lease_key("u:a"), "q:tg.unique_slow")
+        mark = locks.client.hget(locks.backend.lease_key("u:a"), "q:tg.unique_slow")
         if result is None:  # raised (redis-py 5): nothing published, no mark
             assert broker.llen(f"q-{prefix}") == 0 and no_mark(mark)
         else:  # answered (redis-py 8 re-sent it): published, and the mark names it
@@ -319,7 +319,7 @@ def test_a_unique_rq_enqueue_during_a_latency_spike_goes_out_or_raises_leaving_n
                 job = enqueue_unique(rq_env, rq_jobs.unique_job, ("a",), ttl=3600)
         except LeaseBackendError:
             job = None
-        mark = locks.client.hget(locks._lease_key("uq:a"), "q:" + rq_jobs.unique_job.taskguard_name)
+        mark = locks.client.hget(locks.backend.lease_key("uq:a"), "q:" + rq_jobs.unique_job.taskguard_name)
         if job is None:
             assert rq_env.count == 0 and no_mark(mark)
         else:

@@ -189,7 +189,7 @@ def test_an_error_after_the_lease_is_taken_and_before_the_body_leaves_nothing_he
     locks.add_listener(lambda e: hook[0](e) if hook and e.kind == "acquire" and e.status == "acquired" else None)
     try:
         # another fingerprint completed the key between the first look and the lease
-        hook[:] = [lambda e: client.set(locks._completion_key("k1"), other, px=60000)]
+        hook[:] = [lambda e: client.set(locks.backend.completion_key("k1"), other, px=60000)]
         with pytest.raises(IdempotencyConflict):
             GuardedRun(locks, "k1", ttl=1.0, run_id="r1", task="t", once=policy).begin()
         assert locks.holder("k1") is None

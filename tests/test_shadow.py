@@ -147,7 +147,7 @@ def test_a_shadow_once_record_is_separate_and_never_returned(any_locks):
     run = GuardedRun(any_locks, "paid", ttl=5, enforce=False, once=OncePolicy(fingerprint_of(1)))
     assert run.begin() and run.reason is None
     run.finish("shadow value")
-    assert any_locks._get_completion("paid") is None
+    assert any_locks.completions.get("paid") is None
     assert any_locks.once("paid", lambda lease: "real", ttl=5, fingerprint=1) == "real"
     assert any_locks.once("paid", lambda lease: "again", ttl=5, fingerprint=1) == "real"
 

@@ -1,8 +1,9 @@
 """Prometheus metrics in Celery worker processes (see :mod:`taskguard.metrics`).
 
 Enabled by ``TASKGUARD_METRICS=1`` or ``app.conf.taskguard_metrics = True``: each worker process
-(the main process and every prefork child) installs the listener. With the prefork pool set
-``PROMETHEUS_MULTIPROC_DIR`` for the worker and serve ``/metrics`` from one process:
+(the main process and every prefork child) installs the listener; with ``TASKGUARD_METRICS=1``
+so does any process that binds a guarded task (:func:`taskguard_celery.setup.install`). With the
+prefork pool set ``PROMETHEUS_MULTIPROC_DIR`` for the worker and serve ``/metrics`` from one process:
 ``app.conf.taskguard_metrics_port`` makes the worker's main process serve it, or run
 ``taskguard metrics --port PORT`` beside the worker with the same directory.
 """
@@ -16,10 +17,9 @@ from celery.signals import worker_init, worker_process_init
 
 from taskguard import metrics
 
-log = logging.getLogger("taskguard.celery")
+from .setup import receiver
 
-if metrics.enabled_by_env():
-    metrics.install()
+log = logging.getLogger("taskguard.celery")
 
 
 def _wanted(app: Any) -> bool:
@@ -34,7 +34,7 @@ def install_if_wanted(app: Any) -> None:
         metrics.install()
 
 
-@worker_init.connect(weak=False)
+@receiver(worker_init)
 def _main_process(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if not _wanted(app):
@@ -46,7 +46,7 @@ def _main_process(sender: Any = None, **_: Any) -> None:
         log.warning("taskguard metrics served on port %s", port)
 
 
-@worker_process_init.connect(weak=False)
+@receiver(worker_process_init)
 def _pool_child(**_: Any) -> None:
     from celery import current_app
 

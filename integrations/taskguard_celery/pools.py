@@ -16,6 +16,8 @@ from typing import Any
 
 from celery.signals import worker_init
 
+from .setup import receiver
+
 __all__ = ["UNSUPPORTED_POOLS", "check_pool", "check_settings"]
 
 UNSUPPORTED_POOLS = ("eventlet",)
@@ -27,7 +29,7 @@ def pool_name(pool_cls: Any) -> str:
     return f"{getattr(pool_cls, '__module__', '')}".rsplit(".", 1)[-1].lower()
 
 
-@worker_init.connect(weak=False)
+@receiver(worker_init)
 def check_pool(sender: Any = None, **_: Any) -> None:
     """``worker_init`` handler (celery/worker/worker.py sends it before the pool is built).
 

@@ -29,6 +29,7 @@ from celery.signals import task_failure, task_revoked
 from taskguard import ConfigError, LeaseBackendError
 
 from .headers import HEADER
+from .setup import receiver
 from .task import GuardedTask, release_retry_handle
 
 __all__ = ["release_for_run"]
@@ -53,14 +54,14 @@ def release_for_run(task: GuardedTask, task_id: str | None, args: Any, kwargs: A
     return released
 
 
-@task_failure.connect(weak=False)
+@receiver(task_failure)
 def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
                 args: Any = None, kwargs: Any = None, **_: Any) -> None:
     if isinstance(sender, GuardedTask) and isinstance(exception, (TimeLimitExceeded, WorkerLostError)):
         release_for_run(sender, task_id, args, kwargs)
 
 
-@task_revoked.connect(weak=False)
+@receiver(task_revoked)
 def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
     if not isinstance(sender, GuardedTask) or request is None:
         return

@@ -24,7 +24,7 @@ from taskguard.pipeline import Run, decide
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 
-from . import identity, skipping, uniqueness
+from . import identity, setup, skipping, uniqueness
 from .beat_runs import beat_run, entry_guard
 from .config import locks_for
 from .decisions import CeleryHooks, execution, outcome
@@ -124,6 +124,14 @@ class GuardedTask(Task):
         mro = cls.__mro__
         after = mro[mro.index(GuardedTask) + 1:]
         cls._plain_call = next((k for k in after if "__call__" in k.__dict__), Task) is Task
+
+    @classmethod
+    def bind(cls, app: Any) -> Any:
+        """Celery's ``Task.bind`` (every task class bound to an app passes here: ``app.task``,
+        ``shared_task`` when an app finalizes, ``app.register_task``, first use of an unbound
+        task), which first connects the adapter's signal receivers (:func:`.setup.install`)."""
+        setup.install(app)
+        return super().bind(app)
 
     # -- the body's view ----------------------------------------------------------------------
     @property

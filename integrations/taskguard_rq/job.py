@@ -34,6 +34,7 @@ from taskguard.run import GuardedRun
 from taskguard.values import Reason
 
 from .config import locks_for
+from .cron_runs import entry_guard
 from .handles import drop_handle, load_handle, save_handle
 from .unique import clear_mark
 
@@ -180,8 +181,8 @@ def _job_timeout(job: Any) -> float:
     return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else DEFAULT_JOB_TIMEOUT
 
 
-def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks | None, args: tuple,
-             kwargs: dict) -> Any:
+def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks | None, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
     job = get_current_job()
     if job is None or _performing.get() is job:
         return _run(fn, name, opts, locks, args, kwargs, None)  # a direct call
@@ -192,11 +193,13 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
         _performing.reset(token)
 
 
-def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | None, args: tuple, kwargs: dict,
-         job: Any) -> Any:
+def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | None, args: tuple[Any, ...],
+         kwargs: dict[str, Any], job: Any) -> Any:
     """One guarded run: ``job``'s execution, or a direct call (``job`` ``None``). The arguments
     are bound first: a caller's wrong arguments raise their ``TypeError`` even where no Redis is
     configured."""
+    if job is not None:  # a job enqueued by `taskguard rq-cron`: its entry's guard options
+        opts = entry_guard(job, fn, name, opts)
     key = opts.key.render(args, kwargs)
     locks = locks_for(given)
     run_id = job.id if job is not None else None
@@ -250,7 +253,7 @@ class _Hooks:
     def __init__(self, locks: Locks, job: Any, name: str) -> None:
         self.locks, self.job, self.name = locks, job, name
 
-    def persisted_handle(self) -> dict | None:
+    def persisted_handle(self) -> dict[str, Any] | None:
         handle = load_handle(self.locks, self.job.id) if self.job is not None else None
         # the handle of an execution that may still be running (an orphaned work-horse): never
         # take its lease over; wait for it like any earlier execution of this job id
@@ -273,7 +276,7 @@ class _Hooks:
     def result_codec(self) -> Any:
         return _result_codec(self.job)
 
-    def rate_state(self) -> dict | None:
+    def rate_state(self) -> dict[str, Any] | None:
         if self.job is None:
             return None
         try:

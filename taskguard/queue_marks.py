@@ -1,0 +1,70 @@
+"""Publish-time uniqueness (``unique=True``) over a :class:`~taskguard.backend.Backend`: the
+queued mark of a task on a key, set and checked in one script, and shadow mode's mark of its own."""
+
+from __future__ import annotations
+
+import logging
+
+from .backend import Backend, QueueReply
+from .errors import ConfigError, LeaseBackendError
+from .events import Emitter, LeaseEvent
+from .records import Records
+from .validate import check_key, check_run_id, check_seconds, encodable
+
+__all__ = ["QueueMarks", "SHADOW_QUEUED"]
+
+log = logging.getLogger("taskguard")
+
+#: Record of a key holding shadow mode's queued mark of a task (``shadow-q:<task>``: the run id).
+SHADOW_QUEUED = "shadow-q:"
+
+
+class QueueMarks:
+    """:meth:`taskguard.Locks.mark_queued`, :meth:`~taskguard.Locks.clear_queued` and
+    :meth:`~taskguard.Locks.report_suppressed` (see there)."""
+
+    def __init__(self, backend: Backend, records: Records, emitter: Emitter) -> None:
+        self.backend = backend
+        self.records = records
+        self.emitter = emitter
+
+    def mark(self, key: str, run_id: str, *, ttl: float, task: str, shadow: bool = False) -> QueueReply:
+        run = check_run_id(run_id)
+        if run is None:
+            raise ConfigError("run_id is required")
+        run_id = run
+        if not isinstance(task, str) or not task:
+            raise ConfigError(f"task must be a non-empty str, got {task!r}")
+        key, task = check_key(key), encodable("task", task)
+        ttl = check_seconds("ttl", ttl)
+        if shadow:
+            return self._mark_shadow(key, run_id, ttl, task)
+        try:
+            return self.backend.mark_queued(key, run_id, ttl, task)
+        except LeaseBackendError:
+            try:
+                self.backend.clear_queued(key, run_id, task)
+            except LeaseBackendError as e:
+                log.warning("could not clear the queued mark of %r after a failed mark (its TTL bounds it): %s",
+                            key, e)
+            raise
+
+    def clear(self, key: str, run_id: str, task: str, shadow: bool = False) -> bool:
+        if shadow:
+            return self.records.delete(key, SHADOW_QUEUED + task, if_value=run_id)
+        return self.backend.clear_queued(check_key(key), run_id, task)
+
+    def _mark_shadow(self, key: str, run_id: str, ttl: float, task: str) -> QueueReply:
+        for info in self.backend.holders(key):
+            meta = info.holder if isinstance(info.holder, dict) else {}
+            if task in (meta.get("task"), meta.get("job")):
+                found = meta.get("task_id") or meta.get("job_id")
+                if isinstance(found, str) and found:
+                    return QueueReply(False, found)
+        if self.records.put(key, SHADOW_QUEUED + task, run_id, ttl=ttl, if_absent=True):
+            return QueueReply(True, run_id)
+        return QueueReply(False, self.records.get(key, SHADOW_QUEUED + task) or run_id)
+
+    def report_suppressed(self, key: str, task: str | None, existing: str, shadow: bool = False) -> None:
+        if self.emitter.active:
+            self.emitter.emit(LeaseEvent("publish", key, "suppressed", task=task, shadow=shadow))
