@@ -25,7 +25,17 @@ lease refused otherwise (held, limit, wait_timeout)         :class:`Skip` (not y
 lease taken after waiting, redelivered, and finished        :class:`Duplicate` (lease handed back)
 meanwhile (``wait > 0``)
 lease taken (or shadow mode: whatever the guard said)       :class:`Run` (shadow: reported first)
+``overlap="coalesce"``: lease refused (held, limit,         :class:`Pend` (the key's pending
+wait_timeout), a worker execution with a run id             follow-up; the one it supersedes
+                                                            ends via :meth:`Hooks.supersede`)
+``overlap="coalesce"``: superseded (``coalesced_into``)     :class:`Skip` (``"coalesced"``)
+``overlap="coalesce"``: a backstop execution                :class:`Pend` (wakes the follow-up
+                                                            once the lease is free, else looks
+                                                            again later)
 ==========================================================  ===================================
+
+A run decided :class:`Run` under ``overlap="coalesce"`` wakes the key's pending follow-up when it
+ends (:func:`taskguard.overlap.wake_pending`, through :meth:`Hooks.wake`).
 
 The publish-time queued mark (``unique``) is cleared through :meth:`Hooks.clear_mark` as soon as
 the execution started or will never run: on every decision but a rate :class:`Defer` (still
@@ -43,17 +53,19 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from .errors import LeaseBackendError
 from .keys import KeyTemplate
+from .overlap import Pending, claim_backstop, offer, pending, record_ttl, refresh, take, wake_pending
 from .pacing import pace, shadow_check
 from .policy import GuardOptions
 from .run import GuardedRun, RunRequest
 from .skipped import Skipped
-from .values import Reason, plain
+from .values import Overlap, Reason, plain
 
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["Execution", "Hooks", "Decision", "Run", "Skip", "Defer", "Stored", "Duplicate", "decide"]
+__all__ = ["Execution", "Hooks", "Decision", "Run", "Skip", "Defer", "Stored", "Duplicate", "Pend", "decide"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +87,8 @@ class Execution:
             execution of this run id), see :data:`taskguard.run.SAME_RUN`.
         same_run_wait: the longest such wait, seconds.
         tag: free for the adapter (stored on the :class:`~taskguard.run.GuardedRun`).
+        backstop: ``overlap="coalesce"``: this execution is the key's backstop (Celery's delayed
+            copy), which wakes the pending follow-up once the holder's lease has expired.
     """
 
     task: str
@@ -88,6 +102,7 @@ class Execution:
     same_run: str = "report"
     same_run_wait: float = 0.0
     tag: Any = None
+    backstop: bool = False
 
 
 class Hooks(Protocol):
@@ -124,6 +139,24 @@ class Hooks(Protocol):
 
     def lost(self, run: GuardedRun, reason: str) -> None:
         """The lease was lost while the body ran (before ``on_lost`` applies)."""
+
+    # -- overlap="coalesce" (called only for a guard with it) ------------------------------------
+    def pending_message(self) -> Any:
+        """What :meth:`wake` needs to run this call later as the key's follow-up (a JSON value;
+        Celery: the call's own message, serialised; RQ: ``None``, the job id suffices)."""
+
+    def supersede(self, prev: Pending, skipped: Skipped) -> None:
+        """``prev`` is no longer the key's follow-up: end it as ``skipped`` (reason
+        ``"coalesced"``, naming this call) — Celery stores and reports its result, RQ marks the
+        job (:meth:`coalesced_into`) and runs it now. Never raises."""
+
+    def wake(self, p: Pending) -> None:
+        """Run the follow-up ``p`` now (Celery: publish its message; RQ: move its scheduled job to
+        now). May raise (logged; the backstop still wakes it)."""
+
+    def coalesced_into(self) -> str | None:
+        """The follow-up's run id when this execution's call was superseded (RQ: its job is run
+        once more to end), else ``None``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +208,29 @@ class Duplicate:
     run: GuardedRun | None = None
 
 
-Decision = Run | Skip | Defer | Stored | Duplicate
+@dataclasses.dataclass(frozen=True)
+class Pend:
+    """``overlap="coalesce"``: the key's lease is held and this call is its pending follow-up
+    (recorded in Redis; the run that holds the lease wakes it when it ends), or has nothing left
+    to do here (``woken``).
+
+    Attributes:
+        key: the lease key.
+        countdown: seconds until the backstop looks again (past the holder's TTL, >= 1 s).
+        backstop: this execution sends the key's backstop (Celery: a delayed copy of its message
+            marked as the backstop; RQ schedules every pending job at ``countdown`` anyway).
+        woken: the follow-up was woken already (a run that just ended took it, or a backstop
+            found nothing left to wait for): Celery ends this execution quietly, RQ runs the job
+            again at once.
+    """
+
+    key: str
+    countdown: float
+    backstop: bool = False
+    woken: bool = False
+
+
+Decision = Run | Skip | Defer | Stored | Duplicate | Pend
 
 
 def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], ex: Execution, hooks: Hooks,
@@ -186,6 +241,15 @@ def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str
     if ex.redelivered and hooks.finished():
         hooks.clear_mark()
         return Duplicate(key)
+    coalesce = opts.overlap == Overlap.COALESCE and not ex.local and ex.run_id is not None
+    if coalesce:
+        into = hooks.coalesced_into()
+        if into is not None:
+            hooks.clear_mark()
+            return Skip(Skipped(key=key, reason=Reason.COALESCED, task=ex.task, follow_up=into))
+        if ex.backstop:
+            hooks.clear_mark()
+            return _backstop(opts, key, hooks, locks)
     try:
         handle = hooks.persisted_handle()
         if opts.rate is not None:
@@ -209,8 +273,17 @@ def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str
         # run finished runs again, whichever copy the broker hands out first (an ETA message held
         # past the visibility timeout runs on two workers at once); unstamped (a client without
         # taskguard), only a redelivered copy is checked
-        began = run.begin(handle=handle, refuse_finished=ex.redelivered or stamp is not None or ex.slot is not None,
-                          same_run=ex.same_run, same_run_wait=ex.same_run_wait)
+        refuse = ex.redelivered or stamp is not None or ex.slot is not None
+        began = run.begin(handle=handle, refuse_finished=refuse, same_run=ex.same_run, same_run_wait=ex.same_run_wait)
+        if coalesce:
+            run.on_end = lambda r: wake_pending(locks, key, hooks.wake, ex.task)
+            if not began and run.reason in (Reason.HELD, Reason.LIMIT, Reason.WAIT_TIMEOUT):
+                hooks.clear_mark()  # it will run as the follow-up, or not at all: no longer queued
+                return _pend(opts, key, ex, hooks, locks, run,
+                             lambda: run.begin(refuse_finished=refuse, same_run=ex.same_run,
+                                               same_run_wait=ex.same_run_wait))
+            if began:
+                _quietly_take(locks, key, cast(str, ex.run_id))  # it runs: no longer pending
     except BaseException:
         hooks.clear_mark()  # it will not run: no longer queued
         raise
@@ -230,6 +303,48 @@ def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str
     if not opts.enforce and run.reason is not None:
         hooks.shadow(key, plain(run.reason), run.holder_ttl, run.lease is not None, False)
     return Run(run)
+
+
+def _pend(opts: GuardOptions, key: str, ex: Execution, hooks: Hooks, locks: Locks, run: GuardedRun,
+          begin_again: Callable[[], bool]) -> Run | Pend:
+    """``overlap="coalesce"``, the lease refused: make this call the key's pending follow-up."""
+    run_id = cast(str, ex.run_id)
+    countdown = max(run.holder_ttl or opts.ttl, 1.0) + 1.0
+    prev = offer(locks, key, run_id, hooks.pending_message(), ttl=record_ttl(countdown, opts.ttl))
+    if prev is not None:
+        hooks.supersede(prev, Skipped(key=key, reason=Reason.COALESCED, task=ex.task, follow_up=run_id))
+    # a run that ended between this call's acquire and its record found nothing to wake: look again
+    if begin_again():
+        if take(locks, key, run_id) is not None:
+            return Run(run)
+        run.hand_back()  # (wakes what is pending now) a run that ended took this call: a copy of it runs
+        return Pend(key, 0.0, woken=True)
+    backstop = claim_backstop(locks, key, ttl=countdown + 5.0)
+    return Pend(key, countdown, backstop=backstop)
+
+
+def _backstop(opts: GuardOptions, key: str, hooks: Hooks, locks: Locks) -> Pend:
+    """The key's backstop: wake its pending follow-up once a slot of the lease is free (its
+    holder ended without waking it: killed), else look again after the holders' TTL."""
+    if pending(locks, key) is None:
+        return Pend(key, 0.0, woken=True)
+    holders = locks.holders(key)
+    if len(holders) < opts.limit:
+        wake_pending(locks, key, hooks.wake, "backstop")
+        return Pend(key, 0.0, woken=True)
+    countdown = max(min((h.ttl if h.ttl is not None else opts.ttl) for h in holders), 1.0) + 1.0
+    refresh(locks, key, ttl=record_ttl(countdown, opts.ttl))
+    claim_backstop(locks, key, ttl=countdown + 5.0, renew=True)
+    return Pend(key, countdown, backstop=True)
+
+
+def _quietly_take(locks: Locks, key: str, run_id: str) -> None:
+    try:
+        take(locks, key, run_id)
+    except LeaseBackendError as e:  # its record expires; at worst the follow-up runs once more
+        import logging
+
+        logging.getLogger("taskguard").warning("could not clear the pending record of %r: %s", key, e)
 
 
 def _pace(opts: GuardOptions, args: tuple[Any, ...], kwargs: dict[str, Any], ex: Execution, hooks: Hooks, locks: Locks,

@@ -11,9 +11,9 @@ from .errors import ConfigError
 from .keys import KeyTemplate
 from .once import Fingerprint
 from .validate import check_burst, check_limit, check_rate, check_seconds, check_ttl
-from .values import OnLost, OnSkip
+from .values import OnLost, OnSkip, Overlap
 
-__all__ = ["GuardOptions", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS",
+__all__ = ["GuardOptions", "ON_SKIP", "ON_LOST", "OVERLAP", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS",
            "check_option_names"]
 
 #: What a run that cannot get its lease does.
@@ -25,6 +25,12 @@ ON_SKIP = tuple(m.value for m in OnSkip)
 #: What a run whose lease was lost while its body ran does: ``raise`` fails it with
 #: ``LeaseLost``; ``warn`` logs, reports and keeps its result.
 ON_LOST = tuple(m.value for m in OnLost)
+#: What a run does when its key's lease is held: ``skip`` (``on_skip`` applies), ``coalesce``
+#: (become the key's one pending follow-up; see :mod:`taskguard.overlap`). ``replace`` and
+#: ``allow`` are named by the contract and refused (ConfigError) until they are built.
+OVERLAP = tuple(m.value for m in Overlap)
+#: The :data:`OVERLAP` values this release implements.
+OVERLAP_BUILT = (Overlap.SKIP.value, Overlap.COALESCE.value)
 DEFAULT_TTL = 60.0
 
 
@@ -54,6 +60,7 @@ class GuardOptions:
     enforce: bool = True
     unique: bool = False
     unique_ttl: float | None = None
+    overlap: Overlap = Overlap.SKIP
 
     @classmethod
     def build(
@@ -85,6 +92,7 @@ class GuardOptions:
         enforce: bool = True,
         unique: bool = False,
         unique_ttl: float | None = None,
+        overlap: str = "skip",
         allowed_on_skip: tuple[str, ...] = ON_SKIP,
     ) -> GuardOptions:
         """Validate options for the task ``name`` whose body is ``fn``.
@@ -140,6 +148,14 @@ class GuardOptions:
                 space.
             unique_ttl: seconds a queued mark lasts when its run never starts (its message lost),
                 plus any countdown (default: the publish's ``expires``, else 1 hour).
+            overlap: what a run does when the key's lease is held (every slot, under ``limit``),
+                one of :data:`OVERLAP` (default ``"skip"``). ``"coalesce"``: it becomes the key's
+                one pending follow-up, superseding (``Skipped(reason="coalesced")``) the one
+                before it, and runs once the holder ends (:mod:`taskguard.overlap`); ``wait``
+                still applies first. Refused with ``once`` (a follow-up would only read the
+                stored value), ``unique`` (a publish while a run is queued or running returns
+                that run's handle: nothing would coalesce), ``on_skip="retry"`` (a held run
+                never skips) and ``enforce=False`` (shadow mode never holds a run back).
 
         Raises:
             ConfigError: naming the task and the bad option.
@@ -182,6 +198,16 @@ class GuardOptions:
             raise bad(f"on_skip must be one of {allowed_on_skip}, got {on_skip!r}")
         if on_lost not in ON_LOST:
             raise bad(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
+        if overlap not in OVERLAP:
+            raise bad(f"overlap must be one of {OVERLAP}, got {overlap!r}")
+        if overlap not in OVERLAP_BUILT:
+            raise bad(f"overlap={overlap!r} is not available in this release (available: {OVERLAP_BUILT})")
+        if overlap == Overlap.COALESCE:
+            for conflict, given in (("once=True", once is True), ("unique=True", unique is True),
+                                    ("on_skip='retry'", on_skip == "retry"), ("enforce=False", enforce is False)):
+                if given:
+                    raise bad(f"overlap='coalesce' cannot be combined with {conflict}: "
+                              + _COALESCE_CONFLICTS[conflict])
         for flag, value in (("renew", renew), ("continue_on_skip", continue_on_skip), ("blocking_wait", blocking_wait),
                             ("once", once), ("enforce", enforce), ("unique", unique)):
             if not isinstance(value, bool):
@@ -190,7 +216,7 @@ class GuardOptions:
             raise bad(f"skip_max_retries must be an int >= 0, got {skip_max_retries!r}")
         return cls(template, ttl, wait, renew, OnSkip(on_skip), OnLost(on_lost), skip_retry_delay, skip_max_retries,
                    max_hold, continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait, once, once_ttl,
-                   fingerprint, once_max_bytes, enforce, unique, unique_ttl)
+                   fingerprint, once_max_bytes, enforce, unique, unique_ttl, Overlap(overlap))
 
     def once_policy(self, args: tuple[Any, ...], kwargs: dict[str, Any], dumps: Any = None, loads: Any = None) -> Any:
         """The :class:`~taskguard.once.OncePolicy` of one call (``None`` without ``once``), its
@@ -208,6 +234,14 @@ class GuardOptions:
         if self.skip_retry_delay is not None:
             return self.skip_retry_delay
         return min(max(holder_ttl or 1.0, 1.0), self.ttl)
+
+
+_COALESCE_CONFLICTS = {
+    "once=True": "the follow-up of a completed key would only return the stored value",
+    "unique=True": "a publish while a run is queued or running returns that run's handle, so nothing would coalesce",
+    "on_skip='retry'": "a run finding the lease held becomes the pending follow-up instead of skipping",
+    "enforce=False": "shadow mode never holds a run back, so there is nothing to coalesce",
+}
 
 
 def _defaults() -> dict[str, Any]:

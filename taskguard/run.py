@@ -130,7 +130,7 @@ class GuardedRun:
 
     __slots__ = ("locks", "request", "key", "ttl", "wait", "renew", "holder", "max_hold", "run_id", "task", "on_lost",
                  "finished_ttl", "on_lost_report", "lease", "reason", "holder_ttl", "state", "tag", "_ctx", "delivery",
-                 "limit", "once", "enforce", "_record")
+                 "limit", "once", "enforce", "_record", "on_end")
 
     def __init__(self, locks: Locks, request: RunRequest | str, *,
                  on_lost_report: Callable[[GuardedRun, str], None] | None = None, tag: Any = None,
@@ -154,6 +154,9 @@ class GuardedRun:
         self.holder_ttl: float | None = None
         self.state = RunState.NEW
         self._ctx: running | None = None
+        #: called with the run after it released its lease for good (finish, fail, hand back;
+        #: not keep): the pipeline wakes a key's pending follow-up through it. Never raises.
+        self.on_end: Callable[[GuardedRun], None] | None = None
 
     def __repr__(self) -> str:
         return f"<GuardedRun key={self.key!r} run_id={self.run_id!r} state={self.state}>"
@@ -390,6 +393,7 @@ class GuardedRun:
         except LeaseBackendError as e:
             log.warning("%s: could not release lease %r: %s", self._who(), self.key, e)
             released = not lease.lost
+        self._ended()
         if was_lost or not released:
             reason = lease.lost_reason or "lost while the body ran"
             if self.on_lost_report is not None:
@@ -404,6 +408,7 @@ class GuardedRun:
         lease = self._end(RunState.FINISHED)
         if lease is not None:
             self._release_quietly(lease, finished=True)
+            self._ended()
 
     def hand_back(self) -> None:
         """This execution ends but the run is not over (its message goes back to the queue, or
@@ -411,6 +416,7 @@ class GuardedRun:
         lease = self._end(RunState.HANDED_BACK)
         if lease is not None:
             self._release_quietly(lease, finished=False)
+            self._ended()
 
     def keep(self, seconds: float) -> dict[str, Any] | None:
         """A retry of this run will claim the lease: stretch it to ``seconds`` from now, stop
@@ -440,6 +446,14 @@ class GuardedRun:
         if report:
             self.locks.report_skip(skipped)
         return skipped
+
+    def _ended(self) -> None:
+        on_end = self.on_end
+        if on_end is not None:
+            try:
+                on_end(self)
+            except Exception as e:  # never over the run's own outcome
+                log.error("%s: after its end: %s", self._who(), e)
 
     def _end(self, state: RunState) -> Lease | None:
         if self.state != RunState.RUNNING:

@@ -34,6 +34,8 @@ class Skipped:
             seconds passed without getting it; ``"retry_exhausted"``: ``on_skip="retry"`` ran
             out of attempts; ``"duplicate"``: a redelivered copy of a run that already finished;
             ``"running"``: another execution of the same run id still holds the lease;
+            ``"coalesced"``: ``overlap="coalesce"``, a later call of the key superseded this one as
+            the pending follow-up (``follow_up`` names it);
             ``"stale_leader"``: no longer produced — beat claims its slots against the leader
             lease now — and kept so results stored by earlier releases still read; adapters may
             add others).
@@ -41,6 +43,8 @@ class Skipped:
         holder_ttl: seconds (float) left on the holder's lease when the skip was decided, where
             known, else ``None``.
         at: Unix epoch seconds (float) when the skip was decided.
+        follow_up: ``reason="coalesced"``: the run id (Celery task id, RQ job id) of the pending
+            follow-up that superseded this call and runs in its place, else ``None``.
 
     It never carries an owner token. ``bool(Skipped(...))`` is ``False`` so that
     ``if result:`` does not mistake a skip for a truthy result; use :func:`is_skipped` to test.
@@ -51,6 +55,7 @@ class Skipped:
     task: str | None = None
     holder_ttl: float | None = None
     at: float = dataclasses.field(default_factory=time.time)
+    follow_up: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.reason, enum.Enum):  # stored and pickled as the plain string: older readers
@@ -79,6 +84,8 @@ class Skipped:
         left = f" (holder has {self.holder_ttl:.1f}s left)" if self.holder_ttl is not None else ""
         if self.reason == "limit":
             return f"{who}skipped, every slot of lease {self.key!r} held (limit){left}"
+        if self.reason == "coalesced":
+            return f"{who}coalesced into the pending follow-up {self.follow_up} of lease {self.key!r}"
         if self.reason == "rate_limited":
             return f"{who}skipped, rate {self.key!r}: its turn is past rate_max_wait"
         return f"{who}skipped, lease {self.key!r} {self.reason}{left}"

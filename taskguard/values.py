@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-__all__ = ["Reason", "RunState", "OnSkip", "OnLost", "plain"]
+__all__ = ["Reason", "RunState", "OnSkip", "OnLost", "Overlap", "plain"]
 
 
 class _Value(str, enum.Enum):
@@ -45,6 +45,9 @@ class Reason(_Value):
     RUNNING = "running"
     STALE_LEADER = "stale_leader"
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"
+    COALESCED = "coalesced"
+    REPLACED = "replaced"
+    DEBOUNCED = "debounced"
 
 
 class RunState(_Value):
@@ -72,6 +75,15 @@ class OnLost(_Value):
 
     RAISE = "raise"
     WARN = "warn"
+
+
+class Overlap(_Value):
+    """What a run does when its key's lease is held (:data:`taskguard.policy.OVERLAP`)."""
+
+    SKIP = "skip"
+    COALESCE = "coalesce"
+    REPLACE = "replace"
+    ALLOW = "allow"
 
 
 def plain(value: Any) -> Any:

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from taskguard import MemoryLocks, Skipped, is_skipped
 from taskguard.skipped import SKIP_REASONS, TAG
 
-FIELDS = ("key", "reason", "task", "holder_ttl", "at")
+FIELDS = ("key", "reason", "task", "holder_ttl", "at", "follow_up")
 
 
 def sample(**over) -> Skipped:

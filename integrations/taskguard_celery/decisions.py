@@ -14,25 +14,34 @@ each of its decisions means for a Celery execution.
   calling thread instead (in the pipeline);
 * :class:`Defer` for another execution of the same task id — a deferred copy
   (:func:`taskguard_celery.identity.defer`), ``Ignore``;
-* :class:`Stored` — the ``once`` value is the result; :class:`Duplicate` — ``Ignore``.
+* :class:`Stored` — the ``once`` value is the result; :class:`Duplicate` — ``Ignore``;
+* :class:`Pend` (``overlap="coalesce"``) — this call's own message is kept in Redis as the key's
+  pending follow-up, published again (same task id) by the run that ends; the execution ends with
+  ``Ignore`` (no result yet: the follow-up stores it), after sending the key's backstop (a copy of
+  this message, delayed past the holder's TTL, header ``taskguard_coalesce``) when it is the one
+  to. A call it supersedes gets its result (``Skipped(reason="coalesced")``) and ``task-skipped``
+  event here.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 from typing import Any, cast
 
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
 
 from taskguard.handoff import parse_handle, release_handle
+from taskguard.overlap import Pending
 from taskguard.pacing import parse_state
-from taskguard.pipeline import Decision, Defer, Duplicate, Execution, Skip, Stored
+from taskguard.pipeline import Decision, Defer, Duplicate, Execution, Pend, Skip, Stored
 from taskguard.run import GuardedRun
 from taskguard.skipped import Skipped
 from taskguard.values import Reason
 
 from . import identity, skipping, uniqueness
-from .headers import DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, read_header
+from .headers import COALESCE_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, UNIQUE_HEADER, read_header
+from .serialization import NATIVE
 
 __all__ = ["CeleryHooks", "execution", "outcome", "max_countdown"]
 
@@ -55,7 +64,21 @@ def execution(task: Any, req: Any, local: bool, redelivered: bool, slot: Any) ->
     return Execution(task=task.name, run_id=req.id or None, holder={"task": task.name, "task_id": req.id},
                      redelivered=redelivered, local=local,
                      stamp=stamp if isinstance(stamp, str) and stamp and not local else None, slot=slot,
-                     finished_ttl=finished_ttl, tag=task)
+                     finished_ttl=finished_ttl, tag=task, backstop=_is_backstop(req))
+
+
+def _is_backstop(req: Any) -> bool:
+    header = read_header(req, COALESCE_HEADER)
+    return isinstance(header, dict) and header.get("as") == "backstop"
+
+
+#: headers of this delivery that a re-published follow-up must not carry: the retry handle (never
+#: claimed twice), deferral and rate state, the publish stamp (a new publish), the queued mark.
+_OWN_HEADERS = (HEADER, DEFER_HEADER, RATE_HEADER, PUBLISH_HEADER, COALESCE_HEADER, UNIQUE_HEADER)
+
+
+def _fresh_headers(req: Any) -> dict:
+    return {k: v for k, v in (req.headers or {}).items() if k not in _OWN_HEADERS}
 
 
 class CeleryHooks:
@@ -111,6 +134,53 @@ class CeleryHooks:
         skipping.send_event(self.task, "task-lease-lost", key=run.key, reason=reason,
                             fencing_token=run.lease.fencing_token)
 
+    # -- overlap="coalesce" ------------------------------------------------------------------------
+    def pending_message(self) -> dict:
+        """This call's own message (task id, arguments, options), in the task's serializer."""
+        from kombu.serialization import dumps
+
+        req = self.req
+        sig = self.task.signature_from_request(req, retries=req.retries, headers=_fresh_headers(req))
+        content_type, encoding, body = dumps(dict(sig), serializer=self.task.serializer)
+        if isinstance(body, bytes):
+            return {"ct": content_type, "enc": encoding, "b64": base64.b64encode(body).decode()}
+        return {"ct": content_type, "enc": encoding, "body": body}
+
+    def wake(self, p: Pending) -> None:
+        """Publish the follow-up's own message (same task id, a new publish)."""
+        from kombu.serialization import loads
+
+        m = p.message
+        data = base64.b64decode(m["b64"]) if "b64" in m else m["body"]
+        sig = self.task.app.signature(loads(data, m["ct"], m["enc"], accept=[m["ct"]]))
+        sig.apply_async()
+        log.info("task %s: woke the pending follow-up %s", self.task.name, p.run_id)
+
+    def supersede(self, prev: Pending, skipped: Skipped) -> None:
+        """``prev`` (an earlier pending call, whose execution ended) ends here: its result is
+        ``skipped`` (reason ``"coalesced"``), reported like any skip (core event, Prometheus,
+        ``task-skipped`` with its task id)."""
+        task = self.task
+        locks = task.taskguard_locks
+        locks.report_skip(skipped)
+        try:
+            if not task.ignore_result:
+                serializer = getattr(task.backend, "serializer", None) or task.app.conf.result_serializer
+                value = skipped if serializer in NATIVE else skipped.to_dict()
+                task.backend.store_result(prev.run_id, value, "SUCCESS")
+        except Exception as e:
+            log.warning("task %s[%s]: could not store its coalesced result: %s", task.name, prev.run_id, e)
+        try:
+            with task.app.events.default_dispatcher(hostname=self.req.hostname) as d:
+                d.send("task-skipped", uuid=prev.run_id, name=task.name, key=skipped.key, reason=skipped.reason,
+                       holder_ttl=None, result=skipped.describe(), retrying=False, follow_up=skipped.follow_up)
+        except Exception as e:
+            log.warning("task %s: could not send task-skipped event: %s", task.name, e)
+        log.info("task %s[%s]: coalesced into the pending follow-up %s", task.name, prev.run_id, skipped.follow_up)
+
+    def coalesced_into(self) -> str | None:
+        return None  # a superseded call's execution has ended already (its result stored by supersede)
+
 
 def outcome(task: Any, decision: Decision, skips: int, redelivered: bool) -> Any:
     """What a decision other than ``Run`` means for this execution: the result, or the
@@ -123,10 +193,25 @@ def outcome(task: Any, decision: Decision, skips: int, redelivered: bool) -> Any
         if decision.run is not None:
             identity.end_chain(task, decision.run)
         return skipping.duplicate(task, decision.key, task.taskguard_locks)
+    if isinstance(decision, Pend):
+        _pend(task, decision)
     assert isinstance(decision, Defer)
     if decision.why == Reason.RUNNING:
         identity.defer(task, cast(GuardedRun, decision.run), redelivered)  # raises Ignore
     _defer_rate(task, decision)
+
+
+def _pend(task: Any, d: Pend) -> None:
+    """This call is the key's pending follow-up (or was woken already): send the backstop when it
+    is this execution's to send, then end quietly (``Ignore``: no result yet)."""
+    req = task.request
+    if d.woken:
+        raise Ignore(f"{task.name}[{req.id}]: its follow-up runs")
+    if d.backstop:
+        headers = {**_fresh_headers(req), COALESCE_HEADER: {"as": "backstop"}}
+        task.signature_from_request(req, countdown=d.countdown, retries=req.retries, headers=headers).apply_async()
+    log.info("task %s[%s]: lease %r held; pending follow-up (runs when the holder ends)", task.name, req.id, d.key)
+    raise Ignore(f"{task.name}[{req.id}]: pending follow-up of {d.key!r}")
 
 
 def _defer_rate(task: Any, d: Defer) -> None:

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 __all__ = ["HEADER", "BEAT_HEADER", "DEFER_HEADER", "PUBLISH_HEADER", "RATE_HEADER", "UNIQUE_HEADER",
-           "new_publish_stamp", "publish_time", "read_header"]
+           "COALESCE_HEADER", "new_publish_stamp", "publish_time", "read_header"]
 
 #: The handle of a lease kept for a retry, ``{"key", "owner", "fence", "expires"}``, plus ``"skips"``
 #: (``on_skip="retry"`` attempts so far).
@@ -27,6 +27,9 @@ PUBLISH_HEADER = "taskguard_publish"
 UNIQUE_HEADER = "taskguard_unique"
 #: Header of a run deferred by its task's ``rate``: ``{"since", "turn"}`` (see :mod:`taskguard.pacing`).
 RATE_HEADER = "taskguard_rate"
+#: Header of the delayed copy a pending follow-up (``overlap="coalesce"``) sends as its key's
+#: backstop: ``{"as": "backstop"}`` (see :mod:`taskguard.overlap`).
+COALESCE_HEADER = "taskguard_coalesce"
 
 
 def new_publish_stamp() -> str:

@@ -66,8 +66,8 @@ class GuardedTask(Task):
     ``@guarded_task(...)``): ``key``, ``ttl``, ``wait``, ``blocking_wait``, ``renew``,
     ``on_skip``, ``on_lost``, ``skip_retry_delay``, ``skip_max_retries``, ``max_hold``,
     ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``,
-    ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``, ``unique``, ``unique_ttl``
-    (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
+    ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``, ``unique``, ``unique_ttl``,
+    ``overlap`` (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
     :class:`taskguard.Locks`; see :mod:`taskguard_celery.config` for the default). They are
     validated when the task class is made; a bad one raises :class:`taskguard.ConfigError`.
 
@@ -99,6 +99,7 @@ class GuardedTask(Task):
     enforce: bool = OPTION_DEFAULTS["enforce"]
     unique: bool = OPTION_DEFAULTS["unique"]
     unique_ttl: float | None = OPTION_DEFAULTS["unique_ttl"]
+    overlap: str = OPTION_DEFAULTS["overlap"]
     locks: Locks | None = None
 
     _taskguard: GuardOptions | None = None

@@ -21,14 +21,17 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
 from rq import Retry, get_current_job
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
+from taskguard.overlap import Pending
 from taskguard.pacing import parse_state
-from taskguard.pipeline import Execution, Run, Skip, Stored, decide
+from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide
 from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 from taskguard.values import Reason
@@ -304,6 +307,45 @@ class _Hooks:
     def lost(self, run: GuardedRun, reason: str) -> None:
         pass
 
+    # -- overlap="coalesce": the pending job waits in RQ's ScheduledJobRegistry --------------------
+    def pending_message(self) -> Any:
+        return None  # the job id is enough: RQ keeps the job's arguments
+
+    def wake(self, p: Pending) -> None:
+        _run_now(self.job.connection, p.run_id)
+
+    def supersede(self, prev: Pending, skipped: Skipped) -> None:
+        """Mark ``prev``'s job as coalesced into this one and run it now, to end ``skipped``."""
+        from rq.job import Job
+
+        try:
+            job = Job.fetch(prev.run_id, connection=self.job.connection)
+            job.meta = job.get_meta(refresh=True)
+            job.meta.setdefault(META_KEY, {})["coalesced_into"] = skipped.follow_up
+            job.save_meta()
+            _run_now(self.job.connection, prev.run_id, job)
+        except Exception as e:  # it ends when its own backstop runs it
+            log.warning("job %s: could not mark it coalesced into %s: %s", prev.run_id, skipped.follow_up, e)
+
+    def coalesced_into(self) -> str | None:
+        job = self.job
+        if job is None:
+            return None
+        into = (job.get_meta(refresh=True).get(META_KEY) or {}).get("coalesced_into")
+        return into if isinstance(into, str) else None
+
+
+def _run_now(connection: Any, job_id: str, job: Any = None) -> bool:
+    """Move the scheduled job ``job_id`` to now (RQ's scheduler enqueues it within about a second);
+    only a job still in the ScheduledJobRegistry (``ZADD XX``): a job already queued or running is
+    never added again. Returns ``True`` when moved."""
+    from rq.job import Job
+    from rq.registry import ScheduledJobRegistry
+
+    job = job if job is not None else Job.fetch(job_id, connection=connection)
+    registry = ScheduledJobRegistry(job.origin, connection=connection)
+    return bool(connection.zadd(registry.key, {job_id: int(time.time())}, xx=True, ch=True))
+
 
 def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d: Any) -> Any:
     """What a decision other than ``Run`` means for a job (RQ never sees a ``Duplicate``: no copy
@@ -314,6 +356,14 @@ def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d:
         return d.value
     if isinstance(d, Skip):
         return _report_skip(job, locks, name, opts, d.skipped)
+    if isinstance(d, Pend):
+        # the key's pending follow-up: RQ's scheduler holds the job (rq worker --with-scheduler)
+        # until the run that holds the lease ends and moves it to now, or the backstop time
+        countdown = 0 if d.woken else math.ceil(d.countdown)
+        log.info("job %s: lease %r held; pending follow-up (backstop in %ss)", job.id, key, countdown)
+        mirror_meta(job, refresh=True, key=key, outcome="pending")
+        job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
+        return Retry(max=10**9, interval=[countdown])
     if d.why == Reason.RUNNING:  # an earlier execution of this job id outlasted the wait
         raise TaskSkipped(key, Reason.RUNNING.value, name, d.run.holder_ttl)
     # deferred to its rate turn: RQ's scheduler runs it again (rq worker --with-scheduler). A
