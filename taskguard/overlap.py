@@ -34,8 +34,18 @@ from .errors import LeaseBackendError
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["Pending", "PENDING_RECORD", "BACKSTOP_RECORD", "offer", "pending", "take", "refresh", "wake_pending",
-           "claim_backstop", "record_ttl"]
+__all__ = [
+    "Pending",
+    "PENDING_RECORD",
+    "BACKSTOP_RECORD",
+    "offer",
+    "pending",
+    "take",
+    "refresh",
+    "wake_pending",
+    "claim_backstop",
+    "record_ttl",
+]
 
 log = logging.getLogger("taskguard")
 

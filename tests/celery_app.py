@@ -396,6 +396,17 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         ledger("out", f"export:{tenant}", lease)
         return lease.slot
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.rebuild", ttl=3, key="index:{shop}",
+              overlap="coalesce")
+    def rebuild(self, shop, n, seconds=0.3):
+        # overlap="coalesce": the ledger shows who ran, when, never two at once; "ran" the calls' n
+        ledger("in", f"index:{shop}", self.lease)
+        ran = f"{prefix}:ran:{shop}"
+        r.pipeline().rpush(ran, f"{n} {time.time():.6f}").expire(ran, 600).execute()
+        time.sleep(seconds)
+        ledger("out", f"index:{shop}", self.lease)
+        return n
+
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.export_retrying", ttl=5, key="export:{tenant}",
               limit=2, on_skip="retry", skip_retry_delay=0.3, skip_max_retries=50)
     def export_retrying(self, tenant, seconds=0.3):

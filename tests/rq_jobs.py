@@ -127,6 +127,18 @@ def export(tenant, seconds=0.5):
     return lease.slot
 
 
+@guarded_job(ttl=3, key="index:{shop}", overlap="coalesce")
+def rebuild(shop, n, seconds=0.3):
+    """overlap="coalesce": ledger entries for the key, and the calls that ran (``n``) with when."""
+    lease = current_lease()
+    _ledger("in", f"index:{shop}", lease)
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":ran:" + shop + "}", f"{n} {time.time():.6f}")
+    time.sleep(seconds)
+    _ledger("out", f"index:{shop}", lease)
+    return n
+
+
 @guarded_job(ttl=5, key="api:{n}", rate=(3, 1.0), rate_key="api")
 def api_call(n):
     r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))

@@ -1,0 +1,171 @@
+"""Celery tasks with ``overlap="coalesce"``: a burst of calls while a run is active makes one
+pending follow-up, the latest call's own message, which runs promptly once the active run ends,
+or once its lease expires when the active run's worker is SIGKILLed; embedded and subprocess
+workers against real Redis."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry
+
+from taskguard import ConfigError, as_skipped, is_skipped
+from taskguard.metrics import Metrics
+from taskguard.overlap import PENDING_RECORD
+from taskguard_celery import guarded_task
+
+from . import ledger
+from .celery_app import make_app
+from .celery_support import EventLog, WorkerProcess, embedded_worker
+
+
+@pytest.fixture
+def app(redis_url, prefix):
+    a = make_app(f"q-{prefix}", prefix)
+    yield a
+    redis.Redis.from_url(redis_url).delete(a.tg_log, f"q-{prefix}")
+
+
+def _ran(r, prefix, shop):
+    """``(n, start time)`` of each body that ran, in order."""
+    return [(int(n), float(t)) for n, t in (x.decode().split() for x in r.lrange(f"{prefix}:ran:{shop}", 0, -1))]
+
+
+def _wait(cond, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_burst_coalesces_into_the_latest_call_which_runs_once_promptly(app, redis_url, prefix):
+    """40 calls while a 4 s run is active: 39 end Skipped("coalesced") naming the call that
+    superseded them, the latest runs once, about a second after the active run ends, never beside
+    it; no worker slot waits meanwhile (another key runs at once); the key's Redis state stays
+    one record; the skips are reported as events and in Prometheus."""
+    r = redis.Redis.from_url(redis_url)
+    task = app.tasks["tg.rebuild"]
+    locks = app.conf.taskguard_locks
+    registry = CollectorRegistry()
+    remove = locks.add_listener(Metrics(registry))
+    try:
+        with EventLog(app, tasks=["tg.rebuild"]) as events, embedded_worker(app, concurrency=2):
+            first = task.delay("s1", 0, seconds=4.0)
+            _wait(lambda: len(_ran(r, prefix, "s1")) == 1)
+            burst = [task.delay("s1", n, seconds=0.3) for n in range(1, 41)]
+            skipped = [res.get(timeout=15) for res in burst[:-1]]  # superseded: their results come at once
+            # one slot runs the active run, the other is free: a pending follow-up occupies none
+            assert task.delay("s2", 99, seconds=0).get(timeout=5) == 99
+            assert [n for n, _ in _ran(r, prefix, "s1")] == [0]  # still the active run only
+            # what the burst left in Redis for the key: its lease hash, one pending record, one backstop mark
+            keys = set(r.scan_iter(match=f"*{prefix}:index:s1*"))
+            lease = f"{{{prefix}:index:s1}}"
+            assert keys == {f"{lease}{k}".encode() for k in ("", ":r:coalesce", ":r:coalesce-backstop")}
+            assert r.hlen(lease) <= 12 and r.memory_usage(f"{lease}:r:coalesce") < 2048
+            assert locks.get_record("index:s1", PENDING_RECORD) is not None
+            assert first.get(timeout=10) == 0
+            assert burst[-1].get(timeout=10) == 40
+            coalesced_events = events.wait_for("task-skipped", 39)
+    finally:
+        remove()
+    for i, value in enumerate(skipped):
+        s = as_skipped(value)
+        assert s is not None and s.reason == "coalesced", value
+        assert s.follow_up == burst[i + 1].id  # the call that superseded it (the last one ran)
+    ran = _ran(r, prefix, "s1")
+    assert [n for n, _ in ran] == [0, 40]
+    entries = ledger.parse(r.lrange(f"{prefix}:ledger:index:s1", 0, -1))
+    assert ledger.peak(entries, 1) == 1  # never two bodies at once; fences grow
+    first_out = next(at for at, step, _slot, _fence in entries if step == -1)
+    assert ran[1][1] - first_out < 1.5  # woken when the active run ended, not at a retry delay
+    assert {e["reason"] for e in coalesced_events} == {"coalesced"}
+    assert {e["uuid"] for e in coalesced_events} == {res.id for res in burst[:-1]}
+    assert (
+        registry.get_sample_value(
+            "taskguard_skips_total", {"task": "tg.rebuild", "reason": "coalesced", "shadow": "false"}
+        )
+        == 39
+    )
+    assert locks.get_record("index:s1", PENDING_RECORD) is None
+    assert locks.holders("index:s1") == []
+
+
+def test_a_lone_call_while_idle_runs_at_once_and_one_call_while_active_runs_after(app, redis_url, prefix):
+    r = redis.Redis.from_url(redis_url)
+    task = app.tasks["tg.rebuild"]
+    with embedded_worker(app, concurrency=2):
+        assert task.delay("s3", 1, seconds=0).get(timeout=10) == 1
+        first = task.delay("s3", 2, seconds=1.0)
+        _wait(lambda: len(_ran(r, prefix, "s3")) == 2)
+        second = task.delay("s3", 3, seconds=0)
+        assert first.get(timeout=10) == 2
+        assert second.get(timeout=10) == 3  # the follow-up, not a skip
+    assert [n for n, _ in _ran(r, prefix, "s3")] == [1, 2, 3]
+
+
+def test_the_follow_up_runs_once_after_the_holders_worker_is_sigkilled(app, redis_url, prefix):
+    """The active run's worker (its own queue) is SIGKILLed while a follow-up is pending on another
+    worker: the follow-up runs once, when the dead holder's lease (ttl 3 s) has expired, with a
+    larger fencing token."""
+    r = redis.Redis.from_url(redis_url)
+    task = app.tasks["tg.rebuild"]
+    q1, q2 = f"q1-{prefix}", f"q2-{prefix}"
+    with WorkerProcess(q1, prefix, concurrency=1) as w1, WorkerProcess(q2, prefix, concurrency=2) as w2:
+        task.apply_async(("s1", 0), {"seconds": 60}, queue=q1)
+        _wait(lambda: len(_ran(r, prefix, "s1")) == 1, timeout=20)
+        calls = [task.apply_async(("s1", n), {"seconds": 0.2}, queue=q2) for n in (1, 2, 3)]
+        superseded = [c.get(timeout=15) for c in calls[:2]]
+        assert all(is_skipped(v) and v["reason"] == "coalesced" for v in superseded), superseded
+        w1.signal_all(signal.SIGKILL)
+        killed = time.time()
+        assert calls[-1].get(timeout=30) == 3, w2.output()
+        time.sleep(1.0)  # nothing else runs
+        output = w2.output()
+    ran = _ran(r, prefix, "s1")
+    assert [n for n, _ in ran] == [0, 3], output
+    assert ran[1][1] > killed + 1.0  # after the lease expired (renewed every second until the kill)
+    entries = ledger.parse(r.lrange(f"{prefix}:ledger:index:s1", 0, -1))
+    fences = [fence for _at, step, _slot, fence in entries if step == 1]
+    assert fences[1] > fences[0]
+    assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    "extra, conflict",
+    [
+        ({"once": True, "key": "k:{x}"}, "once=True"),
+        ({"unique": True}, "unique=True"),
+        ({"on_skip": "retry"}, "on_skip='retry'"),
+        ({"enforce": False}, "enforce=False"),
+    ],
+)
+def test_coalesce_is_refused_at_declaration_where_it_cannot_work(extra, conflict):
+    with pytest.raises(ConfigError, match=f"overlap='coalesce' cannot be combined with {conflict}"):
+
+        @guarded_task(overlap="coalesce", **extra)
+        def f(x):
+            pass
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("bogus", "overlap must be one of"),
+        ("replace", "overlap='replace' is not available"),
+    ],
+)
+def test_overlap_values_are_checked_at_declaration(value, message):
+    with pytest.raises(ConfigError, match=message):
+
+        @guarded_task(overlap=value)
+        def f(x):
+            pass
+
+    with pytest.raises(ConfigError, match="did you mean 'overlap'"):
+
+        @guarded_task(overlapp="coalesce")
+        def g(x):
+            pass
