@@ -1,0 +1,117 @@
+"""RQ jobs with ``overlap="coalesce"`` on real ``rq worker --with-scheduler`` processes: a burst
+while a job runs makes one pending follow-up (the latest job), held in RQ's ScheduledJobRegistry
+and moved to now when the active job ends, or run once its lease expires when the active job's
+worker is SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from rq import Queue
+from rq.job import JobStatus
+
+from taskguard import ConfigError, is_skipped
+from taskguard.overlap import PENDING_RECORD
+from taskguard_rq import guarded_job
+
+from . import ledger, rq_jobs
+from .test_rq import RQWorker, locks, wait_done
+
+
+def _key(name: str) -> str:
+    return "{" + os.environ["TASKGUARD_PREFIX"] + ":" + name + "}"
+
+
+def _ran(queue, shop):
+    raw = queue.connection.lrange(_key("ran:" + shop), 0, -1)
+    return [(int(n), float(t)) for n, t in (x.decode().split() for x in raw)]
+
+
+def _wait(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_burst_coalesces_into_the_latest_job_which_runs_once_after_the_active_one(rq_env):
+    """12 jobs while a 3 s job runs: 11 end FINISHED with Skipped("coalesced") naming the job that
+    superseded them, the latest runs once, soon after the active job ends, never beside it."""
+    with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2:
+        first = rq_env.enqueue(rq_jobs.rebuild, "s1", 0, seconds=3.0)
+        _wait(lambda: len(_ran(rq_env, "s1")) == 1)
+        burst = [rq_env.enqueue(rq_jobs.rebuild, "s1", n, seconds=0.2) for n in range(1, 13)]
+        for job in burst[:-1]:
+            assert wait_done(job, timeout=30) == JobStatus.FINISHED
+        assert [n for n, _ in _ran(rq_env, "s1")] == [0]  # superseded jobs end while the first still runs
+        assert locks().get_record("index:s1", PENDING_RECORD) is not None
+        assert wait_done(first) == JobStatus.FINISHED
+        assert wait_done(burst[-1], timeout=30) == JobStatus.FINISHED
+        output = w1.output() + w2.output()
+    for i, job in enumerate(burst[:-1]):
+        value = job.return_value()
+        assert is_skipped(value) and value.reason == "coalesced", (value, output)
+        assert value.follow_up == burst[i + 1].id
+        assert job.get_meta(refresh=True)["taskguard"]["outcome"] == "skipped"
+    assert burst[-1].return_value() == 12
+    ran = _ran(rq_env, "s1")
+    assert [n for n, _ in ran] == [0, 12], output
+    entries = ledger.parse(rq_env.connection.lrange(_key("ledger:index:s1"), 0, -1))
+    assert ledger.peak(entries, 1) == 1
+    first_out = next(at for at, step, _slot, _fence in entries if step == -1)
+    assert ran[1][1] - first_out < 3.0  # moved to now when the first ended (RQ's scheduler polls)
+    assert locks().get_record("index:s1", PENDING_RECORD) is None
+    assert "Traceback" not in output
+
+
+def test_the_follow_up_job_runs_once_after_the_active_jobs_worker_is_sigkilled(rq_env):
+    """The active job runs on its own queue's worker, which is SIGKILLed (main process and
+    work-horse) while a follow-up waits
+    in the other queue's ScheduledJobRegistry: the follow-up runs once, after the dead holder's
+    lease (ttl 3 s) expired, with a larger fencing token. (RQ's scheduler is one per queue: a
+    queue whose only scheduler died waits until another worker takes its scheduler lock.)"""
+    other = Queue(rq_env.name.replace("q-", "q2-", 1), connection=rq_env.connection)
+    jobs = []
+    try:
+        with RQWorker(rq_env) as w1, RQWorker(other) as w2:
+            rq_env.enqueue(rq_jobs.rebuild, "s1", 0, seconds=60)
+            _wait(lambda: len(_ran(rq_env, "s1")) == 1)
+            jobs = [other.enqueue(rq_jobs.rebuild, "s1", n, seconds=0.2) for n in (1, 2)]
+            assert wait_done(jobs[0], timeout=20) == JobStatus.FINISHED
+            assert jobs[0].return_value().reason == "coalesced"
+            horse = locks().holder("index:s1").holder["pid"]  # RQ's work-horse has its own process group
+            os.killpg(w1.proc.pid, signal.SIGKILL)
+            os.kill(horse, signal.SIGKILL)
+            killed = time.time()
+            assert wait_done(jobs[1], timeout=40) == JobStatus.FINISHED, w2.output()
+            time.sleep(1.0)
+            output = w2.output()
+            values = [job.return_value() for job in jobs]
+    finally:
+        for job in jobs:
+            job.delete()
+        other.delete(delete_jobs=True)
+    assert values[1] == 2, output
+    ran = _ran(rq_env, "s1")
+    assert [n for n, _ in ran] == [0, 2], output
+    assert ran[1][1] > killed + 1.0  # after the dead holder's lease (ttl 3 s) expired
+    entries = ledger.parse(rq_env.connection.lrange(_key("ledger:index:s1"), 0, -1))
+    fences = [fence for _at, step, _slot, fence in entries if step == 1]
+    assert fences[1] > fences[0]
+
+
+def test_coalesce_is_refused_with_once_on_rq_too():
+    with pytest.raises(ConfigError, match="overlap='coalesce' cannot be combined with once=True"):
+
+        @guarded_job(overlap="coalesce", once=True, key="k:{x}")
+        def f(x):
+            pass
+
+    with pytest.raises(ConfigError, match="overlap must be one of"):
+
+        @guarded_job(overlap="sometimes")
+        def g(x):
+            pass
