@@ -21,17 +21,17 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
-import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from rq import Retry, get_current_job
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
-from taskguard.keys import KeyTemplate
-from taskguard.pacing import pace, parse_state, shadow_check
+from taskguard.pacing import parse_state
+from taskguard.pipeline import Execution, Run, Skip, Stored, decide
 from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
+from taskguard.values import Reason
 
 from .config import locks_for
 from .cron_runs import entry_guard
@@ -126,7 +126,7 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
     reason ``"limit"``); ``guarded.rate_limit_for(*args, **kwargs)`` gives RQ 3's own
     ``RateLimit`` for the same key and limit, so RQ parks jobs over it instead. ``rate=`` (with
     ``rate_key``, ``rate_burst``, ``rate_max_wait``) defers a job over the rate to its booked turn
-    through RQ's scheduler (see :func:`_pace`), or skips it past ``rate_max_wait`` (reason
+    through RQ's scheduler (:mod:`taskguard.pipeline`), or skips it past ``rate_max_wait`` (reason
     ``"rate_limited"``).
     """
 
@@ -181,8 +181,8 @@ def _job_timeout(job: Any) -> float:
     return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else DEFAULT_JOB_TIMEOUT
 
 
-def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks | None, args: tuple,
-             kwargs: dict) -> Any:
+def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks | None, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
     job = get_current_job()
     if job is None or _performing.get() is job:
         return _run(fn, name, opts, locks, args, kwargs, None)  # a direct call
@@ -193,8 +193,8 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
         _performing.reset(token)
 
 
-def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | None, args: tuple, kwargs: dict,
-         job: Any) -> Any:
+def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | None, args: tuple[Any, ...],
+         kwargs: dict[str, Any], job: Any) -> Any:
     """One guarded run: ``job``'s execution, or a direct call (``job`` ``None``). The arguments
     are bound first: a caller's wrong arguments raise their ``TypeError`` even where no Redis is
     configured."""
@@ -203,37 +203,12 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
     key = opts.key.render(args, kwargs)
     locks = locks_for(given)
     run_id = job.id if job is not None else None
-    try:
-        if opts.rate is not None:
-            deferred = _pace(job, locks, name, opts, key, args, kwargs)
-            if deferred is not None:
-                if not isinstance(deferred, Retry):  # skipped past rate_max_wait: it will not run
-                    clear_mark(locks, job)
-                return deferred  # (a Retry: deferred to its turn, still queued)
-        once = opts.once_policy(args, kwargs, *_result_codec(job)) if opts.once else None
-        run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
-                         holder={"job": name, "job_id": run_id}, max_hold=opts.max_hold, run_id=run_id, task=name,
-                         on_lost=opts.on_lost, limit=opts.limit, once=once, enforce=opts.enforce)
-        handle = load_handle(locks, run_id) if run_id is not None else None
-        if handle is not None and handle.get("running"):
-            # the handle of an execution that may still be running (an orphaned work-horse): never
-            # take its lease over; wait for it like any earlier execution of this job id
-            handle = None
-        began = run.begin(handle=handle, same_run="wait", same_run_wait=_job_timeout(job))
-    except BaseException:
-        clear_mark(locks, job)  # it will not run: no longer queued
-        raise
-    clear_mark(locks, job)  # it started, or will not run: no longer queued
-    if not began:
-        if run.reason == "once":
-            value = run.stored_value()
-            log.info("%s: %r already completed; returning the stored value", name, key)
-            mirror_meta(job, key=key, outcome="once")
-            return value
-        return _skip(job, locks, name, opts, run)
-    if not opts.enforce and run.reason is not None:
-        log.info("%s: shadow mode: would have been skipped (%s, lease %r); running it", name, run.reason, key)
-        mirror_meta(job, key=key, shadow=run.reason)
+    ex = Execution(task=name, run_id=run_id, holder={"job": name, "job_id": run_id}, local=job is None,
+                   same_run="wait", same_run_wait=_job_timeout(job))
+    decision = decide(opts, key, args, kwargs, ex, _Hooks(locks, job, name), locks)
+    if not isinstance(decision, Run):
+        return _outcome(job, locks, name, opts, key, decision)
+    run = decision.run
     lease = run.lease
     if lease is None:  # shadow mode without the lease: the body runs unguarded
         with run:
@@ -270,6 +245,91 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
     return result
 
 
+class _Hooks:
+    """:class:`taskguard.pipeline.Hooks` for one execution of a job (``job`` ``None``: a direct call)."""
+
+    __slots__ = ("locks", "job", "name")
+
+    def __init__(self, locks: Locks, job: Any, name: str) -> None:
+        self.locks, self.job, self.name = locks, job, name
+
+    def persisted_handle(self) -> dict[str, Any] | None:
+        handle = load_handle(self.locks, self.job.id) if self.job is not None else None
+        # the handle of an execution that may still be running (an orphaned work-horse): never
+        # take its lease over; wait for it like any earlier execution of this job id
+        return None if handle is not None and handle.get("running") else handle
+
+    def release_handle(self, handle: Any) -> None:
+        """Release the lease a failed execution of the job kept for its retry."""
+        try:
+            self.locks.restore(handle["key"], handle["owner"], ttl=1.0).release()
+            drop_handle(self.locks, self.job.id)
+        except (LeaseBackendError, ConfigError) as e:
+            log.warning("job %s: could not release its kept lease before a rate wait: %s", self.job.id, e)
+
+    def finished(self) -> bool:
+        return False  # every execution of a job is a run (RQ has no per-enqueue identity)
+
+    def clear_mark(self) -> None:
+        clear_mark(self.locks, self.job)
+
+    def result_codec(self) -> Any:
+        return _result_codec(self.job)
+
+    def rate_state(self) -> dict[str, Any] | None:
+        if self.job is None:
+            return None
+        try:
+            return parse_state(self.job.meta.get(RATE_META_KEY))
+        except ValueError as e:
+            log.error("job %s: ignoring a malformed meta[%r] (%s); pacing it afresh", self.job.id, RATE_META_KEY, e)
+            return None
+
+    def rate_bound(self) -> float:
+        return RATE_MAX_COUNTDOWN
+
+    def rate_go(self) -> None:
+        job = self.job
+        if job is not None and RATE_META_KEY in job.meta:
+            job.meta.pop(RATE_META_KEY)
+            _quietly_save_meta(job)
+
+    def shadow(self, key: str, reason: str, holder_ttl: float | None, leased: bool, rate: bool) -> None:
+        if rate:
+            log.info("%s: shadow mode: would have been rate-limited (%r); running it", self.name, key)
+            return
+        log.info("%s: shadow mode: would have been skipped (%s, lease %r); running it", self.name, reason, key)
+        mirror_meta(self.job, key=key, shadow=reason)
+
+    def lost(self, run: GuardedRun, reason: str) -> None:
+        pass
+
+
+def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d: Any) -> Any:
+    """What a decision other than ``Run`` means for a job (RQ never sees a ``Duplicate``: no copy
+    of a job is refused as finished)."""
+    if isinstance(d, Stored):
+        log.info("%s: %r already completed; returning the stored value", name, key)
+        mirror_meta(job, key=key, outcome="once")
+        return d.value
+    if isinstance(d, Skip):
+        return _report_skip(job, locks, name, opts, d.skipped)
+    if d.why == Reason.RUNNING:  # an earlier execution of this job id outlasted the wait
+        raise TaskSkipped(key, Reason.RUNNING.value, name, d.run.holder_ttl)
+    # deferred to its rate turn: RQ's scheduler runs it again (rq worker --with-scheduler). A
+    # deferral consumes neither the job's own Retry (retries_left) nor its returned-Retry count
+    # (number_of_retries, which RQ bumps for the returned Retry: it is set back first)
+    job.meta[RATE_META_KEY] = d.state  # saved by mirror_meta below
+    booked = d.state is not None and d.state.get("turn") is not None
+    log.info("job %s: rate-limited; %s in %.2fs", job.id, "its turn is booked" if booked else "it asks again",
+             d.countdown)
+    mirror_meta(job, key=key, outcome="rate_limited")
+    job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
+    # whole seconds (RQ's Retry); rounded down, and the job waits out the rest of its turn on
+    # arrival, so the scheduler's rounding never bunches booked turns together
+    return Retry(max=10**9, interval=[int(d.countdown)])
+
+
 def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcome: str, saved: str | None) -> None:
     """The execution ends without finishing the job's work for good. If RQ runs it again
     (``retry_in`` seconds from now), keep the lease for that execution; else release it. Never
@@ -297,58 +357,6 @@ def _quietly(fn: Callable[..., Any], *args: Any) -> None:
         log.warning("could not drop a stored lease handle: %s", e)
 
 
-def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args: tuple, kwargs: dict) -> Any:
-    """The job's ``rate`` (:func:`taskguard.pacing.pace`): ``None`` when it runs now; else what the
-    job function returns instead — a ``Retry`` that RQ's scheduler runs at the booked turn, or the
-    ``Skipped`` (reason ``"rate_limited"``) past ``rate_max_wait``. A deferral consumes neither the
-    job's own ``Retry`` (``retries_left``) nor its returned-``Retry`` count (``number_of_retries``,
-    which RQ bumps for the returned ``Retry``; it is set back first). It needs a worker running
-    RQ's scheduler (``rq worker --with-scheduler``). A direct call waits for its turn here."""
-    state = None
-    if job is not None:
-        try:
-            state = parse_state(job.meta.get(RATE_META_KEY))
-        except ValueError as e:
-            log.error("job %s: ignoring a malformed meta[%r] (%s); pacing it afresh", job.id, RATE_META_KEY, e)
-    rate_key = cast(KeyTemplate, opts.rate_key).render(args, kwargs)  # (a guard with a rate has its key)
-    rate = cast("tuple[int, float]", opts.rate)
-    if not opts.enforce:  # shadow mode: checked, not consumed; reported; the job runs
-        if shadow_check(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                        max_countdown=RATE_MAX_COUNTDOWN, task=name):
-            log.info("%s: shadow mode: would have been rate-limited (%r); running it", name, rate_key)
-        return None
-    while True:
-        p = pace(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                 max_countdown=RATE_MAX_COUNTDOWN, state=state)
-        if p.go:
-            if p.countdown > 0:
-                time.sleep(p.countdown)  # RQ's scheduler counts whole seconds: wait for the booked turn
-            if job is not None and RATE_META_KEY in job.meta:
-                job.meta.pop(RATE_META_KEY)
-                _quietly_save_meta(job)
-            return None
-        if p.skip:
-            if job is not None:
-                _release_kept(locks, job)
-            skipped = Skipped(key=rate_key, reason="rate_limited", task=name)
-            return _report_skip(job, locks, name, opts, skipped)
-        if job is None:
-            time.sleep(p.countdown)
-            state = p.state
-            continue
-        _release_kept(locks, job)  # a failed job's kept lease is not held through a rate wait
-        job.meta[RATE_META_KEY] = p.state  # saved by mirror_meta below
-        locks.report_skip(Skipped(key=rate_key, reason="rate_limited", task=name))
-        booked = p.state is not None and p.state.get("turn") is not None
-        log.info("job %s: rate-limited; %s in %.2fs", job.id, "its turn is booked" if booked else "it asks again",
-                 p.countdown)
-        mirror_meta(job, key=key, outcome="rate_limited")
-        job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
-        # whole seconds (RQ's Retry); rounded down, and the job waits out the rest of its turn on
-        # arrival, so the scheduler's rounding never bunches booked turns together
-        return Retry(max=10**9, interval=[int(p.countdown)])
-
-
 def _result_codec(job: Any) -> tuple[Any, Any]:
     """``(dumps, loads)`` storing a ``once`` value as RQ stores the job's results: the job's
     serializer (RQ's default: pickle; rq/serializers.py ``resolve_serializer``)."""
@@ -365,28 +373,11 @@ def _result_codec(job: Any) -> tuple[Any, Any]:
     return dumps, loads
 
 
-def _release_kept(locks: Locks, job: Any) -> None:
-    """Release the lease a failed execution of ``job`` kept for its retry, if any."""
-    try:
-        handle = load_handle(locks, job.id)
-        if handle is not None and not handle.get("running"):
-            locks.restore(handle["key"], handle["owner"], ttl=1.0).release()
-            drop_handle(locks, job.id)
-    except (LeaseBackendError, ConfigError) as e:
-        log.warning("job %s: could not release its kept lease before a rate wait: %s", job.id, e)
-
-
 def _quietly_save_meta(job: Any) -> None:
     try:
         job.save_meta()
     except Exception as e:
         log.warning("job %s: could not save meta: %s", job.id, e)
-
-
-def _skip(job: Any, locks: Locks, name: str, opts: GuardOptions, run: GuardedRun) -> Any:
-    if run.reason == "running":  # an earlier execution of this job id outlasted the wait
-        raise TaskSkipped(run.key, "running", name, run.holder_ttl)
-    return _report_skip(job, locks, name, opts, run.skip(report=False))
 
 
 def _report_skip(job: Any, locks: Locks, name: str, opts: GuardOptions, skipped: Skipped) -> Any:
