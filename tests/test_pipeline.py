@@ -9,7 +9,8 @@ import pickle
 import pytest
 
 from taskguard import Skipped
-from taskguard.pipeline import Defer, Duplicate, Execution, Run, Skip, Stored, decide
+from taskguard.overlap import pending
+from taskguard.pipeline import Defer, Duplicate, Execution, Pend, Run, Skip, Stored, decide
 from taskguard.policy import GuardOptions
 from taskguard.values import OnLost, OnSkip, Reason, RunState
 
@@ -56,6 +57,18 @@ class Hooks:
 
     def lost(self, run, reason):
         self.calls.append(("lost", reason))
+
+    def pending_message(self):
+        return {"msg": len(self.calls)}
+
+    def supersede(self, prev, skipped):
+        self.calls.append(("supersede", prev.run_id, skipped.reason, skipped.follow_up))
+
+    def wake(self, p):
+        self.calls.append(("wake", p.run_id))
+
+    def coalesced_into(self):
+        return getattr(self, "into", None)
 
 
 def opts(**kw):
@@ -160,3 +173,53 @@ def test_modes_are_str_enums_once_validated():
     assert o.on_skip is OnSkip.RAISE and o.on_skip == "raise" and f"{o.on_skip}" == "raise"
     assert o.on_lost is OnLost.WARN and str(o.on_lost) == "warn"
     assert Skipped("k", Reason.LIMIT).describe().endswith("held (limit)")
+
+
+def test_coalesce_a_held_key_pends_supersedes_the_previous_and_the_end_wakes_the_last(any_locks):
+    o = opts(overlap="coalesce")
+    holder = go(any_locks, o, Hooks(), run_id="id-0")
+    assert isinstance(holder, Run)
+    h1, h2 = Hooks(), Hooks()
+    first = go(any_locks, o, h1, run_id="id-1")
+    assert isinstance(first, Pend) and first.backstop and not first.woken and first.countdown >= 1.0
+    second = go(any_locks, o, h2, run_id="id-2")
+    assert isinstance(second, Pend) and not second.backstop  # one backstop per key
+    assert ("supersede", "id-1", "coalesced", "id-2") in h2.calls
+    assert pending(any_locks, "inv:7").run_id == "id-2"
+    holder.run.finish(None)  # the holder ends: it wakes the pending follow-up, the latest
+    assert pending(any_locks, "inv:7") is None
+    follow_up = go(any_locks, o, Hooks(), run_id="id-2")
+    assert isinstance(follow_up, Run)
+    follow_up.run.finish(None)
+
+
+def test_coalesce_a_superseded_execution_is_a_coalesced_skip(any_locks):
+    h = Hooks()
+    h.into = "id-9"
+    d = go(any_locks, opts(overlap="coalesce"), h)
+    assert isinstance(d, Skip) and d.skipped.reason == Reason.COALESCED and d.skipped.follow_up == "id-9"
+
+
+def test_coalesce_a_backstop_wakes_the_follow_up_once_the_lease_is_free(any_locks):
+    o = opts(overlap="coalesce")
+    holder = go(any_locks, o, Hooks(), run_id="id-0")
+    assert isinstance(go(any_locks, o, Hooks(), run_id="id-1"), Pend)
+    h = Hooks()
+    looked = go(any_locks, o, h, run_id="id-1", backstop=True)  # the holder lives: look again later
+    assert isinstance(looked, Pend) and looked.backstop and not any(c[0] == "wake" for c in h.calls)
+    holder.run.on_end = None  # the holder dies without ending: its lease goes, nobody wakes the follow-up
+    holder.run.hand_back()
+    h = Hooks()
+    woke = go(any_locks, o, h, run_id="id-1", backstop=True)
+    assert isinstance(woke, Pend) and woke.woken and ("wake", "id-1") in h.calls
+    assert pending(any_locks, "inv:7") is None
+    h = Hooks()
+    assert isinstance(go(any_locks, o, h, run_id="id-1", backstop=True), Pend) and h.calls == [("clear_mark",)]
+
+
+def test_coalesce_direct_calls_skip_as_held(any_locks):
+    o = opts(overlap="coalesce")
+    holder = go(any_locks, o, Hooks(), run_id="id-0")
+    d = go(any_locks, o, Hooks(), run_id=None, local=True)
+    assert isinstance(d, Skip) and d.skipped.reason == Reason.HELD
+    holder.run.finish(None)
