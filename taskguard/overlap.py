@@ -27,7 +27,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .errors import LeaseBackendError
 
@@ -53,6 +53,13 @@ log = logging.getLogger("taskguard")
 PENDING_RECORD = "coalesce"
 #: The lease record saying a backstop (Celery: a delayed message) is out for the key.
 BACKSTOP_RECORD = "coalesce-backstop"
+#: ``overlap="replace"``: the lease record ``replaced:<run id>`` names the run that took the lease
+#: over from the run ``run id`` (kept ``REPLACED_TTL`` seconds), so that run, and any retry or
+#: redelivery of it, ends ``Skipped(reason="replaced")``.
+REPLACED_RECORD = "replaced:"
+#: Seconds a ``replaced:`` record is kept: a replaced run learns it at its end, a retry of it at
+#: its start (a day covers retries and redeliveries).
+REPLACED_TTL = 86400.0
 #: How many compare-and-swap rounds a write may take before giving up (each round loses only to
 #: another writer that succeeded).
 _ROUNDS = 100
@@ -147,3 +154,36 @@ def wake_pending(locks: Locks, key: str, wake: Callable[[Pending], None], who: s
             locks.put_record(key, PENDING_RECORD, value, ttl=record_ttl(60.0, 60.0), if_absent=True)
         except LeaseBackendError:
             pass
+
+
+# -- overlap="replace" ------------------------------------------------------------------------------
+def replace_holder(locks: Locks, key: str, by: str | None, limit: int) -> Any:
+    """Take the lease of ``key`` away from its oldest holder (every slot held, under ``limit``)
+    for the run ``by``: record that it was replaced (:data:`REPLACED_RECORD`), then release its
+    lease on its behalf (:meth:`taskguard.Locks.release_run`). Its heartbeat then finds the lease
+    gone (``lease.lost``, ``ensure_held()`` raises within one renewal interval) and its fenced
+    writes carry a lower fencing token than the new holder's. Returns the replaced holder's
+    :class:`~taskguard.lease.HolderInfo`, or ``None`` when a slot is free already or the holder
+    has no run id (a direct call: it cannot be named, so it is not replaced). Raises
+    LeaseBackendError."""
+    holders = locks.holders(key)
+    if len(holders) < limit:
+        return None
+    named = [h for h in holders if h.run_id is not None and h.run_id != by]
+    if not named:
+        return None
+    victim = min(named, key=lambda h: (h.since or 0.0, h.fencing_token or 0))
+    run_id = cast(str, victim.run_id)  # (named holders only)
+    locks.put_record(key, REPLACED_RECORD + run_id, by or "", ttl=REPLACED_TTL)
+    if not locks.release_run(key, run_id):
+        locks.delete_record(key, REPLACED_RECORD + run_id, if_value=by or "")
+        return None
+    return victim
+
+
+def replaced_by(locks: Locks, key: str, run_id: str | None) -> str | None:
+    """The run id that replaced the run ``run_id`` of ``key`` (``""`` when that run had none),
+    or ``None`` when it was not replaced. Raises LeaseBackendError."""
+    if run_id is None:
+        return None
+    return locks.get_record(key, REPLACED_RECORD + run_id)

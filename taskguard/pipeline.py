@@ -32,6 +32,11 @@ wait_timeout), a worker execution with a run id             follow-up; the one i
 ``overlap="coalesce"``: a backstop execution                :class:`Pend` (wakes the follow-up
                                                             once the lease is free, else looks
                                                             again later)
+``overlap="replace"``: this run id was replaced (a retry    :class:`Skip` (``"replaced"``)
+or redelivery of a replaced run)
+``overlap="replace"``: lease refused (held, limit)          :class:`Run` after taking the lease
+                                                            over from the oldest named holder
+                                                            (:meth:`Hooks.replaced` is told)
 ==========================================================  ===================================
 
 A run decided :class:`Run` under ``overlap="coalesce"`` wakes the key's pending follow-up when it
@@ -55,7 +60,18 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .errors import LeaseBackendError
 from .keys import KeyTemplate
-from .overlap import Pending, claim_backstop, offer, pending, record_ttl, refresh, take, wake_pending
+from .overlap import (
+    Pending,
+    claim_backstop,
+    offer,
+    pending,
+    record_ttl,
+    refresh,
+    replace_holder,
+    replaced_by,
+    take,
+    wake_pending,
+)
 from .pacing import pace, shadow_check
 from .policy import GuardOptions
 from .run import GuardedRun, RunRequest
@@ -65,7 +81,8 @@ from .values import Overlap, Reason, plain
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["Execution", "Hooks", "Decision", "Run", "Skip", "Defer", "Stored", "Duplicate", "Pend", "decide"]
+__all__ = ["Execution", "Hooks", "Decision", "Run", "Skip", "Defer", "Stored", "Duplicate", "Pend", "decide",
+           "replaced_skip"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +174,11 @@ class Hooks(Protocol):
     def coalesced_into(self) -> str | None:
         """The follow-up's run id when this execution's call was superseded (RQ: its job is run
         once more to end), else ``None``."""
+
+    # -- overlap="replace" -------------------------------------------------------------------------
+    def replaced(self, holder: Any) -> None:
+        """This run took the lease over from ``holder`` (a :class:`~taskguard.lease.HolderInfo`):
+        with ``replace_terminate``, stop that run's execution. Never raises."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +272,16 @@ def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str
         if ex.backstop:
             hooks.clear_mark()
             return _backstop(opts, key, hooks, locks)
+    replace = opts.overlap == Overlap.REPLACE and opts.enforce
+    if replace and not ex.local:
+        try:
+            by = replaced_by(locks, key, ex.run_id)
+        except BaseException:
+            hooks.clear_mark()
+            raise
+        if by is not None:  # a retry or redelivery of a replaced run never takes the lease back
+            hooks.clear_mark()
+            return Skip(Skipped(key=key, reason=Reason.REPLACED, task=ex.task, follow_up=by or None))
     try:
         handle = hooks.persisted_handle()
         if opts.rate is not None:
@@ -284,6 +316,8 @@ def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str
                                                same_run_wait=ex.same_run_wait))
             if began:
                 _quietly_take(locks, key, cast(str, ex.run_id))  # it runs: no longer pending
+        if replace and not began and run.reason in (Reason.HELD, Reason.LIMIT):
+            began = _replace(opts, key, ex, hooks, locks, run, refuse)
     except BaseException:
         hooks.clear_mark()  # it will not run: no longer queued
         raise
@@ -321,6 +355,43 @@ def _pend(opts: GuardOptions, key: str, ex: Execution, hooks: Hooks, locks: Lock
         return Pend(key, 0.0, woken=True)
     backstop = claim_backstop(locks, key, ttl=countdown + 5.0)
     return Pend(key, countdown, backstop=backstop)
+
+
+def _replace(opts: GuardOptions, key: str, ex: Execution, hooks: Hooks, locks: Locks, run: GuardedRun,
+             refuse: bool) -> bool:
+    """``overlap="replace"``, the lease refused: take it over from the oldest holder and begin.
+    A few rounds, for calls replacing each other at once; ``False`` (a skip) when the holders
+    cannot be replaced (none named by a run id)."""
+    for _ in range(5):
+        victim = replace_holder(locks, key, ex.run_id, opts.limit)
+        if run.begin(refuse_finished=refuse, same_run=ex.same_run, same_run_wait=ex.same_run_wait):
+            if victim is not None:
+                import logging
+
+                logging.getLogger("taskguard").info("%s[%s]: lease %r taken over from %s", ex.task, ex.run_id, key,
+                                                    victim.run_id)
+                hooks.replaced(victim)
+            return True
+        if victim is None and run.reason not in (Reason.HELD, Reason.LIMIT):
+            return False
+        if victim is None and not [h for h in locks.holders(key) if h.run_id is not None]:
+            return False
+    return False
+
+
+def replaced_skip(opts: GuardOptions, run: GuardedRun) -> Skipped | None:
+    """``overlap="replace"``: after ``run``'s body ended with its lease lost (an exception, or
+    ``LeaseLost`` from the end), the ``Skipped(reason="replaced")`` it ends with when another run
+    took its lease over, else ``None``. Never raises (a Redis error: ``None``)."""
+    if opts.overlap != Overlap.REPLACE or run.run_id is None:
+        return None
+    try:
+        by = replaced_by(run.locks, run.key, run.run_id)
+    except LeaseBackendError:
+        return None
+    if by is None:
+        return None
+    return Skipped(key=run.key, reason=Reason.REPLACED, task=run.task, follow_up=by or None)
 
 
 def _backstop(opts: GuardOptions, key: str, hooks: Hooks, locks: Locks) -> Pend:

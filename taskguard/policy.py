@@ -26,11 +26,12 @@ ON_SKIP = tuple(m.value for m in OnSkip)
 #: ``LeaseLost``; ``warn`` logs, reports and keeps its result.
 ON_LOST = tuple(m.value for m in OnLost)
 #: What a run does when its key's lease is held: ``skip`` (``on_skip`` applies), ``coalesce``
-#: (become the key's one pending follow-up; see :mod:`taskguard.overlap`). ``replace`` and
-#: ``allow`` are named by the contract and refused (ConfigError) until they are built.
+#: (become the key's one pending follow-up), ``replace`` (take the lease over from the oldest
+#: holder, which ends ``Skipped(reason="replaced")``; see :mod:`taskguard.overlap`).
+#: ``allow`` is named by the contract and refused (ConfigError) until it is built.
 OVERLAP = tuple(m.value for m in Overlap)
 #: The :data:`OVERLAP` values this release implements.
-OVERLAP_BUILT = (Overlap.SKIP.value, Overlap.COALESCE.value)
+OVERLAP_BUILT = (Overlap.SKIP.value, Overlap.COALESCE.value, Overlap.REPLACE.value)
 DEFAULT_TTL = 60.0
 
 
@@ -61,6 +62,7 @@ class GuardOptions:
     unique: bool = False
     unique_ttl: float | None = None
     overlap: Overlap = Overlap.SKIP
+    replace_terminate: bool = False
 
     @classmethod
     def build(
@@ -93,6 +95,7 @@ class GuardOptions:
         unique: bool = False,
         unique_ttl: float | None = None,
         overlap: str = "skip",
+        replace_terminate: bool = False,
         allowed_on_skip: tuple[str, ...] = ON_SKIP,
     ) -> GuardOptions:
         """Validate options for the task ``name`` whose body is ``fn``.
@@ -156,6 +159,13 @@ class GuardOptions:
                 stored value), ``unique`` (a publish while a run is queued or running returns
                 that run's handle: nothing would coalesce), ``on_skip="retry"`` (a held run
                 never skips) and ``enforce=False`` (shadow mode never holds a run back).
+                ``"replace"``: it takes the lease over from the oldest holder at once (a larger
+                fencing token; the old run's lease is lost within one renewal interval and that
+                run ends ``Skipped(reason="replaced")``, as does any retry of it). Refused with
+                ``once``, ``unique``, ``on_skip="retry"`` and ``enforce=False`` likewise.
+            replace_terminate: with ``overlap="replace"``, also stop the replaced run's
+                execution (Celery: ``revoke(terminate=True)``, refused on the threads and solo
+                pools, which cannot terminate; RQ: ``send_stop_job_command``).
 
         Raises:
             ConfigError: naming the task and the bad option.
@@ -202,12 +212,16 @@ class GuardOptions:
             raise bad(f"overlap must be one of {OVERLAP}, got {overlap!r}")
         if overlap not in OVERLAP_BUILT:
             raise bad(f"overlap={overlap!r} is not available in this release (available: {OVERLAP_BUILT})")
-        if overlap == Overlap.COALESCE:
+        if overlap in (Overlap.COALESCE, Overlap.REPLACE):
             for conflict, given in (("once=True", once is True), ("unique=True", unique is True),
                                     ("on_skip='retry'", on_skip == "retry"), ("enforce=False", enforce is False)):
                 if given:
-                    raise bad(f"overlap='coalesce' cannot be combined with {conflict}: "
-                              + _COALESCE_CONFLICTS[conflict])
+                    raise bad(f"overlap={overlap!r} cannot be combined with {conflict}: "
+                              + _CONFLICTS[overlap][conflict])
+        if not isinstance(replace_terminate, bool):
+            raise bad(f"replace_terminate must be True or False, got {replace_terminate!r}")
+        if replace_terminate and overlap != Overlap.REPLACE:
+            raise bad("replace_terminate=True needs overlap='replace'")
         for flag, value in (("renew", renew), ("continue_on_skip", continue_on_skip), ("blocking_wait", blocking_wait),
                             ("once", once), ("enforce", enforce), ("unique", unique)):
             if not isinstance(value, bool):
@@ -216,7 +230,7 @@ class GuardOptions:
             raise bad(f"skip_max_retries must be an int >= 0, got {skip_max_retries!r}")
         return cls(template, ttl, wait, renew, OnSkip(on_skip), OnLost(on_lost), skip_retry_delay, skip_max_retries,
                    max_hold, continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait, once, once_ttl,
-                   fingerprint, once_max_bytes, enforce, unique, unique_ttl, Overlap(overlap))
+                   fingerprint, once_max_bytes, enforce, unique, unique_ttl, Overlap(overlap), replace_terminate)
 
     def once_policy(self, args: tuple[Any, ...], kwargs: dict[str, Any], dumps: Any = None, loads: Any = None) -> Any:
         """The :class:`~taskguard.once.OncePolicy` of one call (``None`` without ``once``), its
@@ -236,11 +250,21 @@ class GuardOptions:
         return min(max(holder_ttl or 1.0, 1.0), self.ttl)
 
 
-_COALESCE_CONFLICTS = {
-    "once=True": "the follow-up of a completed key would only return the stored value",
-    "unique=True": "a publish while a run is queued or running returns that run's handle, so nothing would coalesce",
-    "on_skip='retry'": "a run finding the lease held becomes the pending follow-up instead of skipping",
-    "enforce=False": "shadow mode never holds a run back, so there is nothing to coalesce",
+_CONFLICTS = {
+    "coalesce": {
+        "once=True": "the follow-up of a completed key would only return the stored value",
+        "unique=True": ("a publish while a run is queued or running returns that run's handle, "
+                        "so nothing would coalesce"),
+        "on_skip='retry'": "a run finding the lease held becomes the pending follow-up instead of skipping",
+        "enforce=False": "shadow mode never holds a run back, so there is nothing to coalesce",
+    },
+    "replace": {
+        "once=True": "a completed key's work is not redone, so there is no run to replace it with",
+        "unique=True": ("a publish while a run is queued or running returns that run's handle, "
+                        "so nothing would replace it"),
+        "on_skip='retry'": "a run finding the lease held takes it over instead of skipping",
+        "enforce=False": "shadow mode never takes a lease from a holder",
+    },
 }
 
 

@@ -407,6 +407,25 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         ledger("out", f"index:{shop}", self.lease)
         return n
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.report", ttl=1.5, key="report:{user}",
+              overlap="replace")
+    def report(self, user, n, seconds=5.0):
+        # overlap="replace": "<start|lost|end> <n> <fence> <time>" entries
+        lease, entries = self.lease, f"{prefix}:report:{user}"
+        r.pipeline().rpush(entries, f"start {n} {lease.fencing_token} {time.time():.6f}").expire(entries, 600).execute()
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end:
+                lease.ensure_held()
+                time.sleep(0.02)
+        except LeaseBackendError:
+            raise
+        except Exception:
+            r.rpush(entries, f"lost {n} {lease.fencing_token} {time.time():.6f}")
+            raise
+        r.rpush(entries, f"end {n} {lease.fencing_token} {time.time():.6f}")
+        return {"n": n, "fence": lease.fencing_token}
+
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.export_retrying", ttl=5, key="export:{tenant}",
               limit=2, on_skip="retry", skip_retry_delay=0.3, skip_max_retries=50)
     def export_retrying(self, tenant, seconds=0.3):

@@ -139,6 +139,36 @@ def rebuild(shop, n, seconds=0.3):
     return n
 
 
+def _report(user, n, seconds):
+    """overlap="replace": "<start|lost|end> <n> <fence> <time>" entries, holding the lease meanwhile."""
+    from taskguard import LeaseLost
+
+    lease = current_lease()
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    entries = "{" + os.environ["TASKGUARD_PREFIX"] + ":reportlog:" + user + "}"
+    r.rpush(entries, f"start {n} {lease.fencing_token} {time.time():.6f}")
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            lease.ensure_held()
+            time.sleep(0.02)
+    except LeaseLost:
+        r.rpush(entries, f"lost {n} {lease.fencing_token} {time.time():.6f}")
+        raise
+    r.rpush(entries, f"end {n} {lease.fencing_token} {time.time():.6f}")
+    return {"n": n, "fence": lease.fencing_token}
+
+
+@guarded_job(ttl=1.5, key="report:{user}", overlap="replace")
+def report(user, n, seconds=5.0):
+    return _report(user, n, seconds)
+
+
+@guarded_job(ttl=1.5, key="report:{user}", overlap="replace", replace_terminate=True)
+def report_stopping(user, n, seconds=5.0):
+    return _report(user, n, seconds)
+
+
 @guarded_job(ttl=5, key="api:{n}", rate=(3, 1.0), rate_key="api")
 def api_call(n):
     r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))

@@ -154,7 +154,7 @@ def test_coalesce_is_refused_at_declaration_where_it_cannot_work(extra, conflict
     "value, message",
     [
         ("bogus", "overlap must be one of"),
-        ("replace", "overlap='replace' is not available"),
+        ("allow", "overlap=.allow. is not available"),
     ],
 )
 def test_overlap_values_are_checked_at_declaration(value, message):
@@ -167,5 +167,82 @@ def test_overlap_values_are_checked_at_declaration(value, message):
     with pytest.raises(ConfigError, match="did you mean 'overlap'"):
 
         @guarded_task(overlapp="coalesce")
+        def g(x):
+            pass
+
+
+# -- overlap="replace" ----------------------------------------------------------------------------------
+def _entries(r, prefix, user):
+    return [
+        (kind, int(n), int(fence), float(at))
+        for kind, n, fence, at in (x.decode().split() for x in r.lrange(f"{prefix}:report:{user}", 0, -1))
+    ]
+
+
+def test_replace_a_new_run_takes_the_lease_over_and_the_old_one_ends_replaced(app, redis_url, prefix):
+    """A report runs (ttl 1.5 s: renewed every 0.5 s); a new call starts at once with a larger
+    fencing token; the old body finds its lease lost within one renewal interval and the old run
+    ends SUCCESS with Skipped("replaced") naming the new run; a retry of the old task id never takes
+    the lease back."""
+    r = redis.Redis.from_url(redis_url)
+    task = app.tasks["tg.report"]
+    with EventLog(app, tasks=["tg.report"]) as events, embedded_worker(app, concurrency=3):
+        old = task.delay("u1", 1, seconds=30)
+        _wait(lambda: len(_entries(r, prefix, "u1")) == 1)
+        new = task.delay("u1", 2, seconds=1.0)
+        old_value = old.get(timeout=10)
+        assert old.state == "SUCCESS"
+        new_value = new.get(timeout=10)
+        again = task.apply_async(("u1", 1), {"seconds": 0}, task_id=old.id)  # the replaced run's id again
+        again_value = again.get(timeout=10)
+        replaced_events = events.wait_for("task-skipped", 2)
+    s = as_skipped(old_value)
+    assert s is not None and s.reason == "replaced" and s.follow_up == new.id
+    entries = _entries(r, prefix, "u1")
+    starts = {n: (fence, at) for kind, n, fence, at in entries if kind == "start"}
+    lost = [at for kind, n, _f, at in entries if kind == "lost" and n == 1]
+    assert set(starts) == {1, 2}  # the retry of the replaced id did not run
+    assert new_value == {"n": 2, "fence": starts[2][0]} and starts[2][0] > starts[1][0]
+    assert starts[2][1] - starts[1][1] < 2.0  # the new run started at once, not after the old one
+    assert lost and lost[0] - starts[2][1] < 0.5 + 0.4  # within one renewal interval (plus a poll)
+    assert as_skipped(again_value).reason == "replaced"
+    assert [e["reason"] for e in replaced_events] == ["replaced", "replaced"]
+    assert app.conf.taskguard_locks.holders("report:u1") == []
+
+
+def test_replace_terminate_is_refused_on_pools_that_cannot_terminate():
+    from types import SimpleNamespace
+
+    from celery import Celery
+
+    from taskguard_celery.pools import check_pool
+
+    a = Celery("tg-replace-terminate", set_as_current=False)
+
+    @a.task(
+        base=__import__("taskguard_celery").GuardedTask,
+        shared=False,
+        name="tg.rt",
+        overlap="replace",
+        replace_terminate=True,
+    )
+    def rt():
+        pass
+
+    for pool in ("threads", "solo"):
+        with pytest.raises(SystemExit, match="replace_terminate=True .*tg.rt.* needs a pool"):
+            check_pool(sender=SimpleNamespace(app=a, pool_cls=pool))
+
+
+def test_replace_terminate_needs_replace():
+    with pytest.raises(ConfigError, match="replace_terminate=True needs overlap='replace'"):
+
+        @guarded_task(replace_terminate=True)
+        def f(x):
+            pass
+
+    with pytest.raises(ConfigError, match="overlap='replace' cannot be combined with once=True"):
+
+        @guarded_task(overlap="replace", once=True, key="k:{x}")
         def g(x):
             pass

@@ -115,3 +115,39 @@ def test_coalesce_is_refused_with_once_on_rq_too():
         @guarded_job(overlap="sometimes")
         def g(x):
             pass
+
+
+# -- overlap="replace" ----------------------------------------------------------------------------------
+def _entries(queue, user):
+    raw = queue.connection.lrange(_key("reportlog:" + user), 0, -1)
+    return [(kind, int(n), int(fence), float(at)) for kind, n, fence, at in (x.decode().split() for x in raw)]
+
+
+def test_replace_the_new_job_takes_the_lease_over_and_the_old_one_ends_replaced(rq_env):
+    with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2:
+        old = rq_env.enqueue(rq_jobs.report, "u1", 1, seconds=30)
+        _wait(lambda: len(_entries(rq_env, "u1")) == 1)
+        new = rq_env.enqueue(rq_jobs.report, "u1", 2, seconds=1.0)
+        assert wait_done(old, timeout=15) == JobStatus.FINISHED
+        assert wait_done(new, timeout=15) == JobStatus.FINISHED
+        output = w1.output() + w2.output()
+    value = old.return_value()
+    assert is_skipped(value) and value.reason == "replaced" and value.follow_up == new.id, output
+    entries = _entries(rq_env, "u1")
+    starts = {n: (fence, at) for kind, n, fence, at in entries if kind == "start"}
+    lost = [at for kind, n, _f, at in entries if kind == "lost" and n == 1]
+    assert new.return_value() == {"n": 2, "fence": starts[2][0]} and starts[2][0] > starts[1][0]
+    assert lost and lost[0] - starts[2][1] < 0.9  # within one renewal interval (0.5 s) plus a poll
+    assert old.get_meta(refresh=True)["taskguard"]["outcome"] == "skipped"
+
+
+def test_replace_terminate_stops_the_old_job(rq_env):
+    with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2:
+        old = rq_env.enqueue(rq_jobs.report_stopping, "u2", 1, seconds=30)
+        _wait(lambda: len(_entries(rq_env, "u2")) == 1)
+        new = rq_env.enqueue(rq_jobs.report_stopping, "u2", 2, seconds=0.5)
+        assert wait_done(new, timeout=15) == JobStatus.FINISHED
+        assert wait_done(old, timeout=15) == JobStatus.STOPPED
+        output = w1.output() + w2.output()
+    assert new.return_value()["n"] == 2, output
+    assert "stopped the replaced job" in output

@@ -181,6 +181,18 @@ class CeleryHooks:
     def coalesced_into(self) -> str | None:
         return None  # a superseded call's execution has ended already (its result stored by supersede)
 
+    def replaced(self, holder: Any) -> None:
+        """``replace_terminate=True``: revoke the replaced task with terminate (its worker's pool
+        kills the execution; the lease it held is this run's already)."""
+        task = self.task
+        if not task._taskguard.replace_terminate or holder.run_id is None:
+            return
+        try:
+            task.app.control.revoke(holder.run_id, terminate=True)
+            log.info("task %s[%s]: revoked the replaced run %s (terminate)", task.name, self.req.id, holder.run_id)
+        except Exception as e:
+            log.warning("task %s: could not revoke the replaced run %s: %s", task.name, holder.run_id, e)
+
 
 def outcome(task: Any, decision: Decision, skips: int, redelivered: bool) -> Any:
     """What a decision other than ``Run`` means for this execution: the result, or the

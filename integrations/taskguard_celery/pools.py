@@ -21,6 +21,9 @@ from .setup import receiver
 __all__ = ["UNSUPPORTED_POOLS", "check_pool", "check_settings"]
 
 UNSUPPORTED_POOLS = ("eventlet",)
+#: Pools whose ``terminate_job`` does nothing (celery/concurrency/base.py): a guarded task with
+#: ``replace_terminate=True`` is refused there, at worker start.
+NO_TERMINATE_POOLS = ("thread", "threads", "solo")
 
 
 def pool_name(pool_cls: Any) -> str:
@@ -43,6 +46,12 @@ def check_pool(sender: Any = None, **_: Any) -> None:
         msg = (f"taskguard: the {name!r} worker pool is not supported for guarded tasks; start the worker "
                "with -P prefork, -P threads, -P solo or -P gevent")
         raise SystemExit(msg)
+    if name in NO_TERMINATE_POOLS:
+        terminating = sorted(t.name for t in _guarded_tasks(app) if getattr(t._taskguard, "replace_terminate", False))
+        if terminating:
+            raise SystemExit(f"taskguard: ConfigError: replace_terminate=True ({', '.join(terminating)}) needs a pool "
+                             f"that can terminate a running task; the {name!r} pool cannot "
+                             "(celery/concurrency/base.py): use -P prefork, or replace_terminate=False")
     check_settings(app)
 
 

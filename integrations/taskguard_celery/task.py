@@ -10,7 +10,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 from celery import Task, shared_task
 from celery.app.task import Context
@@ -19,8 +19,9 @@ from celery.utils.time import get_exponential_backoff_interval, maybe_iso8601
 
 from taskguard import ConfigError, LeaseBackendError, Locks
 from taskguard.context import current_lease, current_runs, running
+from taskguard.errors import LeaseLost
 from taskguard.handoff import parse_handle, release_handle
-from taskguard.pipeline import Run, decide
+from taskguard.pipeline import Run, decide, replaced_skip
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 
@@ -67,7 +68,7 @@ class GuardedTask(Task):
     ``on_skip``, ``on_lost``, ``skip_retry_delay``, ``skip_max_retries``, ``max_hold``,
     ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``,
     ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``, ``unique``, ``unique_ttl``,
-    ``overlap`` (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
+    ``overlap``, ``replace_terminate`` (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
     :class:`taskguard.Locks`; see :mod:`taskguard_celery.config` for the default). They are
     validated when the task class is made; a bad one raises :class:`taskguard.ConfigError`.
 
@@ -100,6 +101,7 @@ class GuardedTask(Task):
     unique: bool = OPTION_DEFAULTS["unique"]
     unique_ttl: float | None = OPTION_DEFAULTS["unique_ttl"]
     overlap: str = OPTION_DEFAULTS["overlap"]
+    replace_terminate: bool = OPTION_DEFAULTS["replace_terminate"]
     locks: Locks | None = None
 
     _taskguard: GuardOptions | None = None
@@ -260,12 +262,21 @@ class GuardedTask(Task):
                 raise
             except Exception:
                 run.fail()  # acked (acks_on_failure or not, the message is not requeued)
+                replaced = replaced_skip(cast(GuardOptions, self._taskguard), run)
+                if replaced is not None:  # overlap="replace": another run took its lease over
+                    return skipping.skip(self, replaced, 0, self.taskguard_locks)
                 raise
             except BaseException:
                 run.hand_back()  # the worker is going down: an acks_late message comes back
                 raise
         if run.state == "running":
-            run.finish(result)
+            try:
+                run.finish(result)
+            except LeaseLost:
+                replaced = replaced_skip(cast(GuardOptions, self._taskguard), run)
+                if replaced is None:
+                    raise
+                return skipping.skip(self, replaced, 0, self.taskguard_locks)
         return result
 
     def _body(self, req: Any, args: tuple, kwargs: dict) -> Any:

@@ -29,9 +29,10 @@ from typing import Any
 from rq import Retry, get_current_job
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
+from taskguard.errors import LeaseLost
 from taskguard.overlap import Pending
 from taskguard.pacing import parse_state
-from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide
+from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide, replaced_skip
 from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 from taskguard.values import Reason
@@ -208,7 +209,7 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
     run_id = job.id if job is not None else None
     ex = Execution(task=name, run_id=run_id, holder={"job": name, "job_id": run_id}, local=job is None,
                    same_run="wait", same_run_wait=_job_timeout(job))
-    decision = decide(opts, key, args, kwargs, ex, _Hooks(locks, job, name), locks)
+    decision = decide(opts, key, args, kwargs, ex, _Hooks(locks, job, name, opts.replace_terminate), locks)
     if not isinstance(decision, Run):
         return _outcome(job, locks, name, opts, key, decision)
     run = decision.run
@@ -230,7 +231,11 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
     with run:
         try:
             result = fn(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
+            replaced = replaced_skip(opts, run) if isinstance(exc, Exception) else None
+            if replaced is not None:  # overlap="replace": another job took its lease over
+                _end(job, locks, run, None, "skipped", saved)
+                return _report_skip(job, locks, name, opts, replaced)
             retry_in = job.get_retry_interval() if job is not None and job.retries_left else None
             _end(job, locks, run, retry_in, "failed", saved)
             raise
@@ -241,6 +246,11 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
         return result
     try:
         run.finish(result)
+    except LeaseLost:
+        replaced = replaced_skip(opts, run)
+        if replaced is None:
+            raise
+        return _report_skip(job, locks, name, opts, replaced)
     finally:
         if job is not None:
             _quietly(drop_handle, locks, job.id, saved)
@@ -251,10 +261,10 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
 class _Hooks:
     """:class:`taskguard.pipeline.Hooks` for one execution of a job (``job`` ``None``: a direct call)."""
 
-    __slots__ = ("locks", "job", "name")
+    __slots__ = ("locks", "job", "name", "terminate")
 
-    def __init__(self, locks: Locks, job: Any, name: str) -> None:
-        self.locks, self.job, self.name = locks, job, name
+    def __init__(self, locks: Locks, job: Any, name: str, terminate: bool = False) -> None:
+        self.locks, self.job, self.name, self.terminate = locks, job, name, terminate
 
     def persisted_handle(self) -> dict[str, Any] | None:
         handle = load_handle(self.locks, self.job.id) if self.job is not None else None
@@ -333,6 +343,20 @@ class _Hooks:
             return None
         into = (job.get_meta(refresh=True).get(META_KEY) or {}).get("coalesced_into")
         return into if isinstance(into, str) else None
+
+
+    def replaced(self, holder: Any) -> None:
+        """``replace_terminate=True``: stop the replaced job (RQ's stop-job command; its worker
+        kills the work-horse and the job ends STOPPED)."""
+        if not self.terminate or holder.run_id is None or self.job is None:
+            return
+        try:
+            from rq.command import send_stop_job_command
+
+            send_stop_job_command(self.job.connection, holder.run_id)
+            log.info("job %s: stopped the replaced job %s", self.job.id, holder.run_id)
+        except Exception as e:
+            log.warning("job %s: could not stop the replaced job %s: %s", self.job.id, holder.run_id, e)
 
 
 def _run_now(connection: Any, job_id: str, job: Any = None) -> bool:
