@@ -5,6 +5,7 @@ becomes in Celery and RQ."""
 from __future__ import annotations
 
 import pickle
+import time
 
 import pytest
 
@@ -223,3 +224,25 @@ def test_coalesce_direct_calls_skip_as_held(any_locks):
     d = go(any_locks, o, Hooks(), run_id=None, local=True)
     assert isinstance(d, Skip) and d.skipped.reason == Reason.HELD
     holder.run.finish(None)
+
+
+def test_replace_takes_the_lease_over_from_the_oldest_holder_and_its_retry_is_a_replaced_skip(any_locks):
+    from taskguard.pipeline import replaced_skip
+
+    h = Hooks()
+    h.replaced = lambda holder: h.calls.append(("replaced", holder.run_id))
+    o = opts(overlap="replace", limit=2)
+    oldest = go(any_locks, o, Hooks(), run_id="id-1")
+    time.sleep(0.01)
+    younger = go(any_locks, o, Hooks(), run_id="id-2")
+    new = go(any_locks, o, h, run_id="id-3")
+    assert isinstance(new, Run) and ("replaced", "id-1") in h.calls
+    assert sorted(i.run_id for i in any_locks.holders("inv:7")) == ["id-2", "id-3"]
+    assert not oldest.run.lease.renew()  # taken over: its renewal finds another owner, or none
+    s = replaced_skip(o, oldest.run)
+    assert s is not None and s.reason == Reason.REPLACED and s.follow_up == "id-3"
+    assert replaced_skip(o, younger.run) is None
+    again = go(any_locks, o, Hooks(), run_id="id-1")  # a retry of the replaced run
+    assert isinstance(again, Skip) and again.skipped.reason == Reason.REPLACED
+    new.run.finish(None)
+    younger.run.finish(None)
