@@ -178,8 +178,15 @@ class Duplicate:
 Decision = Run | Skip | Defer | Stored | Duplicate
 
 
-def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], ex: Execution, hooks: Hooks,
-           locks: Locks) -> Decision:
+def decide(
+    opts: GuardOptions,
+    key: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ex: Execution,
+    hooks: Hooks,
+    locks: Locks,
+) -> Decision:
     """Decide one execution (see the module's table). Raises what the call's arguments cause
     (``TypeError``...), LeaseBackendError when Redis fails before the body could run,
     :class:`~taskguard.IdempotencyConflict`; the queued mark is cleared first."""
@@ -202,15 +209,37 @@ def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str
             # has: a slot published again after a hand-over runs once
             run_id, stamp = ex.slot[0], None
             finished_ttl = max(finished_ttl or 0.0, ex.slot[1])
-        run = GuardedRun(locks, RunRequest(key, opts.ttl, opts.wait, opts.renew, ex.holder, opts.max_hold, opts.limit,
-                                           run_id, ex.task, opts.on_lost, finished_ttl, stamp, once, opts.enforce),
-                         on_lost_report=hooks.lost, tag=ex.tag)
+        run = GuardedRun(
+            locks,
+            RunRequest(
+                key,
+                opts.ttl,
+                opts.wait,
+                opts.renew,
+                ex.holder,
+                opts.max_hold,
+                opts.limit,
+                run_id,
+                ex.task,
+                opts.on_lost,
+                finished_ttl,
+                stamp,
+                once,
+                opts.enforce,
+            ),
+            on_lost_report=hooks.lost,
+            tag=ex.tag,
+        )
         # with a publish stamp, finished runs are known per delivery: no copy of a delivery whose
         # run finished runs again, whichever copy the broker hands out first (an ETA message held
         # past the visibility timeout runs on two workers at once); unstamped (a client without
         # taskguard), only a redelivered copy is checked
-        began = run.begin(handle=handle, refuse_finished=ex.redelivered or stamp is not None or ex.slot is not None,
-                          same_run=ex.same_run, same_run_wait=ex.same_run_wait)
+        began = run.begin(
+            handle=handle,
+            refuse_finished=ex.redelivered or stamp is not None or ex.slot is not None,
+            same_run=ex.same_run,
+            same_run_wait=ex.same_run_wait,
+        )
     except BaseException:
         hooks.clear_mark()  # it will not run: no longer queued
         raise
@@ -232,8 +261,15 @@ def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str
     return Run(run)
 
 
-def _pace(opts: GuardOptions, args: tuple[Any, ...], kwargs: dict[str, Any], ex: Execution, hooks: Hooks, locks: Locks,
-          handle: Mapping[str, Any] | None) -> Skip | Defer | None:
+def _pace(
+    opts: GuardOptions,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ex: Execution,
+    hooks: Hooks,
+    locks: Locks,
+    handle: Mapping[str, Any] | None,
+) -> Skip | Defer | None:
     """The rate (:func:`taskguard.pacing.pace`): ``None`` when the run goes on now (a local
     call waits for its turn here), else the :class:`Skip` or :class:`Defer`."""
     state = hooks.rate_state()
@@ -241,13 +277,27 @@ def _pace(opts: GuardOptions, args: tuple[Any, ...], kwargs: dict[str, Any], ex:
     rate = cast("tuple[int, float]", opts.rate)
     bound = hooks.rate_bound()
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the run goes ahead
-        if shadow_check(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                        max_countdown=bound, task=ex.task):
+        if shadow_check(
+            locks,
+            rate_key,
+            rate=rate,
+            burst=opts.rate_burst,
+            max_wait=opts.rate_max_wait,
+            max_countdown=bound,
+            task=ex.task,
+        ):
             hooks.shadow(rate_key, Reason.RATE_LIMITED.value, None, False, True)
         return None
     while True:
-        p = pace(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                 max_countdown=bound, state=state)
+        p = pace(
+            locks,
+            rate_key,
+            rate=rate,
+            burst=opts.rate_burst,
+            max_wait=opts.rate_max_wait,
+            max_countdown=bound,
+            state=state,
+        )
         if p.go:
             if p.countdown > 0:
                 time.sleep(p.countdown)  # back a moment before its booked turn
