@@ -9,7 +9,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .keys import KeyTemplate
-from .once import Fingerprint
+from .once import Fingerprint, OncePolicy
 from .validate import check_burst, check_limit, check_rate, check_seconds, check_ttl
 from .values import OnLost, OnSkip
 
@@ -230,7 +230,6 @@ class GuardOptions:
         fingerprinted (their own error: ``TypeError``, ``KeyError``...)."""
         if not self.once:
             return None
-        from .once import OncePolicy
 
         return OncePolicy(self.fingerprint.of(args, kwargs), self.once_ttl, dumps, loads, self.once_max_bytes)
 
