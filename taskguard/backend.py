@@ -23,8 +23,21 @@ from typing import NamedTuple, Protocol
 from .errors import ConfigError, LeaseBackendError
 from .lease import HolderInfo
 
-__all__ = ["Backend", "AcquireRequest", "AcquireStatus", "AcquireReply", "ClaimReply", "RateVerdict",
-           "RateReply", "QueueReply", "RecordCondition", "LeaseWrite", "RenewItem", "Health", "not_a_counter"]
+__all__ = [
+    "Backend",
+    "AcquireRequest",
+    "AcquireStatus",
+    "AcquireReply",
+    "ClaimReply",
+    "RateVerdict",
+    "RateReply",
+    "QueueReply",
+    "RecordCondition",
+    "LeaseWrite",
+    "RenewItem",
+    "Health",
+    "not_a_counter",
+]
 
 
 @dataclasses.dataclass(slots=True)
@@ -163,17 +176,18 @@ class Backend(Protocol):
     def renew_many(self, items: Sequence[RenewItem]) -> list[bool | LeaseBackendError]:
         """Renew several leases; one outcome each: ``True``, ``False`` or the error (not raised)."""
 
-    def release(self, key: str, owner: str, finished_run: str | None = None,
-                finished_ttl: float | None = None) -> bool:
+    def release(self, key: str, owner: str, finished_run: str | None = None, finished_ttl: float | None = None) -> bool:
         """Release if ``owner`` holds it; with ``finished_run``, record that run as finished (and
         with ``finished_ttl``, its own marker for that long)."""
 
-    def release_storing(self, key: str, owner: str, finished_run: str, finished_ttl: float | None,
-                        record: str, record_ttl: float) -> bool:
+    def release_storing(
+        self, key: str, owner: str, finished_run: str, finished_ttl: float | None, record: str, record_ttl: float
+    ) -> bool:
         """:meth:`release` and write the key's completion record in one atomic step."""
 
-    def claim(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
-              run_id: str | None = None) -> ClaimReply: ...
+    def claim(
+        self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str, run_id: str | None = None
+    ) -> ClaimReply: ...
 
     def release_run(self, key: str, run_id: str) -> bool: ...
 
@@ -184,8 +198,9 @@ class Backend(Protocol):
     def owns(self, key: str, owner: str) -> bool: ...
 
     # -- records
-    def put_lease_record(self, key: str, owner: str, name: str, value: str, cond: RecordCondition,
-                         expect: str) -> LeaseWrite: ...
+    def put_lease_record(
+        self, key: str, owner: str, name: str, value: str, cond: RecordCondition, expect: str
+    ) -> LeaseWrite: ...
 
     def get_lease_record(self, key: str, name: str) -> str | None: ...
 
@@ -205,8 +220,9 @@ class Backend(Protocol):
 
     def clear_queued(self, key: str, run_id: str, task: str) -> bool: ...
 
-    def throttle(self, key: str, interval_us: int, tau_us: int, book_us: int, consume: bool,
-                 shadow: bool) -> RateReply: ...
+    def throttle(
+        self, key: str, interval_us: int, tau_us: int, book_us: int, consume: bool, shadow: bool
+    ) -> RateReply: ...
 
     # -- clock, health, life cycle
     def server_time(self) -> float: ...
@@ -218,5 +234,7 @@ class Backend(Protocol):
 
 def not_a_counter(key: str, name: str) -> ConfigError:
     """The error of :meth:`Backend.count_record` for a record that is not a counter."""
-    return ConfigError(f"record {name!r} of key {key!r} does not hold an integer (or the sum leaves the "
-                       "signed 64-bit range): count_record counts only records it made")
+    return ConfigError(
+        f"record {name!r} of key {key!r} does not hold an integer (or the sum leaves the "
+        "signed 64-bit range): count_record counts only records it made"
+    )

@@ -72,9 +72,19 @@ def parse_state(value: Any) -> dict[str, Any] | None:
     return {"since": float(since), "turn": None if turn is None else float(turn)}
 
 
-def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, max_wait: float | None,
-         max_countdown: float, state: Mapping[str, Any] | None = None, now: float | None = None,
-         consume: bool = True, shadow: bool = False) -> Pace:
+def pace(
+    locks: Locks,
+    key: str,
+    *,
+    rate: tuple[int, float],
+    burst: int | None,
+    max_wait: float | None,
+    max_countdown: float,
+    state: Mapping[str, Any] | None = None,
+    now: float | None = None,
+    consume: bool = True,
+    shadow: bool = False,
+) -> Pace:
     """Decide whether a run under ``rate`` for the rate key ``key`` goes now (see the module doc).
 
     Args:
@@ -119,8 +129,16 @@ def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, 
     return Pace(False, countdown=min(answer.retry_after, max_countdown), state={"since": since, "turn": None})
 
 
-def shadow_check(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, max_wait: float | None,
-                 max_countdown: float, task: str | None) -> bool:
+def shadow_check(
+    locks: Locks,
+    key: str,
+    *,
+    rate: tuple[int, float],
+    burst: int | None,
+    max_wait: float | None,
+    max_countdown: float,
+    task: str | None,
+) -> bool:
     """Shadow mode (``enforce=False``): would a run under ``rate`` for the rate key ``key`` have been
     deferred or skipped now? Decided by :func:`pace` exactly as for an enforced run, but counted in
     the rate's *shadow state* (a separate key: ``throttle(..., shadow=True)``), so that for a given
@@ -133,11 +151,11 @@ def shadow_check(locks: Locks, key: str, *, rate: tuple[int, float], burst: int 
     import logging
 
     try:
-        answer = pace(locks, key, rate=rate, burst=burst, max_wait=max_wait, max_countdown=max_countdown,
-                      shadow=True)
+        answer = pace(locks, key, rate=rate, burst=burst, max_wait=max_wait, max_countdown=max_countdown, shadow=True)
     except LeaseBackendError as e:
-        logging.getLogger("taskguard").warning("%s: shadow mode: the rate %r could not be checked (%s)",
-                                               task or "run", key, e)
+        logging.getLogger("taskguard").warning(
+            "%s: shadow mode: the rate %r could not be checked (%s)", task or "run", key, e
+        )
         return False
     if answer.go:
         return False

@@ -54,6 +54,7 @@ This module imports no task framework.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -81,8 +82,21 @@ from .values import Overlap, Reason, plain
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["Execution", "Hooks", "Decision", "Run", "Skip", "Defer", "Stored", "Duplicate", "Pend", "decide",
-           "replaced_skip"]
+log = logging.getLogger("taskguard")
+
+__all__ = [
+    "Execution",
+    "Hooks",
+    "Decision",
+    "Run",
+    "Skip",
+    "Defer",
+    "Stored",
+    "Duplicate",
+    "Pend",
+    "decide",
+    "replaced_skip",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,8 +269,15 @@ class Pend:
 Decision = Run | Skip | Defer | Stored | Duplicate | Pend
 
 
-def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], ex: Execution, hooks: Hooks,
-           locks: Locks) -> Decision:
+def decide(
+    opts: GuardOptions,
+    key: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ex: Execution,
+    hooks: Hooks,
+    locks: Locks,
+) -> Decision:
     """Decide one execution (see the module's table). Raises what the call's arguments cause
     (``TypeError``...), LeaseBackendError when Redis fails before the body could run,
     :class:`~taskguard.IdempotencyConflict`; the queued mark is cleared first."""
@@ -298,9 +319,27 @@ def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str
             # has: a slot published again after a hand-over runs once
             run_id, stamp = ex.slot[0], None
             finished_ttl = max(finished_ttl or 0.0, ex.slot[1])
-        run = GuardedRun(locks, RunRequest(key, opts.ttl, opts.wait, opts.renew, ex.holder, opts.max_hold, opts.limit,
-                                           run_id, ex.task, opts.on_lost, finished_ttl, stamp, once, opts.enforce),
-                         on_lost_report=hooks.lost, tag=ex.tag)
+        run = GuardedRun(
+            locks,
+            RunRequest(
+                key,
+                opts.ttl,
+                opts.wait,
+                opts.renew,
+                ex.holder,
+                opts.max_hold,
+                opts.limit,
+                run_id,
+                ex.task,
+                opts.on_lost,
+                finished_ttl,
+                stamp,
+                once,
+                opts.enforce,
+            ),
+            on_lost_report=hooks.lost,
+            tag=ex.tag,
+        )
         # with a publish stamp, finished runs are known per delivery: no copy of a delivery whose
         # run finished runs again, whichever copy the broker hands out first (an ETA message held
         # past the visibility timeout runs on two workers at once); unstamped (a client without
@@ -311,9 +350,15 @@ def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str
             run.on_end = lambda r: wake_pending(locks, key, hooks.wake, ex.task)
             if not began and run.reason in (Reason.HELD, Reason.LIMIT, Reason.WAIT_TIMEOUT):
                 hooks.clear_mark()  # it will run as the follow-up, or not at all: no longer queued
-                return _pend(opts, key, ex, hooks, locks, run,
-                             lambda: run.begin(refuse_finished=refuse, same_run=ex.same_run,
-                                               same_run_wait=ex.same_run_wait))
+                return _pend(
+                    opts,
+                    key,
+                    ex,
+                    hooks,
+                    locks,
+                    run,
+                    lambda: run.begin(refuse_finished=refuse, same_run=ex.same_run, same_run_wait=ex.same_run_wait),
+                )
             if began:
                 _quietly_take(locks, key, cast(str, ex.run_id))  # it runs: no longer pending
         if replace and not began and run.reason in (Reason.HELD, Reason.LIMIT):
@@ -339,8 +384,15 @@ def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str
     return Run(run)
 
 
-def _pend(opts: GuardOptions, key: str, ex: Execution, hooks: Hooks, locks: Locks, run: GuardedRun,
-          begin_again: Callable[[], bool]) -> Run | Pend:
+def _pend(
+    opts: GuardOptions,
+    key: str,
+    ex: Execution,
+    hooks: Hooks,
+    locks: Locks,
+    run: GuardedRun,
+    begin_again: Callable[[], bool],
+) -> Run | Pend:
     """``overlap="coalesce"``, the lease refused: make this call the key's pending follow-up."""
     run_id = cast(str, ex.run_id)
     countdown = max(run.holder_ttl or opts.ttl, 1.0) + 1.0
@@ -357,8 +409,9 @@ def _pend(opts: GuardOptions, key: str, ex: Execution, hooks: Hooks, locks: Lock
     return Pend(key, countdown, backstop=backstop)
 
 
-def _replace(opts: GuardOptions, key: str, ex: Execution, hooks: Hooks, locks: Locks, run: GuardedRun,
-             refuse: bool) -> bool:
+def _replace(
+    opts: GuardOptions, key: str, ex: Execution, hooks: Hooks, locks: Locks, run: GuardedRun, refuse: bool
+) -> bool:
     """``overlap="replace"``, the lease refused: take it over from the oldest holder and begin.
     A few rounds, for calls replacing each other at once; ``False`` (a skip) when the holders
     cannot be replaced (none named by a run id)."""
@@ -366,10 +419,7 @@ def _replace(opts: GuardOptions, key: str, ex: Execution, hooks: Hooks, locks: L
         victim = replace_holder(locks, key, ex.run_id, opts.limit)
         if run.begin(refuse_finished=refuse, same_run=ex.same_run, same_run_wait=ex.same_run_wait):
             if victim is not None:
-                import logging
-
-                logging.getLogger("taskguard").info("%s[%s]: lease %r taken over from %s", ex.task, ex.run_id, key,
-                                                    victim.run_id)
+                log.info("%s[%s]: lease %r taken over from %s", ex.task, ex.run_id, key, victim.run_id)
                 hooks.replaced(victim)
             return True
         if victim is None and run.reason not in (Reason.HELD, Reason.LIMIT):
@@ -413,13 +463,18 @@ def _quietly_take(locks: Locks, key: str, run_id: str) -> None:
     try:
         take(locks, key, run_id)
     except LeaseBackendError as e:  # its record expires; at worst the follow-up runs once more
-        import logging
-
-        logging.getLogger("taskguard").warning("could not clear the pending record of %r: %s", key, e)
+        log.warning("could not clear the pending record of %r: %s", key, e)
 
 
-def _pace(opts: GuardOptions, args: tuple[Any, ...], kwargs: dict[str, Any], ex: Execution, hooks: Hooks, locks: Locks,
-          handle: Mapping[str, Any] | None) -> Skip | Defer | None:
+def _pace(
+    opts: GuardOptions,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ex: Execution,
+    hooks: Hooks,
+    locks: Locks,
+    handle: Mapping[str, Any] | None,
+) -> Skip | Defer | None:
     """The rate (:func:`taskguard.pacing.pace`): ``None`` when the run goes on now (a local
     call waits for its turn here), else the :class:`Skip` or :class:`Defer`."""
     state = hooks.rate_state()
@@ -427,13 +482,27 @@ def _pace(opts: GuardOptions, args: tuple[Any, ...], kwargs: dict[str, Any], ex:
     rate = cast("tuple[int, float]", opts.rate)
     bound = hooks.rate_bound()
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the run goes ahead
-        if shadow_check(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                        max_countdown=bound, task=ex.task):
+        if shadow_check(
+            locks,
+            rate_key,
+            rate=rate,
+            burst=opts.rate_burst,
+            max_wait=opts.rate_max_wait,
+            max_countdown=bound,
+            task=ex.task,
+        ):
             hooks.shadow(rate_key, Reason.RATE_LIMITED.value, None, False, True)
         return None
     while True:
-        p = pace(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                 max_countdown=bound, state=state)
+        p = pace(
+            locks,
+            rate_key,
+            rate=rate,
+            burst=opts.rate_burst,
+            max_wait=opts.rate_max_wait,
+            max_countdown=bound,
+            state=state,
+        )
         if p.go:
             if p.countdown > 0:
                 time.sleep(p.countdown)  # back a moment before its booked turn

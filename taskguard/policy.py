@@ -9,12 +9,20 @@ from typing import Any
 
 from .errors import ConfigError
 from .keys import KeyTemplate
-from .once import Fingerprint
+from .once import Fingerprint, OncePolicy
 from .validate import check_burst, check_limit, check_rate, check_seconds, check_ttl
 from .values import OnLost, OnSkip, Overlap
 
-__all__ = ["GuardOptions", "ON_SKIP", "ON_LOST", "OVERLAP", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS",
-           "check_option_names"]
+__all__ = [
+    "GuardOptions",
+    "ON_SKIP",
+    "ON_LOST",
+    "OVERLAP",
+    "DEFAULT_TTL",
+    "OPTION_NAMES",
+    "OPTION_DEFAULTS",
+    "check_option_names",
+]
 
 #: What a run that cannot get its lease does.
 #: ``result``: finish successfully with a ``Skipped`` value; ``ignore``: record nothing (Celery:
@@ -170,6 +178,7 @@ class GuardOptions:
         Raises:
             ConfigError: naming the task and the bad option.
         """
+
         def bad(msg: str) -> ConfigError:
             return ConfigError(f"task {name!r}: {msg}")
 
@@ -183,11 +192,13 @@ class GuardOptions:
             rate = None if rate is None else check_rate(rate)
             if rate is None and (rate_key is not None or rate_burst is not None or rate_max_wait is not None):
                 raise ConfigError("rate_key, rate_burst and rate_max_wait need rate= (e.g. rate='100/m')")
-            rate_template = None if rate is None else KeyTemplate(name if rate_key is None else rate_key, fn,
-                                                                  skip_self=skip_self)
+            rate_template = (
+                None if rate is None else KeyTemplate(name if rate_key is None else rate_key, fn, skip_self=skip_self)
+            )
             rate_burst = None if rate_burst is None else check_burst(rate_burst)
-            rate_max_wait = None if rate_max_wait is None else check_seconds("rate_max_wait", rate_max_wait,
-                                                                             allow_zero=True)
+            rate_max_wait = (
+                None if rate_max_wait is None else check_seconds("rate_max_wait", rate_max_wait, allow_zero=True)
+            )
             once_ttl = check_seconds("once_ttl", once_ttl)
             unique_ttl = None if unique_ttl is None else check_seconds("unique_ttl", unique_ttl)
             if once and key is None:
@@ -200,10 +211,12 @@ class GuardOptions:
         except ConfigError as e:
             raise bad(str(e)) from None
         if wait > 0 and not blocking_wait:
-            retry_hint = (", or use on_skip='retry' to try again later without blocking"
-                          if "retry" in allowed_on_skip else "")
-            raise bad(f"wait={wait} blocks a worker slot while it waits; pass blocking_wait=True to accept "
-                      f"that{retry_hint}")
+            retry_hint = (
+                ", or use on_skip='retry' to try again later without blocking" if "retry" in allowed_on_skip else ""
+            )
+            raise bad(
+                f"wait={wait} blocks a worker slot while it waits; pass blocking_wait=True to accept that{retry_hint}"
+            )
         if on_skip not in allowed_on_skip:
             raise bad(f"on_skip must be one of {allowed_on_skip}, got {on_skip!r}")
         if on_lost not in ON_LOST:
@@ -213,24 +226,58 @@ class GuardOptions:
         if overlap not in OVERLAP_BUILT:
             raise bad(f"overlap={overlap!r} is not available in this release (available: {OVERLAP_BUILT})")
         if overlap in (Overlap.COALESCE, Overlap.REPLACE):
-            for conflict, given in (("once=True", once is True), ("unique=True", unique is True),
-                                    ("on_skip='retry'", on_skip == "retry"), ("enforce=False", enforce is False)):
+            for conflict, given in (
+                ("once=True", once is True),
+                ("unique=True", unique is True),
+                ("on_skip='retry'", on_skip == "retry"),
+                ("enforce=False", enforce is False),
+            ):
                 if given:
-                    raise bad(f"overlap={overlap!r} cannot be combined with {conflict}: "
-                              + _CONFLICTS[overlap][conflict])
+                    raise bad(
+                        f"overlap={overlap!r} cannot be combined with {conflict}: " + _CONFLICTS[overlap][conflict]
+                    )
         if not isinstance(replace_terminate, bool):
             raise bad(f"replace_terminate must be True or False, got {replace_terminate!r}")
         if replace_terminate and overlap != Overlap.REPLACE:
             raise bad("replace_terminate=True needs overlap='replace'")
-        for flag, value in (("renew", renew), ("continue_on_skip", continue_on_skip), ("blocking_wait", blocking_wait),
-                            ("once", once), ("enforce", enforce), ("unique", unique)):
+        for flag, value in (
+            ("renew", renew),
+            ("continue_on_skip", continue_on_skip),
+            ("blocking_wait", blocking_wait),
+            ("once", once),
+            ("enforce", enforce),
+            ("unique", unique),
+        ):
             if not isinstance(value, bool):
                 raise bad(f"{flag} must be True or False, got {value!r}")
         if isinstance(skip_max_retries, bool) or not isinstance(skip_max_retries, int) or skip_max_retries < 0:
             raise bad(f"skip_max_retries must be an int >= 0, got {skip_max_retries!r}")
-        return cls(template, ttl, wait, renew, OnSkip(on_skip), OnLost(on_lost), skip_retry_delay, skip_max_retries,
-                   max_hold, continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait, once, once_ttl,
-                   fingerprint, once_max_bytes, enforce, unique, unique_ttl, Overlap(overlap), replace_terminate)
+        return cls(
+            template,
+            ttl,
+            wait,
+            renew,
+            OnSkip(on_skip),
+            OnLost(on_lost),
+            skip_retry_delay,
+            skip_max_retries,
+            max_hold,
+            continue_on_skip,
+            limit,
+            rate,
+            rate_template,
+            rate_burst,
+            rate_max_wait,
+            once,
+            once_ttl,
+            fingerprint,
+            once_max_bytes,
+            enforce,
+            unique,
+            unique_ttl,
+            Overlap(overlap),
+            replace_terminate,
+        )
 
     def once_policy(self, args: tuple[Any, ...], kwargs: dict[str, Any], dumps: Any = None, loads: Any = None) -> Any:
         """The :class:`~taskguard.once.OncePolicy` of one call (``None`` without ``once``), its
@@ -239,7 +286,6 @@ class GuardOptions:
         fingerprinted (their own error: ``TypeError``, ``KeyError``...)."""
         if not self.once:
             return None
-        from .once import OncePolicy
 
         return OncePolicy(self.fingerprint.of(args, kwargs), self.once_ttl, dumps, loads, self.once_max_bytes)
 
@@ -253,15 +299,17 @@ class GuardOptions:
 _CONFLICTS = {
     "coalesce": {
         "once=True": "the follow-up of a completed key would only return the stored value",
-        "unique=True": ("a publish while a run is queued or running returns that run's handle, "
-                        "so nothing would coalesce"),
+        "unique=True": (
+            "a publish while a run is queued or running returns that run's handle, so nothing would coalesce"
+        ),
         "on_skip='retry'": "a run finding the lease held becomes the pending follow-up instead of skipping",
         "enforce=False": "shadow mode never holds a run back, so there is nothing to coalesce",
     },
     "replace": {
         "once=True": "a completed key's work is not redone, so there is no run to replace it with",
-        "unique=True": ("a publish while a run is queued or running returns that run's handle, "
-                        "so nothing would replace it"),
+        "unique=True": (
+            "a publish while a run is queued or running returns that run's handle, so nothing would replace it"
+        ),
         "on_skip='retry'": "a run finding the lease held takes it over instead of skipping",
         "enforce=False": "shadow mode never takes a lease from a holder",
     },
@@ -282,9 +330,14 @@ OPTION_DEFAULTS: dict[str, Any] = _defaults()
 OPTION_NAMES = tuple(OPTION_DEFAULTS)
 
 
-def check_option_names(task: str, given: Iterable[str], *, supported: Collection[str] = OPTION_NAMES,
-                       elsewhere: Mapping[str, str] | None = None,
-                       known: Callable[[str], bool] | None = None) -> None:
+def check_option_names(
+    task: str,
+    given: Iterable[str],
+    *,
+    supported: Collection[str] = OPTION_NAMES,
+    elsewhere: Mapping[str, str] | None = None,
+    known: Callable[[str], bool] | None = None,
+) -> None:
     """Refuse, at declaration, option names a task adapter would otherwise drop or misread.
 
     Args:

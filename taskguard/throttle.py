@@ -42,8 +42,9 @@ class Throttle:
         return self.allowed
 
 
-def gcra(tat_us: int | None, now_us: int, interval_us: int, tau_us: int,
-         book_us: int) -> tuple[int, int, int, int | None]:
+def gcra(
+    tat_us: int | None, now_us: int, interval_us: int, tau_us: int, book_us: int
+) -> tuple[int, int, int, int | None]:
     """One GCRA decision. Returns ``(code, wait µs, remaining, new TAT or None)``: code 1 passed,
     0 denied, 2 denied and booked; a new TAT to store, or ``None`` to leave it."""
     tat = max(tat_us or 0, now_us)
@@ -62,14 +63,32 @@ class Rates:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
-    def throttle(self, key: str, *, rate: Any, burst: int | None = None, book_within: float = 0.0,
-                 consume: bool = True, shadow: bool = False) -> Throttle:
+    def throttle(
+        self,
+        key: str,
+        *,
+        rate: Any,
+        burst: int | None = None,
+        book_within: float = 0.0,
+        consume: bool = True,
+        shadow: bool = False,
+    ) -> Throttle:
         """See :meth:`taskguard.Locks.throttle`."""
         count, period = check_rate(rate)
         burst = 1 if burst is None else check_burst(burst)
         book = check_seconds("book_within", book_within, allow_zero=True)
         interval_us = max(int(round(period / count * 1e6)), 1)
-        reply = self.backend.throttle(check_key(key), interval_us, (burst - 1) * interval_us,
-                                      int(book * 1e6) if consume else 0, consume, bool(shadow))
-        return Throttle(allowed=reply.verdict is RateVerdict.ALLOWED, retry_after=reply.wait_us / 1e6,
-                        remaining=reply.remaining, booked=reply.verdict is RateVerdict.BOOKED)
+        reply = self.backend.throttle(
+            check_key(key),
+            interval_us,
+            (burst - 1) * interval_us,
+            int(book * 1e6) if consume else 0,
+            consume,
+            bool(shadow),
+        )
+        return Throttle(
+            allowed=reply.verdict is RateVerdict.ALLOWED,
+            retry_after=reply.wait_us / 1e6,
+            remaining=reply.remaining,
+            booked=reply.verdict is RateVerdict.BOOKED,
+        )

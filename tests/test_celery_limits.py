@@ -48,8 +48,10 @@ def test_limit_admits_n_runs_at_once_and_skips_the_rest_with_reason_limit(app, r
     assert sorted(ran) == [0, 1] and len(skipped) == 3
     assert {s["reason"] for s in skipped} == {"limit"}
     assert {e["reason"] for e in skipped_events} == {"limit"} and len(skipped_events) == 3
-    assert registry.get_sample_value("taskguard_skips_total",
-                                     {"task": "tg.export", "reason": "limit", "shadow": "false"}) == 3
+    assert (
+        registry.get_sample_value("taskguard_skips_total", {"task": "tg.export", "reason": "limit", "shadow": "false"})
+        == 3
+    )
     assert ledger.peak(_ledger(redis_url, prefix, "export:t1"), 2) == 2
     assert app.conf.taskguard_locks.holders("export:t1") == []
 
@@ -57,8 +59,10 @@ def test_limit_admits_n_runs_at_once_and_skips_the_rest_with_reason_limit(app, r
 def test_limit_holds_across_prefork_worker_processes(app, redis_url, prefix):
     """Two prefork workers (3 children each) run 16 exports of one tenant, limit 2, with
     on_skip="retry": every export runs in the end, never more than 2 at once, fences grow per slot."""
-    with WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w1, \
-            WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w2:
+    with (
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w1,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w2,
+    ):
         results = [app.tasks["tg.export_retrying"].delay("t1", seconds=0.2) for _ in range(16)]
         values = [r.get(timeout=60) for r in results]
         output = w1.output() + w2.output()
@@ -75,8 +79,10 @@ def test_a_rate_holds_across_two_worker_processes_and_no_call_is_lost(app, redis
     window of w seconds at most 2 + 6 w calls passed the rate (admitted: at once, or at the turn
     they booked; no body starts before its admission, and bodies started within a call of it)."""
     r = redis.Redis.from_url(redis_url)
-    with WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w1, \
-            WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w2:
+    with (
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w1,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w2,
+    ):
         started = time.time()
         results = [app.tasks["tg.api_call"].delay(n) for n in range(62)]
         values = [res.get(timeout=90) for res in results]
@@ -133,14 +139,23 @@ def test_direct_calls_wait_for_their_turn(app):
     assert time.monotonic() - started >= 0.3
 
 
-@pytest.mark.parametrize("opts, match", [
-    ({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "2"}, "limit"),
-    ({"rate": "10/w"}, "rate"), ({"rate": (0, 1)}, "rate"), ({"rate_key": "x"}, "need rate"),
-    ({"rate": "1/s", "rate_key": "{nope}"}, "nope"), ({"rate": "1/s", "rate_burst": 0}, "burst"),
-    ({"rate": "1/s", "rate_max_wait": -1}, "rate_max_wait"),
-])
+@pytest.mark.parametrize(
+    "opts, match",
+    [
+        ({"limit": 0}, "limit"),
+        ({"limit": 101}, "limit"),
+        ({"limit": "2"}, "limit"),
+        ({"rate": "10/w"}, "rate"),
+        ({"rate": (0, 1)}, "rate"),
+        ({"rate_key": "x"}, "need rate"),
+        ({"rate": "1/s", "rate_key": "{nope}"}, "nope"),
+        ({"rate": "1/s", "rate_burst": 0}, "burst"),
+        ({"rate": "1/s", "rate_max_wait": -1}, "rate_max_wait"),
+    ],
+)
 def test_bad_limit_and_rate_options_fail_at_declaration(opts, match):
     with pytest.raises(ConfigError, match=match):
+
         @guarded_task(**opts)
         def job(tenant):
             return tenant
@@ -149,7 +164,7 @@ def test_bad_limit_and_rate_options_fail_at_declaration(opts, match):
 def test_beat_entries_carry_limit_and_rate(app):
     task = app.tasks["tg.export"]
     opts = validate_entry_options("e", {"limit": 3, "rate": (5, 60), "rate_key": "tenant:{tenant}"})
-    guard = entry_guard(task, task._taskguard, opts)
+    guard = entry_guard(task, task.taskguard_options, opts)
     assert guard.limit == 3 and guard.rate == (5, 60.0) and guard.rate_key.render(("t9",), {}) == "tenant:t9"
     for bad in ({"limit": 0}, {"rate": "x"}, {"rate_key": "k"}, {"rate": "1/s", "rate_key": ""}):
         with pytest.raises(ConfigError, match="beat entry 'e'"):
@@ -223,6 +238,6 @@ def test_a_beat_entry_template_is_bound_to_its_task_at_start_and_a_bad_field_dro
     task = app.tasks["tg.export"]
     with pytest.raises(ConfigError, match="beat entry 'e2': rate_key"):
         validate_entry_options("e2", {"rate": "1/m", "rate_key": "per:{nope}"}, task)
-    guard = entry_guard(task, task._taskguard, {"limit": 3, "rate": [1, 60], "rate_key": "per:{nope}"})
+    guard = entry_guard(task, task.taskguard_options, {"limit": 3, "rate": [1, 60], "rate_key": "per:{nope}"})
     assert guard.limit == 3 and guard.rate == (1, 60.0) and guard.rate_key.render(("t",), {}) == "tg.export"
     assert "ignoring the beat entry's rate_key option" in caplog.text

@@ -16,7 +16,12 @@ from typing import Any
 
 from celery.signals import worker_init
 
+from taskguard import ConfigError
+
+from .config import locks_for
+from .identity import redelivery_timeout
 from .setup import receiver
+from .task import GuardedTask
 
 __all__ = ["UNSUPPORTED_POOLS", "check_pool", "check_settings"]
 
@@ -43,21 +48,25 @@ def check_pool(sender: Any = None, **_: Any) -> None:
         return
     name = pool_name(getattr(sender, "pool_cls", None) or "")
     if name in UNSUPPORTED_POOLS:
-        msg = (f"taskguard: the {name!r} worker pool is not supported for guarded tasks; start the worker "
-               "with -P prefork, -P threads, -P solo or -P gevent")
+        msg = (
+            f"taskguard: the {name!r} worker pool is not supported for guarded tasks; start the worker "
+            "with -P prefork, -P threads, -P solo or -P gevent"
+        )
         raise SystemExit(msg)
     if name in NO_TERMINATE_POOLS:
-        terminating = sorted(t.name for t in _guarded_tasks(app) if getattr(t._taskguard, "replace_terminate", False))
+        terminating = sorted(
+            t.name for t in _guarded_tasks(app) if getattr(t.taskguard_options, "replace_terminate", False)
+        )
         if terminating:
-            raise SystemExit(f"taskguard: ConfigError: replace_terminate=True ({', '.join(terminating)}) needs a pool "
-                             f"that can terminate a running task; the {name!r} pool cannot "
-                             "(celery/concurrency/base.py): use -P prefork, or replace_terminate=False")
+            raise SystemExit(
+                f"taskguard: ConfigError: replace_terminate=True ({', '.join(terminating)}) needs a pool "
+                f"that can terminate a running task; the {name!r} pool cannot "
+                "(celery/concurrency/base.py): use -P prefork, or replace_terminate=False"
+            )
     check_settings(app)
 
 
 def _guarded_tasks(app: Any) -> list:
-    from .task import GuardedTask
-
     return [t for t in list(app.tasks.values()) if isinstance(t, GuardedTask)]
 
 
@@ -66,11 +75,6 @@ def check_settings(app: Any) -> None:
     ``taskguard_prefix``, ``taskguard_locks``) and the broker's redelivery timeout — at worker
     start, for an app with guarded tasks. Raises SystemExit naming the bad setting (no round trip
     is made: an unreachable Redis is reported by the runs, which never run unguarded)."""
-    from taskguard import ConfigError
-
-    from .config import locks_for
-    from .identity import redelivery_timeout
-
     guarded = _guarded_tasks(app)
     if not guarded:
         return

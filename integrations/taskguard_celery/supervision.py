@@ -28,6 +28,7 @@ from celery.signals import task_failure, task_revoked
 
 from taskguard import ConfigError, LeaseBackendError
 
+from . import uniqueness
 from .headers import HEADER
 from .setup import receiver
 from .task import GuardedTask, release_retry_handle
@@ -39,15 +40,19 @@ log = logging.getLogger("taskguard.celery")
 
 def release_for_run(task: GuardedTask, task_id: str | None, args: Any, kwargs: Any) -> bool:
     """Release the lease ``task_id`` holds for this call of ``task``; ``True`` when released."""
-    opts = task._taskguard
+    opts = task.taskguard_options
     if opts is None or not task_id:
         return False
     try:
         key = opts.key.render(tuple(args or ()), dict(kwargs or {}))
         released = task.taskguard_locks.release_run(key, task_id)
     except (ConfigError, LeaseBackendError) as e:
-        log.warning("task %s[%s]: could not release its lease from the main process (its TTL bounds it): %s",
-                    task.name, task_id, e)
+        log.warning(
+            "task %s[%s]: could not release its lease from the main process (its TTL bounds it): %s",
+            task.name,
+            task_id,
+            e,
+        )
         return False
     if released:
         log.warning("task %s[%s]: lease %r released by the worker's main process", task.name, task_id, key)
@@ -55,8 +60,14 @@ def release_for_run(task: GuardedTask, task_id: str | None, args: Any, kwargs: A
 
 
 @receiver(task_failure)
-def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
-                args: Any = None, kwargs: Any = None, **_: Any) -> None:
+def _on_failure(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    **_: Any,
+) -> None:
     if isinstance(sender, GuardedTask) and isinstance(exception, (TimeLimitExceeded, WorkerLostError)):
         release_for_run(sender, task_id, args, kwargs)
 
@@ -65,9 +76,7 @@ def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseE
 def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
     if not isinstance(sender, GuardedTask) or request is None:
         return
-    from .uniqueness import clear
-
-    clear(sender, request)  # revoked or expired: it will not run, so it is no longer queued
+    uniqueness.clear(sender, request)  # revoked or expired: it will not run, so it is no longer queued
     if terminated:
         release_for_run(sender, request.id, request.args, request.kwargs)
         return

@@ -104,9 +104,9 @@ class GuardedTask(Task):
     replace_terminate: bool = OPTION_DEFAULTS["replace_terminate"]
     locks: Locks | None = None
 
-    _taskguard: GuardOptions | None = None
+    #: The guard's options, validated when the class is made (``None``: a class without a guard).
+    taskguard_options: GuardOptions | None = None
     _plain_call: bool = False
-    _locks_cache: Locks | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -119,13 +119,17 @@ class GuardedTask(Task):
         # @app.task(base=GuardedTask, ttll=5): Celery makes every keyword a class attribute, so a
         # misspelt guard option would silently leave the default in force
         bases = cls.__mro__[1:]
-        check_option_names(name, [n for n in cls.__dict__ if not n.startswith("_")],
-                           known=lambda n: any(n in k.__dict__ for k in bases))
-        cls._taskguard = GuardOptions.build(fn, name=name, skip_self=bound,
-                                            **{opt: getattr(cls, opt) for opt in OPTION_NAMES})
+        check_option_names(
+            name,
+            [n for n in cls.__dict__ if not n.startswith("_")],
+            known=lambda n: any(n in k.__dict__ for k in bases),
+        )
+        cls.taskguard_options = GuardOptions.build(
+            fn, name=name, skip_self=bound, **{opt: getattr(cls, opt) for opt in OPTION_NAMES}
+        )
         # does any class between GuardedTask and Task define its own __call__ (a user's base)?
         mro = cls.__mro__
-        after = mro[mro.index(GuardedTask) + 1:]
+        after = mro[mro.index(GuardedTask) + 1 :]
         cls._plain_call = next((k for k in after if "__call__" in k.__dict__), Task) is Task
 
     @classmethod
@@ -148,14 +152,11 @@ class GuardedTask(Task):
 
     @property
     def taskguard_locks(self) -> Locks:
-        locks = self._locks_cache
-        if locks is None:
-            locks = self._locks_cache = locks_for(self._get_app(), self.locks)
-        return locks
+        return locks_for(self._get_app(), self.locks)
 
     # -- the guard: Celery's events translated into the run's lifecycle ----------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        opts = self._taskguard
+        opts = self.taskguard_options
         if opts is None:
             return super().__call__(*args, **kwargs)
         entered: list[bool] = []  # set when the body is called: errors from there on are the body's
@@ -188,9 +189,11 @@ class GuardedTask(Task):
         backoff = float(getattr(self, "retry_backoff", False) or 0)
         if backoff:
             retry_kwargs["countdown"] = get_exponential_backoff_interval(
-                factor=int(max(1.0, backoff)), retries=self.request.retries,
+                factor=int(max(1.0, backoff)),
+                retries=self.request.retries,
                 maximum=int(getattr(self, "retry_backoff_max", 600)),
-                full_jitter=getattr(self, "retry_jitter", True))
+                full_jitter=getattr(self, "retry_jitter", True),
+            )
         try:
             raise self.retry(exc=exc, **retry_kwargs)
         except Reject as rej:  # the retry was not published
@@ -215,8 +218,10 @@ class GuardedTask(Task):
                     self.request_stack.pop()
             _judged.add(req)
         if opts.on_skip == "ignore" and getattr(req, "chord", None):
-            raise ConfigError(f"task {self.name!r}: on_skip='ignore' is refused inside a chord "
-                              "(the chord would never complete); use on_skip='result'")
+            raise ConfigError(
+                f"task {self.name!r}: on_skip='ignore' is refused inside a chord "
+                "(the chord would never complete); use on_skip='result'"
+            )
         beat = read_header(req, BEAT_HEADER)
         slot_run = None
         if isinstance(beat, dict):
@@ -237,8 +242,15 @@ class GuardedTask(Task):
         handle = header if isinstance(header, dict) and "owner" in header else None
         # a retry's message carries its one-shot handle: a second copy of it is a copy, not a publish
         redelivered = not local and (identity.is_redelivery(req) or handle is not None)
-        decision = decide(opts, key, args, kwargs, execution(self, req, local, redelivered, slot_run),
-                          CeleryHooks(self, req, handle), locks)
+        decision = decide(
+            opts,
+            key,
+            args,
+            kwargs,
+            execution(self, req, local, redelivered, slot_run),
+            CeleryHooks(self, req, handle),
+            locks,
+        )
         if not isinstance(decision, Run):
             return outcome(self, decision, skips, redelivered)
         identity.end_chain(self, decision.run)
@@ -262,7 +274,7 @@ class GuardedTask(Task):
                 raise
             except Exception:
                 run.fail()  # acked (acks_on_failure or not, the message is not requeued)
-                replaced = replaced_skip(cast(GuardOptions, self._taskguard), run)
+                replaced = replaced_skip(cast(GuardOptions, self.taskguard_options), run)
                 if replaced is not None:  # overlap="replace": another run took its lease over
                     return skipping.skip(self, replaced, 0, self.taskguard_locks)
                 raise
@@ -273,7 +285,7 @@ class GuardedTask(Task):
             try:
                 run.finish(result)
             except LeaseLost:
-                replaced = replaced_skip(cast(GuardOptions, self._taskguard), run)
+                replaced = replaced_skip(cast(GuardOptions, self.taskguard_options), run)
                 if replaced is None:
                     raise
                 return skipping.skip(self, replaced, 0, self.taskguard_locks)
@@ -304,12 +316,19 @@ class GuardedTask(Task):
 
     @staticmethod
     def _enclosing_run(key: str, locks: Locks) -> GuardedRun | None:
-        return next((r for r in reversed(current_runs()) if isinstance(r, GuardedRun) and r.key == key
-                     and r.locks is locks and r.state == "running"), None)
+        return next(
+            (
+                r
+                for r in reversed(current_runs())
+                if isinstance(r, GuardedRun) and r.key == key and r.locks is locks and r.state == "running"
+            ),
+            None,
+        )
 
     # -- publishing ------------------------------------------------------------------------------
-    def apply_async(self, args=None, kwargs=None, task_id=None, producer=None, link=None, link_error=None,
-                    shadow=None, **options):
+    def apply_async(
+        self, args=None, kwargs=None, task_id=None, producer=None, link=None, link_error=None, shadow=None, **options
+    ):
         """Celery's ``Task.apply_async``, stamping the message with a new publish stamp (the
         ``taskguard_publish`` header) unless it is taskguard's own deferred copy of a delivery
         (a copy looking again while its run id runs elsewhere, or a run deferred to its turn under
@@ -320,24 +339,35 @@ class GuardedTask(Task):
         unique = options.pop("unique", None)
         if not (isinstance(headers, dict) and (DEFER_HEADER in headers or RATE_HEADER in headers)):
             options["headers"] = {**(headers or {}), PUBLISH_HEADER: new_publish_stamp()}
-        opts = self._taskguard
+        opts = self.taskguard_options
         # taskguard's own copies of a run (retries, skip retries, deferrals) are that run, never a duplicate
-        own_copy = isinstance(headers, dict) and any(h in headers for h in (HEADER, DEFER_HEADER, RATE_HEADER)) \
+        own_copy = (
+            isinstance(headers, dict)
+            and any(h in headers for h in (HEADER, DEFER_HEADER, RATE_HEADER))
             or bool(options.get("retries"))
+        )
         # a step of a chain, group or chord is published as usual: suppressing it would leave the
         # canvas waiting for a result that never comes (celery/canvas.py passes these options)
-        in_canvas = link is not None or link_error is not None or \
-            any(options.get(k) for k in ("chain", "group_id", "chord"))
+        in_canvas = (
+            link is not None or link_error is not None or any(options.get(k) for k in ("chain", "group_id", "chord"))
+        )
         if opts is not None and (opts.unique if unique is None else unique) and not own_copy and not in_canvas:
             return uniqueness.publish(
-                self, args, kwargs, task_id, options,
-                lambda tid, o: super(GuardedTask, self).apply_async(args, kwargs, tid, producer, link, link_error,
-                                                                    shadow, **o))
+                self,
+                args,
+                kwargs,
+                task_id,
+                options,
+                lambda tid, o: super(GuardedTask, self).apply_async(
+                    args, kwargs, tid, producer, link, link_error, shadow, **o
+                ),
+            )
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
 
     # -- retries keep the lease -------------------------------------------------------------------
-    def retry(self, args=None, kwargs=None, exc=None, throw=True, eta=None, countdown=None, max_retries=None,
-              **options):
+    def retry(
+        self, args=None, kwargs=None, exc=None, throw=True, eta=None, countdown=None, max_retries=None, **options
+    ):
         """Celery's ``Task.retry``, keeping this run's lease for the retried run.
 
         The lease TTL is stretched to cover the countdown plus ``ttl``, renewal stops here, and
@@ -356,7 +386,7 @@ class GuardedTask(Task):
         headers.pop(RATE_HEADER, None)  # a retry is a new call: it asks the rate again
         if not throw:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
-        handle = run.keep(_retry_delay(eta, countdown, self.default_retry_delay) + self._taskguard.ttl)
+        handle = run.keep(_retry_delay(eta, countdown, self.default_retry_delay) + self.taskguard_options.ttl)
         if handle is not None:
             headers[HEADER] = handle
         # else: lost meanwhile; the retry acquires afresh
@@ -406,8 +436,9 @@ def guarded_task(*args: Any, **opts: Any) -> Any:
             base = type(f"Guarded{base.__name__}", (GuardedTask, base), {"__module__": base.__module__})
         name = opts.get("name") or f"{fn.__module__}.{fn.__qualname__}"
         check_option_names(name, opts, known=lambda n: hasattr(base, n) or n in _DECORATOR_OPTIONS)
-        GuardOptions.build(fn, name=name, skip_self=bool(opts.get("bind")),
-                           **{k: opts[k] for k in OPTION_NAMES if k in opts})
+        GuardOptions.build(
+            fn, name=name, skip_self=bool(opts.get("bind")), **{k: opts[k] for k in OPTION_NAMES if k in opts}
+        )
         return shared_task(base=base, **opts)(fn)
 
     if len(args) == 1 and callable(args[0]) and not opts:
@@ -425,4 +456,3 @@ def release_retry_handle(task: GuardedTask, headers: dict) -> bool:
         return False
     handle = parse_handle(value)
     return release_handle(task.taskguard_locks, handle)
-

@@ -53,27 +53,31 @@ def _seconds_until(when: Any) -> float:
 def mark_ttl(task: Any, options: dict) -> float:
     """Seconds the queued mark lasts: ``unique_ttl`` (else the publish's ``expires``, else
     :data:`DEFAULT_UNIQUE_TTL`) after the run is due (``countdown`` / ``eta``)."""
-    opts = task._taskguard
+    opts = task.taskguard_options
     base = opts.unique_ttl
     if base is None:
         expires = options.get("expires", getattr(task, "expires", None))
         base = _seconds_until(expires) if expires is not None else DEFAULT_UNIQUE_TTL
-    delay = _seconds_until(options.get("countdown")) if options.get("countdown") is not None else \
-        _seconds_until(options.get("eta"))
+    delay = (
+        _seconds_until(options.get("countdown"))
+        if options.get("countdown") is not None
+        else _seconds_until(options.get("eta"))
+    )
     return max(base, 1.0) + delay
 
 
-def publish(task: Any, args: Any, kwargs: Any, task_id: str | None, options: dict,
-            send: Callable[[str, dict], Any]) -> Any:
+def publish(
+    task: Any, args: Any, kwargs: Any, task_id: str | None, options: dict, send: Callable[[str, dict], Any]
+) -> Any:
     """Publish ``task`` unless a run of its key is queued or running; returns the new or the
     existing run's ``AsyncResult``. ``send(task_id, options)`` publishes. Raises TypeError when
     the arguments do not bind to the task's signature (and what the key fails with on them, with
     its own type: :class:`taskguard.keys.KeyTemplate`), LeaseBackendError when Redis fails (nothing is
     published then), and whatever ``send`` raises (the mark is cleared first)."""
-    key = task._taskguard.key.render(tuple(args or ()), dict(kwargs or {}))
+    key = task.taskguard_options.key.render(tuple(args or ()), dict(kwargs or {}))
     task_id = task_id or uuid()
     locks = task.taskguard_locks
-    shadow = not task._taskguard.enforce
+    shadow = not task.taskguard_options.enforce
     try:
         marked, existing = locks.mark_queued(key, task_id, ttl=mark_ttl(task, options), task=task.name, shadow=shadow)
     except LeaseBackendError as e:
@@ -85,8 +89,13 @@ def publish(task: Any, args: Any, kwargs: Any, task_id: str | None, options: dic
         install_if_wanted(task.app)  # app.conf.taskguard_metrics counts suppressions here too
         locks.report_suppressed(key, task.name, existing, shadow=shadow)
         if shadow:  # published anyway, without a mark of its own
-            log.info("task %s: shadow mode: would not have been published, a run of %r is queued or running: %s; "
-                     "publishing it", task.name, key, existing)
+            log.info(
+                "task %s: shadow mode: would not have been published, a run of %r is queued or running: %s; "
+                "publishing it",
+                task.name,
+                key,
+                existing,
+            )
             return send(task_id, options)
         log.info("task %s: not published, a run of %r is queued or running: %s", task.name, key, existing)
         return task.AsyncResult(existing)
@@ -97,8 +106,9 @@ def publish(task: Any, args: Any, kwargs: Any, task_id: str | None, options: dic
         try:
             locks.clear_queued(key, task_id, task.name, shadow)  # never leave a mark for a message that was not sent
         except LeaseBackendError as e:
-            log.warning("task %s: could not clear the queued mark of a failed publish (its TTL bounds it): %s",
-                        task.name, e)
+            log.warning(
+                "task %s: could not clear the queued mark of a failed publish (its TTL bounds it): %s", task.name, e
+            )
         raise
 
 
@@ -109,7 +119,7 @@ def clear(task: Any, request: Any) -> None:
     if not isinstance(key, str) or not key or not getattr(request, "id", None):
         return
     try:
-        opts = getattr(task, "_taskguard", None)
+        opts = getattr(task, "taskguard_options", None)
         task.taskguard_locks.clear_queued(key, request.id, task.name, opts is not None and not opts.enforce)
     except (ConfigError, LeaseBackendError) as e:
         log.warning("task %s[%s]: could not clear its queued mark (its TTL bounds it): %s", task.name, request.id, e)

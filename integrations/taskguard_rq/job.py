@@ -27,6 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 from rq import Retry, get_current_job
+from rq.command import send_stop_job_command
+from rq.job import Job
+from rq.registry import ScheduledJobRegistry
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
 from taskguard.errors import LeaseLost
@@ -37,6 +40,7 @@ from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 from taskguard.values import Reason
 
+from . import unique
 from .config import locks_for
 from .cron_runs import entry_guard
 from .handles import drop_handle, load_handle, save_handle
@@ -65,6 +69,7 @@ DEFAULT_JOB_TIMEOUT = 180.0
 SKIP_COUNT_TTL = 7 * 86400.0
 #: The lease key whose records hold the skip counters, one record per job function.
 SKIP_RECORD_KEY = "rq-skips"
+
 
 def record_skip(locks: Locks, name: str) -> None:
     """Count one skip of the job function ``name`` (read by :func:`skip_count`); a Redis error
@@ -99,17 +104,18 @@ def mirror_meta(job: Any, refresh: bool = False, **fields: Any) -> None:
 #: Where the guard options ``@guarded_job`` does not take live for RQ.
 RQ_ELSEWHERE = {
     "unique": "RQ has no publish hook; enqueue with fn.enqueue_unique(queue, ...) or "
-              "taskguard_rq.enqueue_unique(queue, fn, args, kwargs, unique_ttl=...)",
+    "taskguard_rq.enqueue_unique(queue, fn, args, kwargs, unique_ttl=...)",
     "unique_ttl": "it is an argument of taskguard_rq.enqueue_unique(queue, fn, args, kwargs, unique_ttl=...)",
     "continue_on_skip": "RQ has no chains or link callbacks for a skip to stop; a skipped job ends FINISHED, so "
-                        "jobs that depend on it (depends_on) run; use on_skip='raise' to fail it instead",
+    "jobs that depend on it (depends_on) run; use on_skip='raise' to fail it instead",
 }
 #: The guard options ``@guarded_job`` takes: every one but the publish-time and chain options.
 RQ_OPTIONS = tuple(n for n in OPTION_NAMES if n not in RQ_ELSEWHERE)
 
 
-def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = None, locks: Locks | None = None,
-                **options: Any) -> Any:
+def guarded_job(
+    func: Callable[..., Any] | None = None, *, name: str | None = None, locks: Locks | None = None, **options: Any
+) -> Any:
     """Decorate an RQ job function so that its body runs under a fenced lease.
 
     ``@guarded_job(ttl=60, key="sync:{customer_id}", wait=0, on_skip="result")``. Options are
@@ -158,13 +164,12 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
         guarded.taskguard_options = opts  # type: ignore[attr-defined]
         guarded.taskguard_locks = locks  # type: ignore[attr-defined]
         guarded.taskguard_name = label  # type: ignore[attr-defined]
+
         def enqueue_unique(queue: Any, *args: Any, **kwargs: Any) -> Any:
             """``taskguard_rq.enqueue_unique(queue, this job, args, kwargs)``: enqueue unless a job of
             this key is queued or running (then that job is returned). RQ has no publish hook, so a
             plain ``queue.enqueue`` is never stopped: enqueue through this."""
-            from .unique import enqueue_unique as unique
-
-            return unique(queue, guarded, args, kwargs)
+            return unique.enqueue_unique(queue, guarded, args, kwargs)
 
         guarded.rate_limit_for = rate_limit_for  # type: ignore[attr-defined]
         guarded.enqueue_unique = enqueue_unique  # type: ignore[attr-defined]
@@ -185,8 +190,14 @@ def _job_timeout(job: Any) -> float:
     return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else DEFAULT_JOB_TIMEOUT
 
 
-def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks | None, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> Any:
+def _perform(
+    fn: Callable[..., Any],
+    name: str,
+    opts: GuardOptions,
+    locks: Locks | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
     job = get_current_job()
     if job is None or _performing.get() is job:
         return _run(fn, name, opts, locks, args, kwargs, None)  # a direct call
@@ -197,8 +208,15 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
         _performing.reset(token)
 
 
-def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | None, args: tuple[Any, ...],
-         kwargs: dict[str, Any], job: Any) -> Any:
+def _run(
+    fn: Callable[..., Any],
+    name: str,
+    opts: GuardOptions,
+    given: Locks | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    job: Any,
+) -> Any:
     """One guarded run: ``job``'s execution, or a direct call (``job`` ``None``). The arguments
     are bound first: a caller's wrong arguments raise their ``TypeError`` even where no Redis is
     configured."""
@@ -207,8 +225,14 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
     key = opts.key.render(args, kwargs)
     locks = locks_for(given)
     run_id = job.id if job is not None else None
-    ex = Execution(task=name, run_id=run_id, holder={"job": name, "job_id": run_id}, local=job is None,
-                   same_run="wait", same_run_wait=_job_timeout(job))
+    ex = Execution(
+        task=name,
+        run_id=run_id,
+        holder={"job": name, "job_id": run_id},
+        local=job is None,
+        same_run="wait",
+        same_run_wait=_job_timeout(job),
+    )
     decision = decide(opts, key, args, kwargs, ex, _Hooks(locks, job, name, opts.replace_terminate), locks)
     if not isinstance(decision, Run):
         return _outcome(job, locks, name, opts, key, decision)
@@ -221,9 +245,18 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
     saved = None
     if run_id is not None:  # for GuardedWorker, should the work-horse be killed
         try:
-            saved = save_handle(locks, run_id, {"key": key, "owner": lease.owner_token, "fence": lease.fencing_token,
-                                                "expires": lease.expires_at, "running": True},
-                                ttl=_job_timeout(job) + opts.ttl)
+            saved = save_handle(
+                locks,
+                run_id,
+                {
+                    "key": key,
+                    "owner": lease.owner_token,
+                    "fence": lease.fencing_token,
+                    "expires": lease.expires_at,
+                    "running": True,
+                },
+                ttl=_job_timeout(job) + opts.ttl,
+            )
         except BaseException:
             run.hand_back()  # the body never ran: nothing is left locked
             raise
@@ -326,8 +359,6 @@ class _Hooks:
 
     def supersede(self, prev: Pending, skipped: Skipped) -> None:
         """Mark ``prev``'s job as coalesced into this one and run it now, to end ``skipped``."""
-        from rq.job import Job
-
         try:
             job = Job.fetch(prev.run_id, connection=self.job.connection)
             job.meta = job.get_meta(refresh=True)
@@ -344,15 +375,12 @@ class _Hooks:
         into = (job.get_meta(refresh=True).get(META_KEY) or {}).get("coalesced_into")
         return into if isinstance(into, str) else None
 
-
     def replaced(self, holder: Any) -> None:
         """``replace_terminate=True``: stop the replaced job (RQ's stop-job command; its worker
         kills the work-horse and the job ends STOPPED)."""
         if not self.terminate or holder.run_id is None or self.job is None:
             return
         try:
-            from rq.command import send_stop_job_command
-
             send_stop_job_command(self.job.connection, holder.run_id)
             log.info("job %s: stopped the replaced job %s", self.job.id, holder.run_id)
         except Exception as e:
@@ -363,9 +391,6 @@ def _run_now(connection: Any, job_id: str, job: Any = None) -> bool:
     """Move the scheduled job ``job_id`` to now (RQ's scheduler enqueues it within about a second);
     only a job still in the ScheduledJobRegistry (``ZADD XX``): a job already queued or running is
     never added again. Returns ``True`` when moved."""
-    from rq.job import Job
-    from rq.registry import ScheduledJobRegistry
-
     job = job if job is not None else Job.fetch(job_id, connection=connection)
     registry = ScheduledJobRegistry(job.origin, connection=connection)
     return bool(connection.zadd(registry.key, {job_id: int(time.time())}, xx=True, ch=True))
@@ -395,8 +420,9 @@ def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d:
     # (number_of_retries, which RQ bumps for the returned Retry: it is set back first)
     job.meta[RATE_META_KEY] = d.state  # saved by mirror_meta below
     booked = d.state is not None and d.state.get("turn") is not None
-    log.info("job %s: rate-limited; %s in %.2fs", job.id, "its turn is booked" if booked else "it asks again",
-             d.countdown)
+    log.info(
+        "job %s: rate-limited; %s in %.2fs", job.id, "its turn is booked" if booked else "it asks again", d.countdown
+    )
     mirror_meta(job, key=key, outcome="rate_limited")
     job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
     # whole seconds (RQ's Retry); rounded down, and the job waits out the rest of its turn on

@@ -49,6 +49,7 @@ from taskguard.liveness import holder_is_dead
 from .config import locks_for
 from .handles import drop_handle, load_handle, save_handle
 from .job import mirror_meta
+from .unique import clear_mark
 
 __all__ = ["GuardedWorker", "settle_killed_job", "settle_canceled_jobs"]
 
@@ -56,8 +57,9 @@ __all__ = ["GuardedWorker", "settle_killed_job", "settle_canceled_jobs"]
 log = logging.getLogger("rq.worker.taskguard")
 
 
-def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse killed",
-                      horse_dead: bool = True) -> str | None:
+def settle_killed_job(
+    job: Any, retry: bool = True, why: str = "work-horse killed", horse_dead: bool = True
+) -> str | None:
     """Settle the lease of ``job`` whose work-horse died: kept for its retry when ``retry`` and
     it has retries left, else released; its stored handle is deleted with the release. Returns
     ``"kept"``, ``"released"`` or ``None`` (the job held no lease, or — ``horse_dead=False``,
@@ -75,8 +77,13 @@ def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse kille
     if not horse_dead and handle.get("running"):
         info = next((i for i in locks.holders(handle["key"]) if i.run_id == job.id), None)
         if info is not None and not holder_is_dead(info.holder):
-            log.warning("job %s: %s, but its work-horse may still run (%s); its lease %r is left to its TTL",
-                        job.id, why, info.holder.get("host"), handle["key"])
+            log.warning(
+                "job %s: %s, but its work-horse may still run (%s); its lease %r is left to its TTL",
+                job.id,
+                why,
+                info.holder.get("host"),
+                handle["key"],
+            )
             return None
     lease = locks.restore(handle["key"], handle["owner"], ttl=opts.ttl, fencing_token=handle["fence"])
     lease.run_id = job.id
@@ -151,8 +158,6 @@ def settle_canceled_jobs(queue: Any) -> int:
             job = None
         try:
             if job is not None:
-                from .unique import clear_mark
-
                 clear_mark(locks_for(getattr(getattr(job, "func", None), "taskguard_locks", None)), job)
             if job is not None and settle_killed_job(job, retry=False, why="cancelled", horse_dead=False) == "released":
                 settled += 1
