@@ -133,6 +133,30 @@ def test_the_follow_up_runs_once_after_the_holders_worker_is_sigkilled(app, redi
     assert "Traceback" not in output
 
 
+def test_the_follow_up_runs_once_when_the_pending_calls_worker_was_sigkilled(app, redis_url, prefix):
+    """The worker that made a call pending is SIGKILLed (with the backstop message it holds); the
+    call's message is kept in Redis, so when the holder ends it is published again and another
+    worker of that queue runs it, once."""
+    r = redis.Redis.from_url(redis_url)
+    task = app.tasks["tg.rebuild"]
+    q1, q2 = f"q1-{prefix}", f"q2-{prefix}"
+    with WorkerProcess(q1, prefix, concurrency=1) as w1:
+        task.apply_async(("s1", 0), {"seconds": 4.0}, queue=q1)
+        _wait(lambda: len(_ran(r, prefix, "s1")) == 1, timeout=20)
+        with WorkerProcess(q2, prefix, concurrency=1) as w2:
+            call = task.apply_async(("s1", 1), {"seconds": 0.2}, queue=q2)
+            _wait(lambda: app.conf.taskguard_locks.get_record("index:s1", PENDING_RECORD) is not None)
+            time.sleep(0.3)  # its execution ended (Ignore) after sending the backstop
+            w2.signal_all(signal.SIGKILL)
+        with WorkerProcess(q2, prefix, concurrency=1) as w3:
+            assert call.get(timeout=20) == 1, w1.output() + w3.output()
+            time.sleep(1.0)
+            output = w1.output() + w3.output()
+    assert [n for n, _ in _ran(r, prefix, "s1")] == [0, 1], output
+    assert ledger.peak(ledger.parse(r.lrange(f"{prefix}:ledger:index:s1", 0, -1)), 1) == 1
+    assert "Traceback" not in output
+
+
 @pytest.mark.parametrize(
     "extra, conflict",
     [
