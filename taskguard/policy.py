@@ -41,6 +41,8 @@ OVERLAP = tuple(m.value for m in Overlap)
 #: The :data:`OVERLAP` values this release implements.
 OVERLAP_BUILT = (Overlap.SKIP.value, Overlap.COALESCE.value, Overlap.REPLACE.value)
 DEFAULT_TTL = 60.0
+#: ``debounce_max`` when only ``debounce`` is given: a window stays open at most this many seconds.
+DEBOUNCE_MAX_DEFAULT = 3600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,8 @@ class GuardOptions:
     unique_ttl: float | None = None
     overlap: Overlap = Overlap.SKIP
     replace_terminate: bool = False
+    debounce: float | None = None
+    debounce_max: float | None = None
 
     @classmethod
     def build(
@@ -104,6 +108,8 @@ class GuardOptions:
         unique_ttl: float | None = None,
         overlap: str = "skip",
         replace_terminate: bool = False,
+        debounce: float | None = None,
+        debounce_max: float | None = None,
         allowed_on_skip: tuple[str, ...] = ON_SKIP,
     ) -> GuardOptions:
         """Validate options for the task ``name`` whose body is ``fn``.
@@ -171,6 +177,15 @@ class GuardOptions:
                 fencing token; the old run's lease is lost within one renewal interval and that
                 run ends ``Skipped(reason="replaced")``, as does any retry of it). Refused with
                 ``once``, ``unique``, ``on_skip="retry"`` and ``enforce=False`` likewise.
+            debounce: seconds of quiet that close a window of calls (decided when a call is
+                published: :mod:`taskguard.debounce`): calls of one key within it make one run, about
+                ``debounce`` seconds after the last, with the last call's arguments; every call's
+                handle is that run's. Celery: ``delay()`` / ``apply_async()``; RQ:
+                ``fn.enqueue_debounced(queue, ...)`` (RQ's scheduler: ``rq worker --with-scheduler``).
+                Refused with ``once``, ``unique``.
+            debounce_max: the longest a window stays open, seconds from its first call, so a
+                steady stream of calls still runs at least this often (>= ``debounce``; needs
+                ``debounce``; default :data:`DEBOUNCE_MAX_DEFAULT`).
             replace_terminate: with ``overlap="replace"``, also stop the replaced run's
                 execution (Celery: ``revoke(terminate=True)``, refused on the threads and solo
                 pools, which cannot terminate; RQ: ``send_stop_job_command``).
@@ -240,6 +255,24 @@ class GuardOptions:
             raise bad(f"replace_terminate must be True or False, got {replace_terminate!r}")
         if replace_terminate and overlap != Overlap.REPLACE:
             raise bad("replace_terminate=True needs overlap='replace'")
+        if debounce is None and debounce_max is not None:
+            raise bad("debounce_max needs debounce= (seconds of quiet that close a window)")
+        if debounce is not None:
+            try:
+                debounce = check_seconds("debounce", debounce)
+                debounce_max = (
+                    DEBOUNCE_MAX_DEFAULT if debounce_max is None else check_seconds("debounce_max", debounce_max)
+                )
+            except ConfigError as e:
+                raise bad(str(e)) from None
+            if debounce_max < debounce:
+                raise bad(f"debounce_max ({debounce_max}) must be >= debounce ({debounce})")
+            for conflict, given in (("once=True", once is True), ("unique=True", unique is True)):
+                if given:
+                    raise bad(
+                        f"debounce= cannot be combined with {conflict}: a debounced call publishes at most one "
+                        "message per window already"
+                    )
         for flag, value in (
             ("renew", renew),
             ("continue_on_skip", continue_on_skip),
@@ -277,6 +310,8 @@ class GuardOptions:
             unique_ttl,
             Overlap(overlap),
             replace_terminate,
+            debounce,
+            debounce_max,
         )
 
     def once_policy(self, args: tuple[Any, ...], kwargs: dict[str, Any], dumps: Any = None, loads: Any = None) -> Any:

@@ -545,6 +545,22 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         return n
 
     @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.search",
+        ttl=5,
+        key="search:{shop}",
+        debounce=1.0,
+        debounce_max=2.0,
+    )
+    def search(self, shop, n):
+        # debounce=: the calls that ran (n) and when
+        ran = f"{prefix}:searched:{shop}"
+        r.pipeline().rpush(ran, f"{n} {time.time():.6f}").expire(ran, 600).execute()
+        return n
+
+    @app.task(
         base=GuardedTask, bind=True, shared=False, name="tg.report", ttl=1.5, key="report:{user}", overlap="replace"
     )
     def report(self, user, n, seconds=5.0):

@@ -270,3 +270,81 @@ def test_replace_terminate_needs_replace():
         @guarded_task(overlap="replace", once=True, key="k:{x}")
         def g(x):
             pass
+
+
+# -- debounce= ------------------------------------------------------------------------------------------
+def _searched(r, prefix, shop):
+    return [(int(n), float(t)) for n, t in (x.decode().split() for x in r.lrange(f"{prefix}:searched:{shop}", 0, -1))]
+
+
+def test_debounce_a_burst_of_calls_makes_one_run_after_the_last_with_its_arguments(app, redis_url, prefix):
+    """8 calls 0.1 s apart (debounce=1 s, debounce_max=2 s, not reached): one broker message, one
+    run about a second after the last call, with the last call's arguments; every handle is that
+    run's."""
+    r = redis.Redis.from_url(redis_url)
+    task = app.tasks["tg.search"]
+    registry = CollectorRegistry()
+    remove = app.conf.taskguard_locks.add_listener(Metrics(registry))
+    try:
+        with embedded_worker(app, concurrency=2):
+            handles = []
+            for n in range(8):
+                handles.append(task.delay("s1", n))
+                time.sleep(0.1)
+            last_call = time.time() - 0.1
+            assert r.llen(f"q-{prefix}") <= 1  # one message for the window (or none: the worker holds it)
+            values = [h.get(timeout=10) for h in handles]
+            time.sleep(0.5)
+    finally:
+        remove()
+    assert len({h.id for h in handles}) == 1
+    assert values == [7] * 8
+    ran = _searched(r, prefix, "s1")
+    assert [n for n, _ in ran] == [7]
+    assert 0.8 <= ran[0][1] - last_call <= 2.0
+    assert (
+        registry.get_sample_value(
+            "taskguard_skips_total", {"task": "tg.search", "reason": "debounced", "shadow": "false"}
+        )
+        == 7
+    )
+
+
+def test_debounce_max_runs_a_steady_stream_at_least_that_often(app, redis_url, prefix):
+    """Calls every 0.3 s for 4.5 s never leave a second of quiet: debounce_max=2 s still runs them
+    at least every 2 s, each run with its window's latest call, the last call included."""
+    r = redis.Redis.from_url(redis_url)
+    task = app.tasks["tg.search"]
+    with embedded_worker(app, concurrency=2):
+        started = time.time()
+        handles = []
+        for n in range(15):
+            handles.append(task.delay("s2", n))
+            time.sleep(0.3)
+        values = [h.get(timeout=10) for h in handles]
+        time.sleep(0.5)
+    ran = _searched(r, prefix, "s2")
+    assert len(ran) >= 2 and ran[-1][0] == 14
+    assert values[-1] == 14 and sorted(set(values)) == [n for n, _ in ran]
+    starts = [started] + [t for _, t in ran]
+    assert all(b - a <= 2.0 + 1.0 for a, b in zip(starts, starts[1:], strict=False))  # max plus a worker's delay
+
+
+def test_debounce_options_are_checked_at_declaration():
+    with pytest.raises(ConfigError, match="debounce_max needs debounce="):
+
+        @guarded_task(debounce_max=5)
+        def f(x):
+            pass
+
+    with pytest.raises(ConfigError, match=r"debounce_max \(1.0\) must be >= debounce \(2.0\)"):
+
+        @guarded_task(debounce=2, debounce_max=1)
+        def g(x):
+            pass
+
+    with pytest.raises(ConfigError, match="debounce= cannot be combined with unique=True"):
+
+        @guarded_task(debounce=2, unique=True)
+        def h(x):
+            pass

@@ -14,6 +14,7 @@ __all__ = [
     "RATE_HEADER",
     "UNIQUE_HEADER",
     "COALESCE_HEADER",
+    "DEBOUNCE_HEADER",
     "new_publish_stamp",
     "publish_time",
     "read_header",
@@ -40,6 +41,9 @@ RATE_HEADER = "taskguard_rate"
 #: Header of the delayed copy a pending follow-up (``overlap="coalesce"``) sends as its key's
 #: backstop: ``{"as": "backstop"}`` (see :mod:`taskguard.overlap`).
 COALESCE_HEADER = "taskguard_coalesce"
+#: Header of the one message of a ``debounce`` window: ``{"key": lease key}`` (see
+#: :mod:`taskguard_celery.debouncing`).
+DEBOUNCE_HEADER = "taskguard_debounce"
 
 
 def new_publish_stamp() -> str:

@@ -25,11 +25,20 @@ from taskguard.pipeline import Run, decide, replaced_skip
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 
-from . import identity, setup, skipping, uniqueness
+from . import debouncing, identity, setup, skipping, uniqueness
 from .beat_runs import beat_run, entry_guard
 from .config import locks_for
 from .decisions import CeleryHooks, execution, outcome
-from .headers import BEAT_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, new_publish_stamp, read_header
+from .headers import (
+    BEAT_HEADER,
+    DEBOUNCE_HEADER,
+    DEFER_HEADER,
+    HEADER,
+    PUBLISH_HEADER,
+    RATE_HEADER,
+    new_publish_stamp,
+    read_header,
+)
 
 __all__ = ["GuardedTask", "guarded_task", "current_lease", "HEADER"]  # current_lease: taskguard.context
 
@@ -232,6 +241,8 @@ class GuardedTask(Task):
         header = read_header(req)
         skips = skipping.skip_count(self, header)
         local = req.called_directly or req.is_eager
+        if opts.debounce is not None and not local and isinstance(read_header(req, DEBOUNCE_HEADER), dict):
+            args, kwargs = debouncing.arrived(self, req, key)  # the latest call's arguments (or Ignore)
         outer = self._enclosing_run(key, locks) if local else None
         if outer is not None:
             # a nested call of the same key in this thread (eager mode's replace() runs the
@@ -351,6 +362,24 @@ class GuardedTask(Task):
         in_canvas = (
             link is not None or link_error is not None or any(options.get(k) for k in ("chain", "group_id", "chord"))
         )
+        if (
+            opts is not None
+            and opts.debounce is not None
+            and not own_copy
+            and not in_canvas
+            and not debouncing.is_window_message(headers)
+            and not self.app.conf.task_always_eager
+        ):
+            return debouncing.publish(
+                self,
+                args,
+                kwargs,
+                task_id,
+                options,
+                lambda tid, o: super(GuardedTask, self).apply_async(
+                    args, kwargs, tid, producer, link, link_error, shadow, **o
+                ),
+            )
         if opts is not None and (opts.unique if unique is None else unique) and not own_copy and not in_canvas:
             return uniqueness.publish(
                 self,

@@ -1,0 +1,96 @@
+"""``debounce=`` for Celery: calls of a key within a quiet period make one run with the last
+call's arguments, decided at publish (:mod:`taskguard.debounce`).
+
+The first ``delay()`` / ``apply_async()`` of a window publishes one message, ``debounce`` seconds
+ahead, with the ``taskguard_debounce`` header; later calls publish nothing, update the window's
+arguments and get its ``AsyncResult`` (a ``skip`` event with reason ``"debounced"`` each). When
+the message arrives before the window's due time it is published again for the rest (still one
+message per window) and this delivery ends with ``Ignore``; at the due time the window closes and
+the body runs with the stored arguments of the latest call."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from celery.exceptions import Ignore
+from kombu.serialization import dumps, loads
+
+from taskguard import Skipped
+from taskguard.debounce import due as window_due, publish as window_publish
+from taskguard.values import Reason
+
+from .headers import COALESCE_HEADER, DEBOUNCE_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, read_header
+
+__all__ = ["encode", "decode", "publish", "arrived", "is_window_message"]
+
+log = logging.getLogger("taskguard.celery")
+
+
+def encode(task: Any, value: Any) -> dict:
+    """``value`` in the task's serializer, as a JSON value (kept in a Redis record)."""
+    content_type, encoding, body = dumps(value, serializer=task.serializer)
+    if isinstance(body, bytes):
+        return {"ct": content_type, "enc": encoding, "b64": base64.b64encode(body).decode()}
+    return {"ct": content_type, "enc": encoding, "body": body}
+
+
+def decode(m: dict) -> Any:
+    """What :func:`encode` made, decoded (only its own content type is accepted)."""
+    data = base64.b64decode(m["b64"]) if "b64" in m else m["body"]
+    return loads(data, m["ct"], m["enc"], accept=[m["ct"]])
+
+
+def is_window_message(headers: Any) -> bool:
+    return isinstance(headers, dict) and DEBOUNCE_HEADER in headers
+
+
+def publish(
+    task: Any, args: Any, kwargs: Any, task_id: str | None, options: dict, send: Callable[[str, dict], Any]
+) -> Any:
+    """A call of a debounced task: open the key's window (``send`` publishes its one message) or
+    join the open one. Returns the window's ``AsyncResult``. Raises what rendering the key raises
+    for these arguments, LeaseBackendError when Redis fails (nothing published)."""
+    opts = task.taskguard_options
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    key = opts.key.render(args, kwargs)
+    locks = task.taskguard_locks
+    run_id = task_id or str(uuid.uuid4())
+    w = window_publish(
+        locks,
+        key,
+        run_id,
+        encode(task, {"args": list(args), "kwargs": kwargs}),
+        debounce=opts.debounce,
+        debounce_max=opts.debounce_max,
+    )
+    if w.fresh:
+        options = {k: v for k, v in options.items() if k not in ("eta", "countdown")}
+        options["headers"] = {**(options.get("headers") or {}), DEBOUNCE_HEADER: {"key": key}}
+        options["countdown"] = w.countdown
+        return send(run_id, options)
+    locks.report_skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=task.name))
+    log.debug("task %s: call joined the debounce window %s of %r", task.name, w.run_id, key)
+    return task.AsyncResult(w.run_id)
+
+
+_OWN = (HEADER, DEFER_HEADER, RATE_HEADER, PUBLISH_HEADER, COALESCE_HEADER)
+
+
+def arrived(task: Any, req: Any, key: str) -> tuple[tuple, dict]:
+    """The window's message arrived: the latest call's ``(args, kwargs)`` when the window closes
+    now; else it is published again for the rest of the window (or, a copy of a window that ran,
+    dropped) and ``Ignore`` is raised."""
+    state, value = window_due(task.taskguard_locks, key, req.id)
+    if state == "run":
+        call = decode(value)
+        return tuple(call["args"]), dict(call["kwargs"])
+    if state == "wait":
+        headers = {k: v for k, v in (req.headers or {}).items() if k not in _OWN}
+        headers[DEBOUNCE_HEADER] = read_header(req, DEBOUNCE_HEADER)
+        task.signature_from_request(req, countdown=value, retries=req.retries, headers=headers).apply_async()
+        raise Ignore(f"{task.name}[{req.id}]: debounce window of {key!r} open {value:.2f}s more")
+    raise Ignore(f"{task.name}[{req.id}]: its debounce window ran already")

@@ -1,0 +1,86 @@
+"""``debounce=``: calls of a key within a quiet period make one run, with the last call's
+arguments, decided when the call is published.
+
+One record per key (``debounce``, beside the lease) holds the window: the run id of its one
+message, when the window opened and when it is due, and the latest call's arguments (as the
+adapter serialises them). The first call of a window publishes one message, delayed by
+``debounce`` seconds; every later call only updates the record — its due time moves to ``debounce``
+seconds after it, never past ``debounce_max`` seconds after the window opened — and gets the same
+run id (one broker message per window, not one per call). The message, when it arrives, asks
+:func:`due`: not yet (``"wait"``: it is published again for the rest), or the window closes
+(``"run"``: the record is taken atomically; the body runs with the stored arguments). Calls after
+that open a new window. Times come from the Redis server's clock.
+
+This module imports no task framework.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import TYPE_CHECKING, Any
+
+from .errors import LeaseBackendError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .locks import Locks
+
+__all__ = ["RECORD", "Window", "publish", "due", "GRACE"]
+
+#: The lease record holding a key's open window (JSON).
+RECORD = "debounce"
+#: Seconds a window's record outlives ``debounce_max`` (a message delayed by a busy worker).
+GRACE = 600.0
+_ROUNDS = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """What :func:`publish` decided: ``run_id`` (the window's run), ``fresh`` (this call opened it:
+    publish one message ``countdown`` seconds ahead; else publish nothing)."""
+
+    run_id: str
+    fresh: bool
+    countdown: float
+
+
+def _dumps(rec: dict[str, Any]) -> str:
+    return json.dumps(rec, separators=(",", ":"))
+
+
+def publish(locks: Locks, key: str, run_id: str, message: Any, *, debounce: float, debounce_max: float) -> Window:
+    """Add a call (its arguments as ``message``, a JSON value) to the key's open window, or open
+    one named ``run_id``. Raises LeaseBackendError."""
+    for _ in range(_ROUNDS):
+        raw = locks.get_record(key, RECORD)
+        now = locks.server_time()
+        rec = json.loads(raw) if raw is not None else None
+        if rec is None:
+            new = {"id": run_id, "first": now, "due": now + debounce, "msg": message}
+            if locks.put_record(key, RECORD, _dumps(new), ttl=debounce_max + GRACE, if_absent=True):
+                return Window(run_id, True, debounce)
+            continue
+        rec["due"] = min(now + debounce, rec["first"] + debounce_max)
+        rec["msg"] = message
+        left = max(rec["first"] + debounce_max + GRACE - now, 1.0)
+        if locks.put_record(key, RECORD, _dumps(rec), ttl=left, if_value=raw):
+            return Window(str(rec["id"]), False, max(rec["due"] - now, 0.0))
+    raise LeaseBackendError("debounce", key, "could not record the call: too much contention")
+
+
+def due(locks: Locks, key: str, run_id: str) -> tuple[str, Any]:
+    """The window's message ``run_id`` arrived: ``("wait", seconds)`` (come back then),
+    ``("run", message)`` (the window is closed and taken: run with the latest call's arguments)
+    or ``("gone", None)`` (no open window names it: a copy of a run that ran already). Raises
+    LeaseBackendError."""
+    for _ in range(_ROUNDS):
+        raw = locks.get_record(key, RECORD)
+        rec = json.loads(raw) if raw is not None else None
+        if rec is None or rec.get("id") != run_id:
+            return "gone", None
+        left = rec["due"] - locks.server_time()
+        if left > 0.02:
+            return "wait", left
+        if locks.delete_record(key, RECORD, if_value=raw):
+            return "run", rec["msg"]
+    raise LeaseBackendError("debounce", key, "could not close the window: too much contention")
