@@ -142,6 +142,14 @@ def rebuild(shop, n, seconds=0.3):
     return n
 
 
+@guarded_job(ttl=5, key="search:{shop}", debounce=1.0, debounce_max=2.5)
+def search(shop, n):
+    """debounce=: the calls that ran (n) and when."""
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":searched:" + shop + "}", f"{n} {time.time():.6f}")
+    return n
+
+
 def _report(user, n, seconds):
     """overlap="replace": "<start|lost|end> <n> <fence> <time>" entries, holding the lease meanwhile."""
     from taskguard import LeaseLost

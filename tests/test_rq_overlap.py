@@ -151,3 +151,30 @@ def test_replace_terminate_stops_the_old_job(rq_env):
         output = w1.output() + w2.output()
     assert new.return_value()["n"] == 2, output
     assert "stopped the replaced job" in output
+
+
+# -- debounce= ------------------------------------------------------------------------------------------
+def test_debounce_enqueue_debounced_makes_one_job_per_window_run_with_the_last_arguments(rq_env):
+    """6 calls 0.1 s apart through fn.enqueue_debounced (debounce=1 s): one job (every call gets
+    it), run once, about a second after the last call (RQ's scheduler counts whole seconds), with
+    the last call's arguments."""
+    with RQWorker(rq_env) as w1:
+        jobs = []
+        for n in range(6):
+            jobs.append(rq_jobs.search.enqueue_debounced(rq_env, "s1", n))
+            time.sleep(0.1)
+        last_call = time.time() - 0.1
+        assert len({j.id for j in jobs}) == 1
+        assert wait_done(jobs[0], timeout=20) == JobStatus.FINISHED
+        time.sleep(1.0)
+        output = w1.output()
+    assert jobs[0].return_value() == 5, output
+    raw = rq_env.connection.lrange(_key("searched:s1"), 0, -1)
+    ran = [(int(n), float(t)) for n, t in (x.decode().split() for x in raw)]
+    assert [n for n, _ in ran] == [5]
+    assert 0.9 <= ran[0][1] - last_call <= 4.0
+
+
+def test_enqueue_debounced_needs_debounce():
+    with pytest.raises(ConfigError, match="enqueue_debounced needs debounce="):
+        rq_jobs.rebuild.enqueue_debounced(None, "s1", 1)

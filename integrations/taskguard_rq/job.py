@@ -18,11 +18,14 @@ token.
 
 from __future__ import annotations
 
+import base64
 import contextvars
+import datetime
 import functools
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +35,7 @@ from rq.job import Job
 from rq.registry import ScheduledJobRegistry
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
+from taskguard.debounce import due as window_due, publish as window_publish
 from taskguard.errors import LeaseLost
 from taskguard.overlap import Pending
 from taskguard.pacing import parse_state
@@ -172,7 +176,19 @@ def guarded_job(
             return unique.enqueue_unique(queue, guarded, args, kwargs)
 
         guarded.rate_limit_for = rate_limit_for  # type: ignore[attr-defined]
+
+        def enqueue_debounced(queue: Any, *args: Any, **kwargs: Any) -> Any:
+            """Enqueue a call of this job through its ``debounce`` window: the first call of a
+            window enqueues one job ``debounce`` seconds ahead (RQ's ``enqueue_in``: workers need
+            ``--with-scheduler``); later calls enqueue nothing, update the window's arguments and
+            return that job (``rq.job.Job``), which runs once with the last call's arguments.
+            ``kwargs`` are the function's own (RQ enqueue options cannot be passed here). Raises
+            ConfigError without ``debounce=``, what rendering the key raises for these arguments,
+            LeaseBackendError when Redis fails (nothing enqueued)."""
+            return _enqueue_debounced(queue, guarded, opts, label, locks, args, kwargs)
+
         guarded.enqueue_unique = enqueue_unique  # type: ignore[attr-defined]
+        guarded.enqueue_debounced = enqueue_debounced  # type: ignore[attr-defined]
         return guarded
 
     return decorate(func) if func is not None else decorate
@@ -225,6 +241,14 @@ def _run(
     key = opts.key.render(args, kwargs)
     locks = locks_for(given)
     run_id = job.id if job is not None else None
+    if job is not None and opts.debounce is not None and job.meta.get(DEBOUNCE_META_KEY) == key:
+        state, value = window_due(locks, key, job.id)
+        if state == "wait":  # arrived early (RQ's scheduler counts whole seconds): the rest of the window
+            job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
+            return Retry(max=10**9, interval=[max(1, math.ceil(value))])
+        if state == "gone":  # a copy of a window that ran already
+            return _report_skip(job, locks, name, opts, Skipped(key=key, reason=Reason.DEBOUNCED, task=name))
+        args, kwargs = _decode_call(job, value)  # the window closed: the latest call's arguments
     ex = Execution(
         task=name,
         run_id=run_id,
@@ -385,6 +409,44 @@ class _Hooks:
             log.info("job %s: stopped the replaced job %s", self.job.id, holder.run_id)
         except Exception as e:
             log.warning("job %s: could not stop the replaced job %s: %s", self.job.id, holder.run_id, e)
+
+
+#: ``job.meta`` entry of a ``debounce`` window's job: its lease key.
+DEBOUNCE_META_KEY = "taskguard_debounce"
+
+
+def _enqueue_debounced(
+    queue: Any,
+    guarded: Any,
+    opts: GuardOptions,
+    name: str,
+    given: Locks | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    if opts.debounce is None or opts.debounce_max is None:
+        raise ConfigError(f"job {name!r}: enqueue_debounced needs debounce= on @guarded_job")
+    key = opts.key.render(args, kwargs)
+    locks = locks_for(given)
+    job_id = str(uuid.uuid4())
+    body = base64.b64encode(queue.serializer.dumps((list(args), kwargs))).decode()
+    w = window_publish(locks, key, job_id, body, debounce=opts.debounce, debounce_max=opts.debounce_max)
+    if w.fresh:
+        return queue.enqueue_in(
+            datetime.timedelta(seconds=w.countdown),
+            guarded,
+            *args,
+            job_id=job_id,
+            meta={DEBOUNCE_META_KEY: key},
+            **kwargs,
+        )
+    locks.report_skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=name))
+    return Job.fetch(w.run_id, connection=queue.connection, serializer=queue.serializer)
+
+
+def _decode_call(job: Any, body: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    args, kwargs = job.serializer.loads(base64.b64decode(body))
+    return tuple(args), dict(kwargs)
 
 
 def _run_now(connection: Any, job_id: str, job: Any = None) -> bool:
