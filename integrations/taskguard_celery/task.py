@@ -77,7 +77,7 @@ class GuardedTask(Task):
     ``on_skip``, ``on_lost``, ``skip_retry_delay``, ``skip_max_retries``, ``max_hold``,
     ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``,
     ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``, ``unique``, ``unique_ttl``,
-    ``overlap``, ``replace_terminate`` (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
+    ``overlap``, ``replace_terminate``, ``debounce``, ``debounce_max`` (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
     :class:`taskguard.Locks`; see :mod:`taskguard_celery.config` for the default). They are
     validated when the task class is made; a bad one raises :class:`taskguard.ConfigError`.
 
@@ -111,6 +111,8 @@ class GuardedTask(Task):
     unique_ttl: float | None = OPTION_DEFAULTS["unique_ttl"]
     overlap: str = OPTION_DEFAULTS["overlap"]
     replace_terminate: bool = OPTION_DEFAULTS["replace_terminate"]
+    debounce: float | None = OPTION_DEFAULTS["debounce"]
+    debounce_max: float | None = OPTION_DEFAULTS["debounce_max"]
     locks: Locks | None = None
 
     #: The guard's options, validated when the class is made (``None``: a class without a guard).
