@@ -77,7 +77,8 @@ class GuardedTask(Task):
     ``on_skip``, ``on_lost``, ``skip_retry_delay``, ``skip_max_retries``, ``max_hold``,
     ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``,
     ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``, ``unique``, ``unique_ttl``,
-    ``overlap``, ``replace_terminate``, ``debounce``, ``debounce_max`` (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
+    ``overlap``, ``replace_terminate``, ``debounce``, ``debounce_max``
+    (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
     :class:`taskguard.Locks`; see :mod:`taskguard_celery.config` for the default). They are
     validated when the task class is made; a bad one raises :class:`taskguard.ConfigError`.
 
