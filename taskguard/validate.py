@@ -17,8 +17,8 @@ from typing import Any
 from .errors import ConfigError
 
 __all__ = ["MAX_SECONDS", "MIN_TTL", "check_seconds", "check_ttl", "check_fraction", "check_key", "check_token",
-           "check_name", "check_value", "check_run_id", "check_rate", "check_burst", "check_prefix", "check_callback",
-           "check_setting_names", "encodable"]
+           "check_name", "check_value", "check_run_id", "check_rate", "check_burst", "check_cost", "MAX_COST",
+           "check_prefix", "check_callback", "check_setting_names", "encodable"]
 
 #: Longest duration accepted anywhere, seconds (about 31 years; far inside Redis's PEXPIRE range).
 MAX_SECONDS = 1e9
@@ -195,7 +195,20 @@ def check_limit(limit: Any) -> int:
 
 
 def check_burst(burst: Any) -> int:
-    """A throttle's burst: a positive integer (how many calls may pass at once)."""
+    """A throttle's burst: a positive integer (how many cost units may pass at once; with
+    ``cost=1``, how many calls)."""
     if isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= 10**9:
-        raise ConfigError(f"burst must be an int from 1 to 10**9, got {burst!r}")
+        raise ConfigError(f"burst must be an int from 1 to 10**9 (cost units), got {burst!r}")
     return burst
+
+
+#: The largest cost of one call under a rate, in cost units (and of one :meth:`Locks.settle_cost`).
+MAX_COST = 10**9
+
+
+def check_cost(cost: Any, name: str = "cost") -> int:
+    """A call's cost under a rate: an ``int`` from 1 to :data:`MAX_COST` (cost units: tokens,
+    query points...)."""
+    if isinstance(cost, bool) or not isinstance(cost, int) or not 1 <= cost <= MAX_COST:
+        raise ConfigError(f"{name} must be an int from 1 to {MAX_COST} (cost units of one call), got {cost!r}")
+    return cost
