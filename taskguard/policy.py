@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from .errors import ConfigError
 from .keys import KeyTemplate
 from .once import Fingerprint
-from .validate import check_burst, check_limit, check_rate, check_seconds, check_ttl
+from .validate import check_burst, check_cost, check_limit, check_rate, check_seconds, check_ttl
 
-__all__ = ["GuardOptions", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS",
+__all__ = ["GuardOptions", "RateCost", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS",
            "check_option_names"]
 
 #: What a run that cannot get its lease does.
@@ -53,6 +53,7 @@ class GuardOptions:
     enforce: bool = True
     unique: bool = False
     unique_ttl: float | None = None
+    cost: Any = 1  # an int, or a RateCost of the call's arguments
 
     @classmethod
     def build(
@@ -84,6 +85,7 @@ class GuardOptions:
         enforce: bool = True,
         unique: bool = False,
         unique_ttl: float | None = None,
+        cost: int | Callable[..., int] = 1,
         allowed_on_skip: tuple[str, ...] = ON_SKIP,
     ) -> GuardOptions:
         """Validate options for the task ``name`` whose body is ``fn``.
@@ -115,7 +117,10 @@ class GuardOptions:
                 (:mod:`taskguard.pacing`).
             rate_key: the rate's key, a template or callable like ``key`` (default: the task
                 name, one rate for all its runs).
-            rate_burst: runs that may pass at once (default 1: evenly spaced).
+            rate_burst: cost units that may pass at once (default: ``cost`` when it is an int,
+                so with the default ``cost=1`` runs are evenly spaced; the rate's count, one
+                period's worth, when ``cost`` is a callable). A run costing more is refused
+                (ConfigError: at declaration for an int ``cost``, for that run for a callable).
             rate_max_wait: longest a run may wait for its turn, seconds from its first
                 deferral (default ``None``: no bound); past it the run is skipped with reason
                 ``"rate_limited"``.
@@ -137,6 +142,11 @@ class GuardOptions:
                 running publishes nothing and returns that run's handle (Celery; RQ:
                 ``enqueue_unique``). The lease stays the correctness boundary; this saves queue
                 space.
+            cost: what one run costs under ``rate``, in the rate's units (tokens, query points):
+                an ``int`` >= 1 (default 1: every run counts 1) or a callable receiving the
+                call's bound arguments as keyword arguments and returning an ``int`` >= 1 (e.g.
+                ``lambda prompt, **_: estimate_tokens(prompt)``), evaluated per run. The body may
+                correct it with :func:`taskguard.settle_cost`. Needs ``rate``.
             unique_ttl: seconds a queued mark lasts when its run never starts (its message lost),
                 plus any countdown (default: the publish's ``expires``, else 1 hour).
 
@@ -159,6 +169,18 @@ class GuardOptions:
             rate_template = None if rate is None else KeyTemplate(name if rate_key is None else rate_key, fn,
                                                                   skip_self=skip_self)
             rate_burst = None if rate_burst is None else check_burst(rate_burst)
+            if rate is None and not (type(cost) is int and cost == 1):
+                raise ConfigError("cost needs rate= (e.g. rate='90000/m', cost=lambda prompt, **_: len(prompt))")
+            run_cost: int | RateCost
+            if callable(cost):
+                run_cost = RateCost(cost, fn, skip_self=skip_self)
+                if rate_burst is None:
+                    rate_burst = cast("tuple[int, float]", rate)[0]  # one period's worth of cost units
+            else:
+                run_cost = check_cost(cost)
+                if rate_burst is not None and run_cost > rate_burst:
+                    raise ConfigError(f"cost {run_cost} exceeds rate_burst {rate_burst}: such a run could never pass; "
+                                      f"raise rate_burst to at least {run_cost}")
             rate_max_wait = None if rate_max_wait is None else check_seconds("rate_max_wait", rate_max_wait,
                                                                              allow_zero=True)
             once_ttl = check_seconds("once_ttl", once_ttl)
@@ -189,7 +211,7 @@ class GuardOptions:
             raise bad(f"skip_max_retries must be an int >= 0, got {skip_max_retries!r}")
         return cls(template, ttl, wait, renew, on_skip, on_lost, skip_retry_delay, skip_max_retries, max_hold,
                    continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait, once, once_ttl,
-                   fingerprint, once_max_bytes, enforce, unique, unique_ttl)
+                   fingerprint, once_max_bytes, enforce, unique, unique_ttl, run_cost)
 
     def once_policy(self, args: tuple[Any, ...], kwargs: dict[str, Any], dumps: Any = None, loads: Any = None) -> Any:
         """The :class:`~taskguard.once.OncePolicy` of one call (``None`` without ``once``), its
@@ -202,11 +224,43 @@ class GuardOptions:
 
         return OncePolicy(self.fingerprint.of(args, kwargs), self.once_ttl, dumps, loads, self.once_max_bytes)
 
+    def cost_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """What one call costs under the rate (``int``). Raises ConfigError when a cost callable
+        returns something other than an ``int`` from 1 to 10**9, TypeError when the arguments do
+        not bind, and whatever the callable raises."""
+        cost = self.cost
+        return cost if type(cost) is int else cast(RateCost, cost).of(args, kwargs)
+
     def retry_delay(self, holder_ttl: float | None) -> float:
         """Countdown for an ``on_skip="retry"`` retry, seconds."""
         if self.skip_retry_delay is not None:
             return self.skip_retry_delay
         return min(max(holder_ttl or 1.0, 1.0), self.ttl)
+
+
+class RateCost:
+    """A ``cost=`` callable bound to the task's signature: :meth:`of` one call."""
+
+    __slots__ = ("fn", "template")
+
+    def __init__(self, fn: Callable[..., Any], task_fn: Callable[..., Any], *, skip_self: bool = False) -> None:
+        import inspect
+
+        self.fn = fn
+        self.template = KeyTemplate("cost", task_fn, skip_self=skip_self)  # (for its binding only)
+        params = self.template.signature.parameters.values()
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            return  # the names a call passes are not known before it
+        try:
+            inspect.signature(fn).bind(**{p.name: None for p in params})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"cost callable {getattr(fn, '__name__', fn)!r} is called with the task's arguments "
+                              f"as keywords ({', '.join(p.name for p in params)}), which it does not take: {e}") \
+                from None
+
+    def of(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+        value = self.fn(**self.template.bind(tuple(args), kwargs))
+        return check_cost(value, f"the cost callable's value ({getattr(self.fn, '__name__', 'cost')})")
 
 
 def _defaults() -> dict[str, Any]:

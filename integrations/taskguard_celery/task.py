@@ -63,7 +63,7 @@ class GuardedTask(Task):
     Guard options are task options (``@app.task(base=GuardedTask, ttl=30, key=...)`` or
     ``@guarded_task(...)``): ``key``, ``ttl``, ``wait``, ``blocking_wait``, ``renew``,
     ``on_skip``, ``on_lost``, ``skip_retry_delay``, ``skip_max_retries``, ``max_hold``,
-    ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``,
+    ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``, ``cost``,
     ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``, ``unique``, ``unique_ttl``
     (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
     :class:`taskguard.Locks`; see :mod:`taskguard_celery.config` for the default). They are
@@ -90,6 +90,7 @@ class GuardedTask(Task):
     rate_key: Any = OPTION_DEFAULTS["rate_key"]
     rate_burst: int | None = OPTION_DEFAULTS["rate_burst"]
     rate_max_wait: float | None = OPTION_DEFAULTS["rate_max_wait"]
+    cost: Any = OPTION_DEFAULTS["cost"]
     once: bool = OPTION_DEFAULTS["once"]
     once_ttl: float = OPTION_DEFAULTS["once_ttl"]
     fingerprint: Any = OPTION_DEFAULTS["fingerprint"]

@@ -124,7 +124,7 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
     ``limit=N`` lets N jobs of one key run at once (a run finding every slot held is skipped,
     reason ``"limit"``); ``guarded.rate_limit_for(*args, **kwargs)`` gives RQ 3's own
     ``RateLimit`` for the same key and limit, so RQ parks jobs over it instead. ``rate=`` (with
-    ``rate_key``, ``rate_burst``, ``rate_max_wait``) defers a job over the rate to its booked turn
+    ``rate_key``, ``rate_burst``, ``rate_max_wait``, ``cost``) defers a job over the rate to its booked turn
     through RQ's scheduler (see :func:`_pace`), or skips it past ``rate_max_wait`` (reason
     ``"rate_limited"``).
     """
