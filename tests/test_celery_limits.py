@@ -226,3 +226,82 @@ def test_a_beat_entry_template_is_bound_to_its_task_at_start_and_a_bad_field_dro
     guard = entry_guard(task, task._taskguard, {"limit": 3, "rate": [1, 60], "rate_key": "per:{nope}"})
     assert guard.limit == 3 and guard.rate == (1, 60.0) and guard.rate_key.render(("t",), {}) == "tg.export"
     assert "ignoring the beat entry's rate_key option" in caplog.text
+
+
+# -- weighted rates (cost=) and back-off on 429 (RateLimited) -----------------------------------
+
+def _rows(redis_url, key):
+    return [x.decode().split() for x in redis.Redis.from_url(redis_url).lrange(key, 0, -1)]
+
+
+def test_a_weighted_rate_holds_in_cost_units_across_two_worker_processes(app, redis_url, prefix):
+    """40 calls of 5-60 tokens (1,410 in all) under 400 tokens/s with a burst of 100, on two
+    prefork workers: every call runs once (max_retries=0: deferrals are not retries), over at
+    least (1410 - 100) / 400 s, and the tokens admitted in any window of w seconds stay within
+    100 + 400 w (+ one call's cost for the edges of the measurement)."""
+    import random
+
+    rnd = random.Random(26)
+    tokens = [rnd.randint(5, 60) for _ in range(40)]
+    with WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w1, \
+            WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w2:
+        started = redis.Redis.from_url(redis_url).time()
+        started = started[0] + started[1] / 1e6
+        results = [app.tasks["tg.llm"].delay(n, t) for n, t in enumerate(tokens)]
+        values = [res.get(timeout=90) for res in results]
+        output = w1.output() + w2.output()
+    assert values == list(range(40)), output
+    rows = _rows(redis_url, f"{prefix}:llm")
+    assert sorted(int(x[1]) for x in rows) == list(range(40))  # each ran exactly once
+    admitted = sorted((float(x[2]), int(x[3])) for x in rows)
+    total = sum(tokens)
+    assert admitted[-1][0] - started >= (total - 100) / 400 - 0.1
+    for i, (t0, _) in enumerate(admitted):
+        for w in (0.25, 0.5, 1.0, 2.0):
+            units = sum(c for t, c in admitted[i:] if t < t0 + w)
+            assert units <= 100 + 400 * w + 60, (w, units, t0 - started)
+    assert all(float(x[0]) >= float(x[2]) - 0.005 for x in rows)  # no body before its admission
+    assert "Traceback" not in output and "MaxRetriesExceeded" not in output
+
+
+def test_a_body_settles_its_actual_cost_and_the_rate_follows(app, redis_url, prefix):
+    """Admitted at 10 tokens, the call reports 300: the rate state moves on by 290 tokens, so a
+    call costing 1 must wait about (300 - 99) / 400 s after it, not pass at once."""
+    locks = app.conf.taskguard_locks
+    with embedded_worker(app):
+        assert app.tasks["tg.llm"].delay(0, 10, actual=300).get(timeout=10) == 0
+        after = locks.throttle("llm", rate=(400, 1.0), burst=100, consume=False)
+    assert not after.allowed and 0.2 < after.retry_after <= 0.51, after
+    time.sleep(after.retry_after + 0.3)
+    with embedded_worker(app):
+        bad = app.tasks["tg.llm"].delay(1, 10, actual=-1)
+        with pytest.raises(ConfigError, match="settle_cost: the actual cost must be an int"):
+            bad.get(timeout=10)
+
+
+def test_a_429_pauses_the_rate_cluster_wide_and_defers_the_run_without_consuming_retries(app, redis_url, prefix):
+    """30 calls under 10/s (burst 2) on two prefork workers; call 8 raises RateLimited(retry_after=2)
+    the first time. With autoretry_for=(Exception,) and max_retries=0 every call still ends with
+    its value (the 429 consumed no retry and autoretry did not catch it); on the Redis clock no
+    body starts between the 429 (plus 0.3 s for runs already admitted when it was raised) and the
+    end of the pause, although booked turns fell inside it; the deferral is reported as
+    task-skipped with reason "backoff"."""
+    with EventLog(app, tasks=["tg.upstream"]) as events, \
+            WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w1, \
+            WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w2:
+        results = [app.tasks["tg.upstream"].delay(n, fail_on=8) for n in range(30)]
+        values = [res.get(timeout=90) for res in results]
+        output = w1.output() + w2.output()
+        backoffs = [e for e in events.wait_for("task-skipped", 1) if e["reason"] == "backoff"]
+    assert values == list(range(30)), output
+    rows = _rows(redis_url, f"{prefix}:up")
+    raised = [float(x[0]) for x in rows if x[1] == "429"]
+    assert len(raised) == 1
+    t429 = raised[0]
+    starts = [(float(x[0]), int(x[1]), int(x[2])) for x in rows if x[1] != "429"]
+    inside = [s for s in starts if t429 + 0.3 <= s[0] < t429 + 2.0]
+    assert inside == [], (inside, t429)
+    assert any(s[0] >= t429 + 2.0 for s in starts)  # the rest ran after the pause
+    assert [s[1] for s in starts].count(8) == 2 and all(s[2] == 0 for s in starts)  # no retry was counted
+    assert backoffs and backoffs[0]["retrying"], events
+    assert "Traceback" not in output and "MaxRetriesExceeded" not in output
