@@ -12,7 +12,7 @@ from .keys import KeyTemplate
 from .once import Fingerprint
 from .validate import check_burst, check_cost, check_limit, check_rate, check_seconds, check_ttl
 
-__all__ = ["GuardOptions", "RateCost", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS",
+__all__ = ["GuardOptions", "PerCall", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS",
            "check_option_names"]
 
 #: What a run that cannot get its lease does.
@@ -53,7 +53,8 @@ class GuardOptions:
     enforce: bool = True
     unique: bool = False
     unique_ttl: float | None = None
-    cost: Any = 1  # an int, or a RateCost of the call's arguments
+    cost: Any = 1  # an int, or a PerCall of the call's arguments
+    limit_fn: PerCall | None = None  # limit= given as a callable of the call's arguments
 
     @classmethod
     def build(
@@ -73,7 +74,7 @@ class GuardOptions:
         skip_max_retries: int = 3,
         max_hold: float | None = None,
         continue_on_skip: bool = False,
-        limit: int = 1,
+        limit: int | Callable[..., int] = 1,
         rate: Any = None,
         rate_key: str | Callable[..., str] | None = None,
         rate_burst: int | None = None,
@@ -110,7 +111,11 @@ class GuardOptions:
             limit: how many runs of one key may run at once (``int`` 1..100; default 1, one at
                 a time): each holds a lease in one of ``limit`` slots
                 (:meth:`taskguard.Locks.acquire`); a run finding them all taken is skipped with
-                reason ``"limit"`` (``on_skip`` applies as to a held lease).
+                reason ``"limit"`` (``on_skip`` applies as to a held lease). Or a callable
+                receiving the call's bound arguments as keyword arguments and returning that
+                ``int`` (``lambda tenant, **_: 10 if is_premium(tenant) else 2``), evaluated per
+                run (:meth:`limit_of`): a value out of range fails that run with ConfigError;
+                lowering a key's limit admits nobody new until fewer than the new value hold it.
             rate: a cluster-wide rate for the runs (``"N/s"``, ``"N/m"``, ``"N/h"``, ``"N/d"``
                 or ``(count, seconds)``; default ``None``: none), checked before the lease: a
                 run over it is deferred to its booked turn without consuming the task's retries
@@ -162,7 +167,8 @@ class GuardOptions:
             wait = check_seconds("wait", wait, allow_zero=True)
             max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
             skip_retry_delay = None if skip_retry_delay is None else check_seconds("skip_retry_delay", skip_retry_delay)
-            limit = check_limit(limit)
+            limit_fn = PerCall("limit", limit, fn, check_limit, skip_self=skip_self) if callable(limit) else None
+            limit = 1 if limit_fn is not None else check_limit(limit)
             rate = None if rate is None else check_rate(rate)
             if rate is None and (rate_key is not None or rate_burst is not None or rate_max_wait is not None):
                 raise ConfigError("rate_key, rate_burst and rate_max_wait need rate= (e.g. rate='100/m')")
@@ -171,9 +177,9 @@ class GuardOptions:
             rate_burst = None if rate_burst is None else check_burst(rate_burst)
             if rate is None and not (type(cost) is int and cost == 1):
                 raise ConfigError("cost needs rate= (e.g. rate='90000/m', cost=lambda prompt, **_: len(prompt))")
-            run_cost: int | RateCost
+            run_cost: int | PerCall
             if callable(cost):
-                run_cost = RateCost(cost, fn, skip_self=skip_self)
+                run_cost = PerCall("cost", cost, fn, check_cost, skip_self=skip_self)
                 if rate_burst is None:
                     rate_burst = cast("tuple[int, float]", rate)[0]  # one period's worth of cost units
             else:
@@ -211,7 +217,7 @@ class GuardOptions:
             raise bad(f"skip_max_retries must be an int >= 0, got {skip_max_retries!r}")
         return cls(template, ttl, wait, renew, on_skip, on_lost, skip_retry_delay, skip_max_retries, max_hold,
                    continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait, once, once_ttl,
-                   fingerprint, once_max_bytes, enforce, unique, unique_ttl, run_cost)
+                   fingerprint, once_max_bytes, enforce, unique, unique_ttl, run_cost, limit_fn)
 
     def once_policy(self, args: tuple[Any, ...], kwargs: dict[str, Any], dumps: Any = None, loads: Any = None) -> Any:
         """The :class:`~taskguard.once.OncePolicy` of one call (``None`` without ``once``), its
@@ -229,7 +235,13 @@ class GuardOptions:
         returns something other than an ``int`` from 1 to 10**9, TypeError when the arguments do
         not bind, and whatever the callable raises."""
         cost = self.cost
-        return cost if type(cost) is int else cast(RateCost, cost).of(args, kwargs)
+        return cost if type(cost) is int else cast(PerCall, cost).of(args, kwargs)
+
+    def limit_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """How many runs of this call's key may run at once (``int``): ``limit``, or a limit
+        callable's value for this call. Raises ConfigError for a value out of range (1..100),
+        TypeError when the arguments do not bind, and whatever the callable raises."""
+        return self.limit if self.limit_fn is None else self.limit_fn.of(args, kwargs)
 
     def retry_delay(self, holder_ttl: float | None) -> float:
         """Countdown for an ``on_skip="retry"`` retry, seconds."""
@@ -238,29 +250,36 @@ class GuardOptions:
         return min(max(holder_ttl or 1.0, 1.0), self.ttl)
 
 
-class RateCost:
-    """A ``cost=`` callable bound to the task's signature: :meth:`of` one call."""
+class PerCall:
+    """A guard option given as a callable of the call's arguments (``cost=``, ``limit=``), bound
+    to the task's signature: :meth:`of` gives its validated value for one call.
 
-    __slots__ = ("fn", "template")
+    The callable receives the call's bound arguments (defaults applied) as keyword arguments;
+    its signature is checked against the task's at declaration (ConfigError)."""
 
-    def __init__(self, fn: Callable[..., Any], task_fn: Callable[..., Any], *, skip_self: bool = False) -> None:
+    __slots__ = ("option", "fn", "template", "check")
+
+    def __init__(self, option: str, fn: Callable[..., Any], task_fn: Callable[..., Any],
+                 check: Callable[[Any, str], int], *, skip_self: bool = False) -> None:
         import inspect
 
-        self.fn = fn
-        self.template = KeyTemplate("cost", task_fn, skip_self=skip_self)  # (for its binding only)
+        self.option, self.fn, self.check = option, fn, check
+        self.template = KeyTemplate(option, task_fn, skip_self=skip_self)  # (for its binding only)
         params = self.template.signature.parameters.values()
         if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
             return  # the names a call passes are not known before it
         try:
             inspect.signature(fn).bind(**{p.name: None for p in params})
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"cost callable {getattr(fn, '__name__', fn)!r} is called with the task's arguments "
+            raise ConfigError(f"{option} callable {getattr(fn, '__name__', fn)!r} is called with the task's arguments "
                               f"as keywords ({', '.join(p.name for p in params)}), which it does not take: {e}") \
                 from None
 
     def of(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+        """The value for one call. Raises ConfigError for a value out of range, TypeError when the
+        arguments do not bind, and whatever the callable raises."""
         value = self.fn(**self.template.bind(tuple(args), kwargs))
-        return check_cost(value, f"the cost callable's value ({getattr(self.fn, '__name__', 'cost')})")
+        return self.check(value, f"the {self.option} callable's value ({getattr(self.fn, '__name__', self.option)})")
 
 
 def _defaults() -> dict[str, Any]:

@@ -187,10 +187,10 @@ def check_rate(rate: Any) -> tuple[int, float]:
 MAX_LIMIT = 100
 
 
-def check_limit(limit: Any) -> int:
+def check_limit(limit: Any, name: str = "limit") -> int:
     """A holder limit: an ``int`` from 1 (a lease) to :data:`MAX_LIMIT`."""
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise ConfigError(f"limit must be an int from 1 to {MAX_LIMIT} (how many holders at once), got {limit!r}")
+        raise ConfigError(f"{name} must be an int from 1 to {MAX_LIMIT} (how many holders at once), got {limit!r}")
     return limit
 
 

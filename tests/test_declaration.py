@@ -179,3 +179,22 @@ def test_a_cost_is_an_int_or_a_callable_of_the_call_and_sets_the_default_burst()
     with pytest.raises(ConfigError, match="cost callable's value"):
         bad.cost_of(("x",), {})
     assert "cost" in OPTION_NAMES and "cost" in RQ_OPTIONS
+
+
+def export_job(tenant, rows=1):
+    return rows
+
+
+def test_a_limit_is_an_int_or_a_callable_of_the_call_checked_per_run():
+    from taskguard.policy import GuardOptions
+
+    per_tenant = GuardOptions.build(export_job, name="t", key="export:{tenant}",
+                                    limit=lambda tenant, **_: 10 if tenant == "premium" else 2)
+    assert per_tenant.limit_of(("premium",), {}) == 10 and per_tenant.limit_of((), {"tenant": "free"}) == 2
+    for bad in (0, 101, "3", None):
+        out_of_range = GuardOptions.build(export_job, name="t", key="export:{tenant}",
+                                          limit=lambda tenant, v=bad, **_: v)
+        with pytest.raises(ConfigError, match=r"the limit callable's value .* must be an int from 1 to 100"):
+            out_of_range.limit_of(("x",), {})
+    with pytest.raises(ConfigError, match="limit callable .* which it does not take"):
+        GuardOptions.build(export_job, name="t", key="export:{tenant}", limit=lambda customer: 2)
