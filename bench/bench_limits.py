@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}..{ratios[-1]:.2f})"])
         print(f"{args.rounds} interleaved rounds x {args.ops} decisions per contender\n")
         print(fmt_table(["contender", "ops/s", "us/op", "p50 us", "p99 us", "vs 1x PING"], rows, align="lrrrrr"))
-        print("\n   a throttle decision is one round trip, weighted (cost=) or not, as the fixed window's is;"
-              "\n   the fixed window lets up to 2x the"
-              "\n   rate through across a window boundary and tells denied callers nothing about when to come back")
+        print("\n   a throttle decision is one round trip, weighted (cost=) or not, as the fixed window's is; the"
+              "\n   fixed window lets up to 2x the rate through across a window boundary and tells denied callers"
+              "\n   nothing about when to come back")
     finally:
         deleted, left = cleanup(admin, prefix)
         print(f"\ncleanup: deleted {deleted} keys under {prefix}; {left} left")
