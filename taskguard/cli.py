@@ -1,4 +1,4 @@
-"""The ``taskguard`` command: ``doctor``, ``leases``, ``release``, ``metrics``.
+"""The ``taskguard`` command: ``doctor``, ``leases``, ``release``, ``metrics``, ``rq-cron``.
 
 Every command takes ``--url`` (default: ``TASKGUARD_REDIS_URL``) and ``--prefix`` (default:
 ``TASKGUARD_PREFIX`` or ``taskguard``), and ``--json`` for scripts. Owner tokens are never shown.
@@ -216,6 +216,59 @@ def release(url: str | None, prefix: str | None, as_json: bool, key: str, force:
         click.echo(json.dumps({"key": key, "released": ok, "fencing_token": info.fencing_token}))
     else:
         click.echo(f"released {key!r}" if ok else f"{key!r} was released meanwhile")
+
+
+@main.command("rq-cron")
+@_url
+@_prefix
+@click.option("--rq-url", envvar="RQ_REDIS_URL",
+              help="Redis URL of RQ's queues and jobs (default: $RQ_REDIS_URL, else --url).")
+@click.option("--timezone", envvar="TASKGUARD_RQ_CRON_TIMEZONE",
+              help="IANA zone cron expressions are read in, the same for every scheduler of one --name "
+                   "(default: $TASKGUARD_RQ_CRON_TIMEZONE or UTC).")
+@click.option("--name", envvar="TASKGUARD_RQ_CRON_NAME",
+              help="Names the leader lease shared by the schedulers of one schedule (default: default).")
+@click.option("--leader-ttl", type=float, envvar="TASKGUARD_RQ_CRON_LEADER_TTL",
+              help="Seconds; a standby takes over within it after the leader dies (default 30).")
+@click.option("--catch-up", type=float, envvar="TASKGUARD_RQ_CRON_CATCH_UP",
+              help="Seconds a new leader still enqueues a slot that fell due during a hand-over "
+                   "(default: leader TTL + loop + 2; 0: none).")
+@click.option("--loop-interval", type=float, default=1.0, show_default=True,
+              help="Seconds between two looks at the schedule, at most.")
+@click.option("--logging-level", "-l", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False))
+@click.option("--path", "paths", multiple=True, default=["."], show_default=True,
+              help="Import path for the configuration and its jobs (as rq's --path).")
+@click.argument("config_path")
+def rq_cron(url: str | None, prefix: str | None, rq_url: str | None, timezone: str | None, name: str | None,
+            leader_ttl: float | None, catch_up: float | None, loop_interval: float, logging_level: str,
+            paths: tuple[str, ...], config_path: str) -> None:
+    """Run the `rq cron` configuration CONFIG_PATH (a module path or a .py file of
+    rq.cron.register(...) calls) with each slot enqueued once, however many of these run: one
+    leads and enqueues, the others stand by. Exits 78 when the configuration is refused."""
+    import logging
+
+    logging.basicConfig(level=logging_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    locks = _locks(url, prefix)
+    try:
+        from taskguard_rq.cron import EX_CONFIG, RQCronScheduler
+    except ImportError as e:
+        raise click.UsageError(f"taskguard rq-cron needs RQ (pip install 'taskguard[rq]'): {e}") from None
+    rq_source = rq_url or url
+    try:
+        if rq_url is not None:
+            check_url(rq_url, _source("rq_url", "RQ_REDIS_URL"))
+        scheduler = RQCronScheduler(redis.Redis.from_url(str(rq_source)), locks, config_path, leader_ttl=leader_ttl,
+                                    catch_up=catch_up, name=name, timezone=timezone, loop_interval=loop_interval)
+        scheduler.run()
+    except ConfigError as e:
+        click.echo(f"taskguard rq-cron cannot start: {e}", err=True)
+        sys.exit(EX_CONFIG)
+    except LeaseBackendError as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        locks.close()
 
 
 @main.command()

@@ -21,7 +21,7 @@ SHARED_URL = os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
 #: bindings and unacked bookkeeping, RQ's registries of queues and workers): deleted at the end
 #: when the suite created them (they did not exist when it started).
 SHARED_BOOKKEEPING = ("_kombu.binding.*", "unacked*", "rq:queues", "rq:workers", "rq:workers:*",
-                      "rq:scheduler*", "rq:wip*", "rq:*:intermediate", "celery*")
+                      "rq:scheduler*", "rq:cron*", "rq:wip*", "rq:*:intermediate", "celery*")
 
 
 #: The key prefixes handed out in this session (the ``prefix`` fixture): the session sweeps only

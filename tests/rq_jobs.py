@@ -244,3 +244,24 @@ def unique_outcome(name, seconds=0.0, fail=False):
     if fail:
         raise RuntimeError(f"{name} fails")
     return name
+
+
+def _cron_entry(entry: str) -> None:
+    from rq import get_current_job
+
+    job = get_current_job()
+    slot = (job.meta.get("taskguard_cron") or {}).get("slot", "-") if job is not None else "-"
+    _log(f"cron|{entry}|{slot}|{job.id if job is not None else '-'}|{time.time():.3f}")
+
+
+def cron_tick(entry: str) -> None:
+    """A periodic job of the rq-cron tests (unguarded): logs ``cron|entry|slot|job id|time``."""
+    _cron_entry(entry)
+
+
+@guarded_job(ttl=5, key="cron:{entry}")
+def cron_guarded(entry: str) -> dict:
+    """A guarded periodic job of the rq-cron tests: logs as :func:`cron_tick` and returns its lease."""
+    lease = current_lease()
+    _cron_entry(entry)
+    return {"key": lease.key, "ttl": lease.ttl, "fence": lease.fencing_token}

@@ -34,6 +34,7 @@ from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 
 from .config import locks_for
+from .cron_runs import entry_guard
 from .handles import drop_handle, load_handle, save_handle
 from .unique import clear_mark
 
@@ -197,6 +198,8 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
     """One guarded run: ``job``'s execution, or a direct call (``job`` ``None``). The arguments
     are bound first: a caller's wrong arguments raise their ``TypeError`` even where no Redis is
     configured."""
+    if job is not None:  # a job enqueued by `taskguard rq-cron`: its entry's guard options
+        opts = entry_guard(job, fn, name, opts)
     key = opts.key.render(args, kwargs)
     locks = locks_for(given)
     run_id = job.id if job is not None else None
