@@ -167,7 +167,8 @@ class GuardOptions:
             wait = check_seconds("wait", wait, allow_zero=True)
             max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
             skip_retry_delay = None if skip_retry_delay is None else check_seconds("skip_retry_delay", skip_retry_delay)
-            limit_fn = PerCall("limit", limit, fn, check_limit, skip_self=skip_self) if callable(limit) else None
+            limit_fn = PerCall("limit", limit, fn, check_limit, skip_self=skip_self, task=name) \
+                if callable(limit) else None
             limit = 1 if limit_fn is not None else check_limit(limit)
             rate = None if rate is None else check_rate(rate)
             if rate is None and (rate_key is not None or rate_burst is not None or rate_max_wait is not None):
@@ -179,7 +180,7 @@ class GuardOptions:
                 raise ConfigError("cost needs rate= (e.g. rate='90000/m', cost=lambda prompt, **_: len(prompt))")
             run_cost: int | PerCall
             if callable(cost):
-                run_cost = PerCall("cost", cost, fn, check_cost, skip_self=skip_self)
+                run_cost = PerCall("cost", cost, fn, check_cost, skip_self=skip_self, task=name)
                 if rate_burst is None:
                     rate_burst = cast("tuple[int, float]", rate)[0]  # one period's worth of cost units
             else:
@@ -257,13 +258,13 @@ class PerCall:
     The callable receives the call's bound arguments (defaults applied) as keyword arguments;
     its signature is checked against the task's at declaration (ConfigError)."""
 
-    __slots__ = ("option", "fn", "template", "check")
+    __slots__ = ("option", "fn", "template", "check", "task")
 
     def __init__(self, option: str, fn: Callable[..., Any], task_fn: Callable[..., Any],
-                 check: Callable[[Any, str], int], *, skip_self: bool = False) -> None:
+                 check: Callable[[Any, str], int], *, skip_self: bool = False, task: str = "") -> None:
         import inspect
 
-        self.option, self.fn, self.check = option, fn, check
+        self.option, self.fn, self.check, self.task = option, fn, check, task
         self.template = KeyTemplate(option, task_fn, skip_self=skip_self)  # (for its binding only)
         params = self.template.signature.parameters.values()
         if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
@@ -279,7 +280,11 @@ class PerCall:
         """The value for one call. Raises ConfigError for a value out of range, TypeError when the
         arguments do not bind, and whatever the callable raises."""
         value = self.fn(**self.template.bind(tuple(args), kwargs))
-        return self.check(value, f"the {self.option} callable's value ({getattr(self.fn, '__name__', self.option)})")
+        try:
+            return self.check(value, f"the {self.option} callable's value "
+                                     f"({getattr(self.fn, '__name__', self.option)})")
+        except ConfigError as e:
+            raise ConfigError(f"task {self.task!r}: {e}") from None
 
 
 def _defaults() -> dict[str, Any]:

@@ -401,6 +401,13 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     def export_retrying(self, tenant, seconds=0.3):
         return export_body(self.lease, tenant, seconds)
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.export_tiered", ttl=5, key="export:{tenant}",
+              limit=lambda tenant, **_: int(r.get(f"{prefix}:limit:{tenant}") or 1), on_skip="retry",
+              skip_retry_delay=0.2, skip_max_retries=200)
+    def export_tiered(self, tenant, seconds=0.4):
+        # the tenant's limit is read per run (a plan change applies to the next run)
+        return export_body(self.lease, tenant, seconds)
+
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.api_call", ttl=5, key="api:{n}", rate=(6, 1.0),
               rate_key="api", rate_burst=2, max_retries=0)
     def api_call(self, n):

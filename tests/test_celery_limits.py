@@ -305,3 +305,38 @@ def test_a_429_pauses_the_rate_cluster_wide_and_defers_the_run_without_consuming
     assert [s[1] for s in starts].count(8) == 2 and all(s[2] == 0 for s in starts)  # no retry was counted
     assert backoffs and backoffs[0]["retrying"], events
     assert "Traceback" not in output and "MaxRetriesExceeded" not in output
+
+
+# -- a limit that depends on the call (limit= a callable) --------------------------------------
+
+def test_a_per_call_limit_applies_per_run_and_lowering_it_admits_nobody_beside_the_holders(app, redis_url, prefix):
+    """limit=lambda tenant: the tenant's plan, read per run. 20 exports of one tenant on two
+    prefork workers (3 children each) under a limit of 4; after 0.8 s the plan drops to 1: no run
+    starts after that while another holds the key (the ledger's occupancy at every later entry is
+    1), and every export runs in the end. A tenant whose plan says 0 fails with ConfigError."""
+    r = redis.Redis.from_url(redis_url)
+    r.set(f"{prefix}:limit:acme", 4, ex=600)
+    r.set(f"{prefix}:limit:broken", 0, ex=600)
+    with WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w1, \
+            WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w2:
+        results = [app.tasks["tg.export_tiered"].delay("acme", seconds=0.4) for _ in range(20)]
+        time.sleep(0.8)
+        lowered = time.time()
+        r.set(f"{prefix}:limit:acme", 1, ex=600)
+        values = [res.get(timeout=90) for res in results]
+        broken = app.tasks["tg.export_tiered"].delay("broken")
+        with pytest.raises(ConfigError, match=r"tg.export_tiered': the limit callable's value .* 1 to 100 .*got 0"):
+            broken.get(timeout=20)
+        output = w1.output() + w2.output()
+    assert all(v in (0, 1, 2, 3) for v in values), (values, output)
+    entries = _ledger(redis_url, prefix, "export:acme")
+    assert len([e for e in entries if e[1] == 1]) == 20
+    assert ledger.peak(entries, 4) >= 3  # the first limit was used
+    inside = 0
+    late = 0
+    for at, step, _slot, _fence in entries:
+        inside += step
+        if step == 1 and at > lowered + 0.3:  # (a run whose limit was read just before the change)
+            late += 1
+            assert inside == 1, (at - lowered, inside)
+    assert late >= 5

@@ -255,8 +255,8 @@ class GuardedTask(Task):
             run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
                              holder={"task": self.name, "task_id": req.id}, max_hold=opts.max_hold,
                              run_id=run_id, task=self.name, on_lost=opts.on_lost, finished_ttl=finished_ttl,
-                             on_lost_report=self._report_lost, tag=self, delivery=stamp, limit=opts.limit, once=once,
-                             enforce=opts.enforce)
+                             on_lost_report=self._report_lost, tag=self, delivery=stamp,
+                             limit=opts.limit_of(args, kwargs), once=once, enforce=opts.enforce)
             # with a publish stamp, finished runs are known per delivery: no copy of a delivery whose
             # run finished runs again, whichever copy the broker hands out first (an ETA message held
             # past the visibility timeout runs on two workers at once); unstamped (a client without

@@ -149,7 +149,8 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
                 from rq import RateLimit
             except ImportError:
                 raise ConfigError("rate_limit_for needs RQ >= 3.0 (rq.RateLimit)") from None
-            return RateLimit(f"taskguard:{opts.key.render(args, kwargs)}", opts.limit)
+            return RateLimit(f"taskguard:{opts.key.render(args, kwargs)}",
+                             opts.limit_of(args, kwargs))
 
         guarded.taskguard_options = opts  # type: ignore[attr-defined]
         guarded.taskguard_locks = locks  # type: ignore[attr-defined]
@@ -213,7 +214,7 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
         once = opts.once_policy(args, kwargs, *_result_codec(job)) if opts.once else None
         run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
                          holder={"job": name, "job_id": run_id}, max_hold=opts.max_hold, run_id=run_id, task=name,
-                         on_lost=opts.on_lost, limit=opts.limit, once=once, enforce=opts.enforce)
+                         on_lost=opts.on_lost, limit=opts.limit_of(args, kwargs), once=once, enforce=opts.enforce)
         handle = load_handle(locks, run_id) if run_id is not None else None
         if handle is not None and handle.get("running"):
             # the handle of an execution that may still be running (an orphaned work-horse): never
