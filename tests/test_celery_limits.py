@@ -260,7 +260,9 @@ def test_a_weighted_rate_holds_in_cost_units_across_two_worker_processes(app, re
         for w in (0.25, 0.5, 1.0, 2.0):
             units = sum(c for t, c in admitted[i:] if t < t0 + w)
             assert units <= 100 + 400 * w + 60, (w, units, t0 - started)
-    assert all(float(x[0]) >= float(x[2]) - 0.005 for x in rows)  # no body before its admission
+    # (0.02 s: a worker's estimate of the Redis clock, which its booked turn is on, against TIME)
+    early = [round(float(x[2]) - float(x[0]), 4) for x in rows if float(x[0]) < float(x[2]) - 0.02]
+    assert not early, early  # no body before its admission
     assert "Traceback" not in output and "MaxRetriesExceeded" not in output
 
 

@@ -6,6 +6,7 @@ The guard runs where the body runs (``Task.__call__``): worker executions, direc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 from celery.utils.time import get_exponential_backoff_interval, maybe_iso8601
 
-from taskguard import ConfigError, Lease, LeaseBackendError, Locks
+from taskguard import ConfigError, Lease, LeaseBackendError, Locks, RateLimited, Skipped
 from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
@@ -238,13 +239,15 @@ class GuardedTask(Task):
             return skipping.duplicate(self, key, locks)
         stamp = read_header(req, PUBLISH_HEADER)
         stamp = stamp if isinstance(stamp, str) and stamp and not local else None
+        charge = None
         try:
             if opts.rate is not None:
                 # the rate first: a run deferred to its turn must not sit on a lease meanwhile
                 paced = rates.pace_run(self, opts, key, args, kwargs, locks, handle, local)
-                if paced is not None:
+                if isinstance(paced, Skipped):
                     uniqueness.clear(self, req)
                     return skipping.skip(self, paced, skips, locks)
+                charge = paced
             once = opts.once_policy(args, kwargs, *skipping.result_codec(self)) if opts.once else None
             run_id, finished_ttl = req.id or None, None if local else identity.finished_ttl(self, req)
             if slot_run is not None and not local:
@@ -286,9 +289,31 @@ class GuardedTask(Task):
         if not opts.enforce and run.reason is not None:
             skipping.report_shadow(self, run)
         entered.append(True)
-        with run:
+        try:
+            return self._run_body(run, req, args, kwargs, charge)
+        except RateLimited as exc:
+            if opts.enforce:
+                backed = rates.back_off_run(self, opts, args, kwargs, locks, exc, local)  # raises Retry when deferred
+                if backed is not None:
+                    return skipping.skip(self, backed, skips, locks)
+            else:
+                rates.back_off_run(self, opts, args, kwargs, locks, exc, local)
+            raise
+
+    def _run_body(self, run: GuardedRun, req: Any, args: tuple, kwargs: dict, charge: Any) -> Any:
+        """The body under ``run`` (and the rate's ``charge``, for settle_cost); how it ends says
+        how the run ends. A :class:`taskguard.RateLimited` hands the run back (enforced: it is
+        deferred past the pause by the caller)."""
+        with run, (charge if charge is not None else contextlib.nullcontext()):
             try:
                 result = self._body(req, args, kwargs)
+            except RateLimited:
+                if run.state == "running":
+                    if run.enforce:
+                        run.hand_back()  # it runs again after the pause
+                    else:
+                        run.fail()
+                raise
             except Retry:
                 if run.state == "running":  # a retry of another kind (on_skip of a nested call...)
                     run.hand_back()
@@ -382,6 +407,10 @@ class GuardedTask(Task):
         runs once this run has released the lease (see :mod:`taskguard_celery.identity`)."""
         run = self._current_run()
         req = self.request
+        if isinstance(exc, RateLimited) and run is not None and run.enforce and run.state == "running":
+            # an upstream 429 (autoretry_for=(Exception,) catches it in ``run`` first): not a
+            # retry; the guard defers the run past the pause without consuming max_retries
+            raise exc
         if run is None or req.called_directly or run.state != "running":
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         headers = {**(req.headers or {}), **(options.pop("headers", None) or {})}
