@@ -18,18 +18,20 @@ token.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any, cast
 
 from rq import Retry, get_current_job
 
-from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
+from taskguard import ConfigError, LeaseBackendError, Locks, RateLimited, Skipped, TaskSkipped
 from taskguard.keys import KeyTemplate
-from taskguard.pacing import pace, parse_state, shadow_check
+from taskguard.pacing import Pace, back_off, charging, pace, parse_state, shadow_reason
 from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 
@@ -204,10 +206,13 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
     key = opts.key.render(args, kwargs)
     locks = locks_for(given)
     run_id = job.id if job is not None else None
+    charge = None
     try:
         if opts.rate is not None:
             deferred = _pace(job, locks, name, opts, key, args, kwargs)
-            if deferred is not None:
+            if isinstance(deferred, charging):
+                charge = deferred
+            else:
                 if not isinstance(deferred, Retry):  # skipped past rate_max_wait: it will not run
                     clear_mark(locks, job)
                 return deferred  # (a Retry: deferred to its turn, still queued)
@@ -237,8 +242,12 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
         mirror_meta(job, key=key, shadow=run.reason)
     lease = run.lease
     if lease is None:  # shadow mode without the lease: the body runs unguarded
-        with run:
-            result = fn(*args, **kwargs)
+        with run, (charge if charge is not None else contextlib.nullcontext()):
+            try:
+                result = fn(*args, **kwargs)
+            except RateLimited as exc:
+                _back_off(job, locks, name, opts, key, args, kwargs, exc)
+                raise
         return result
     saved = None
     if run_id is not None:  # for GuardedWorker, should the work-horse be killed
@@ -250,9 +259,22 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
             run.hand_back()  # the body never ran: nothing is left locked
             raise
     mirror_meta(job, key=key, fence=lease.fencing_token, slot=lease.slot, outcome="running")
-    with run:
+    with run, (charge if charge is not None else contextlib.nullcontext()):
         try:
             result = fn(*args, **kwargs)
+        except RateLimited as exc:
+            if opts.enforce:
+                run.hand_back()  # it runs again after the pause
+                if job is not None:
+                    _quietly(drop_handle, locks, job.id, saved)
+                deferred = _back_off(job, locks, name, opts, key, args, kwargs, exc)
+                if deferred is not None:
+                    return deferred
+                raise
+            retry_in = job.get_retry_interval() if job is not None and job.retries_left else None
+            _end(job, locks, run, retry_in, "failed", saved)
+            _back_off(job, locks, name, opts, key, args, kwargs, exc)
+            raise
         except BaseException:
             retry_in = job.get_retry_interval() if job is not None and job.retries_left else None
             _end(job, locks, run, retry_in, "failed", saved)
@@ -299,55 +321,97 @@ def _quietly(fn: Callable[..., Any], *args: Any) -> None:
 
 
 def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args: tuple, kwargs: dict) -> Any:
-    """The job's ``rate`` (:func:`taskguard.pacing.pace`): ``None`` when it runs now; else what the
-    job function returns instead — a ``Retry`` that RQ's scheduler runs at the booked turn, or the
-    ``Skipped`` (reason ``"rate_limited"``) past ``rate_max_wait``. A deferral consumes neither the
-    job's own ``Retry`` (``retries_left``) nor its returned-``Retry`` count (``number_of_retries``,
-    which RQ bumps for the returned ``Retry``; it is set back first). It needs a worker running
-    RQ's scheduler (``rq worker --with-scheduler``). A direct call waits for its turn here."""
-    state = None
-    if job is not None:
-        try:
-            state = parse_state(job.meta.get(RATE_META_KEY))
-        except ValueError as e:
-            log.error("job %s: ignoring a malformed meta[%r] (%s); pacing it afresh", job.id, RATE_META_KEY, e)
+    """The job's ``rate`` (:func:`taskguard.pacing.pace`): a ``charging`` context for the body
+    (the rate key and the cost it was admitted at, for :func:`taskguard.settle_cost`) when it runs
+    now; else what the job function returns instead — a ``Retry`` that RQ's scheduler runs at the
+    booked turn, or the ``Skipped`` (reason ``"rate_limited"`` or ``"backoff"``) past
+    ``rate_max_wait``. A deferral consumes neither the job's own ``Retry`` (``retries_left``) nor
+    its returned-``Retry`` count (``number_of_retries``, which RQ bumps for the returned ``Retry``;
+    it is set back first). It needs a worker running RQ's scheduler (``rq worker
+    --with-scheduler``). A direct call waits for its turn here."""
+    state = _rate_state(job)
     rate_key = cast(KeyTemplate, opts.rate_key).render(args, kwargs)  # (a guard with a rate has its key)
     rate = cast("tuple[int, float]", opts.rate)
+    cost = opts.cost_of(args, kwargs)
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the job runs
-        if shadow_check(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                        max_countdown=RATE_MAX_COUNTDOWN, task=name):
-            log.info("%s: shadow mode: would have been rate-limited (%r); running it", name, rate_key)
-        return None
+        reason = shadow_reason(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
+                               max_countdown=RATE_MAX_COUNTDOWN, task=name, cost=cost)
+        if reason is not None:
+            log.info("%s: shadow mode: would have been %s (%r); running it", name,
+                     "rate-limited" if reason == "rate_limited" else "backing off", rate_key)
+        return charging(locks, rate_key, rate, cost, shadow=True)
     while True:
         p = pace(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                 max_countdown=RATE_MAX_COUNTDOWN, state=state)
+                 max_countdown=RATE_MAX_COUNTDOWN, state=state, cost=cost)
         if p.go:
             if p.countdown > 0:
                 time.sleep(p.countdown)  # RQ's scheduler counts whole seconds: wait for the booked turn
+                continue  # (and re-check it against a back-off pause)
             if job is not None and RATE_META_KEY in job.meta:
                 job.meta.pop(RATE_META_KEY)
                 _quietly_save_meta(job)
-            return None
+            return charging(locks, rate_key, rate, cost)
         if p.skip:
             if job is not None:
                 _release_kept(locks, job)
-            skipped = Skipped(key=rate_key, reason="rate_limited", task=name)
+            skipped = Skipped(key=rate_key, reason=p.reason, task=name)
             return _report_skip(job, locks, name, opts, skipped)
         if job is None:
             time.sleep(p.countdown)
             state = p.state
             continue
-        _release_kept(locks, job)  # a failed job's kept lease is not held through a rate wait
-        job.meta[RATE_META_KEY] = p.state  # saved by mirror_meta below
-        locks.report_skip(Skipped(key=rate_key, reason="rate_limited", task=name))
-        booked = p.state is not None and p.state.get("turn") is not None
-        log.info("job %s: rate-limited; %s in %.2fs", job.id, "its turn is booked" if booked else "it asks again",
-                 p.countdown)
-        mirror_meta(job, key=key, outcome="rate_limited")
-        job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
-        # whole seconds (RQ's Retry); rounded down, and the job waits out the rest of its turn on
-        # arrival, so the scheduler's rounding never bunches booked turns together
-        return Retry(max=10**9, interval=[int(p.countdown)])
+        return _defer(job, locks, name, key, rate_key, p)
+
+
+def _rate_state(job: Any) -> dict | None:
+    if job is None:
+        return None
+    try:
+        return parse_state(job.meta.get(RATE_META_KEY))
+    except ValueError as e:
+        log.error("job %s: ignoring a malformed meta[%r] (%s); pacing it afresh", job.id, RATE_META_KEY, e)
+        return None
+
+
+def _defer(job: Any, locks: Locks, name: str, key: str, rate_key: str, p: Pace) -> Retry:
+    """The ``Retry`` that brings ``job`` back in ``p.countdown`` seconds without consuming its
+    own retries (see :func:`_pace`); the deferral reported (reason ``p.reason``)."""
+    _release_kept(locks, job)  # a failed job's kept lease is not held through a rate wait
+    job.meta[RATE_META_KEY] = p.state  # saved by mirror_meta below
+    locks.report_skip(Skipped(key=rate_key, reason=p.reason, task=name))
+    booked = p.state is not None and p.state.get("turn") is not None
+    what = "rate-limited" if p.reason == "rate_limited" else "backoff (upstream rate limit)"
+    log.info("job %s: %s; %s in %.2fs", job.id, what, "its turn is booked" if booked else "it asks again",
+             p.countdown)
+    mirror_meta(job, key=key, outcome=p.reason)
+    job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
+    # whole seconds (RQ's Retry); rounded down, and the job waits out the rest of its turn on
+    # arrival, so the scheduler's rounding never bunches booked turns together
+    return Retry(max=10**9, interval=[int(p.countdown)])
+
+
+def _back_off(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args: tuple, kwargs: dict,
+              exc: RateLimited) -> Any:
+    """The body raised :class:`taskguard.RateLimited` (its run handed back): pause the rate key
+    cluster-wide (:func:`taskguard.pacing.back_off`; the job's own key when it has no rate) and
+    return what the job function returns instead: a ``Retry`` past the pause (reason
+    ``"backoff"``; the job's own ``Retry`` untouched), or the ``Skipped`` past
+    ``rate_max_wait``. ``None`` for a direct call and in shadow mode (the caller re-raises)."""
+    rate_key = exc.key if exc.key is not None else (
+        cast(KeyTemplate, opts.rate_key).render(args, kwargs) if opts.rate is not None else key)
+    p = back_off(locks, rate_key, exc.retry_after, max_wait=opts.rate_max_wait, max_countdown=RATE_MAX_COUNTDOWN,
+                 state=_rate_state(job), shadow=not opts.enforce)
+    if not opts.enforce:
+        locks.report_skip(Skipped(key=rate_key, reason="backoff", task=name), shadow=True)
+        log.info("%s: shadow mode: would have backed off %r for %.2fs", name, rate_key, p.countdown)
+        return None
+    if job is None:
+        return None
+    if p.skip:
+        return _report_skip(job, locks, name, opts, Skipped(key=rate_key, reason="backoff", task=name))
+    # (countdown rounded up: RQ's scheduler counts whole seconds and the pause must be over)
+    return _defer(job, locks, name, key, rate_key, Pace(False, countdown=float(math.ceil(p.countdown)),
+                                                        state=p.state, reason="backoff"))
 
 
 def _result_codec(job: Any) -> tuple[Any, Any]:
