@@ -265,3 +265,17 @@ def cron_guarded(entry: str) -> dict:
     lease = current_lease()
     _cron_entry(entry)
     return {"key": lease.key, "ttl": lease.ttl, "fence": lease.fencing_token}
+
+
+def _plan(tenant):
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    return int(r.get("{" + os.environ["TASKGUARD_PREFIX"] + ":limit:" + tenant + "}") or 1)
+
+
+@guarded_job(ttl=5, key="export:{tenant}", limit=lambda tenant, **_: _plan(tenant))
+def export_tiered(tenant, seconds=0.5):
+    lease = current_lease()
+    _ledger("in", f"export:{tenant}", lease)
+    time.sleep(seconds)
+    _ledger("out", f"export:{tenant}", lease)
+    return lease.slot

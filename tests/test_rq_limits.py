@@ -165,3 +165,26 @@ def test_a_429_pauses_the_rate_for_every_worker_and_defers_the_job_without_consu
     assert "backoff" in output
     jobs[3].refresh()
     assert jobs[3].meta["taskguard"]["outcome"] != "failed"
+
+
+def test_a_per_call_limit_is_read_per_job_and_lowering_it_admits_nobody_beside_the_holders(rq_env):
+    """limit=lambda tenant: the tenant's plan, read per job. Under a plan of 3, three exports run
+    at once on four workers; the plan drops to 1 while they run: the next two exports are skipped,
+    not admitted beside the three holders (reason "held": a limit of 1 is a plain lease)."""
+    r = rq_env.connection
+    plan = "{" + os.environ["TASKGUARD_PREFIX"] + ":limit:acme}"
+    r.set(plan, 3, ex=600)
+    with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2, RQWorker(rq_env) as w3, RQWorker(rq_env) as w4:
+        first = [rq_env.enqueue(rq_jobs.export_tiered, "acme", seconds=2.5) for _ in range(3)]
+        deadline = time.monotonic() + 10
+        while len(locks().holders("export:acme")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r.set(plan, 1, ex=600)
+        later = [rq_env.enqueue(rq_jobs.export_tiered, "acme", seconds=0.1) for _ in range(2)]
+        for job in first + later:
+            assert wait_done(job, timeout=30) == JobStatus.FINISHED
+        output = w1.output() + w2.output() + w3.output() + w4.output()
+    assert sorted(job.return_value() for job in first) == [0, 1, 2], output
+    skipped = [job.return_value() for job in later]
+    assert all(is_skipped(v) and v.reason == "held" for v in skipped), (skipped, output)
+    assert ledger.peak(_ledger(rq_env, "export:acme"), 3) == 3
