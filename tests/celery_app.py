@@ -442,6 +442,13 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
             raise RateLimited(retry_after=pause)
         return n
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.upstream_shadow", ttl=5, key="ups:{n}",
+              rate=(100, 1.0), rate_key="ups", cost=lambda n, **_: 60, enforce=False)
+    def upstream_shadow(self, n, pause=None):
+        if pause is not None:
+            raise RateLimited(retry_after=pause)
+        return n
+
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.api_hourly", ttl=5, key="apih:{n}", rate="1/h",
               rate_key="apih")
     def api_hourly(self, n):

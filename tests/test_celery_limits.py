@@ -342,3 +342,25 @@ def test_a_per_call_limit_applies_per_run_and_lowering_it_admits_nobody_beside_t
             late += 1
             assert inside == 1, (at - lowered, inside)
     assert late >= 5
+
+
+def test_shadow_mode_reports_a_weighted_rate_and_a_429_without_enforcing_them(app):
+    """enforce=False: two calls of cost 60 under 100/s (burst 60) run at once, the second reported
+    as would-be rate_limited; a body's RateLimited pauses the shadow state only (reported as
+    would-be backoff) and fails the call as the body's own exception; the enforced rate is untouched."""
+    from taskguard import RateLimited
+
+    locks = app.conf.taskguard_locks
+    task = app.tasks["tg.upstream_shadow"]
+    with EventLog(app, tasks=["tg.upstream_shadow"]) as events, embedded_worker(app):
+        calls = [events.track(task.delay(n)) for n in (1, 2)]
+        assert [c.get(timeout=10) for c in calls] == [1, 2]
+        with pytest.raises(RateLimited):
+            events.track(task.delay(3, pause=30)).get(timeout=10)
+        shadow = events.wait_for("task-guard-shadow", 3)
+    # calls 2 and 3 find the shadow state without room (60 units each, 100/s); call 3 then backs off
+    assert sorted(e["reason"] for e in shadow) == ["backoff", "rate_limited", "rate_limited"], shadow
+    assert not events.of("task-skipped")
+    assert locks.throttle("ups", rate=(100, 1.0), cost=60).allowed  # the enforced state: never consumed
+    paused = locks.throttle("ups", rate=(100, 1.0), cost=60, shadow=True, consume=False)
+    assert paused.paused and paused.retry_after > 25
