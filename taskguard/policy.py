@@ -11,6 +11,7 @@ from .errors import ConfigError
 from .keys import KeyTemplate
 from .once import Fingerprint
 from .validate import check_burst, check_cost, check_limit, check_rate, check_seconds, check_ttl
+from .values import OnLost, OnSkip
 
 __all__ = ["GuardOptions", "PerCall", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS",
            "check_option_names"]
@@ -20,10 +21,10 @@ __all__ = ["GuardOptions", "PerCall", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTI
 #: ``Ignore``, state SKIPPED for event consumers); ``retry``: try again later, bounded by
 #: ``skip_max_retries`` and ending in ``Skipped(reason="retry_exhausted")``; ``raise``: fail with
 #: ``TaskSkipped``.
-ON_SKIP = ("result", "ignore", "retry", "raise")
+ON_SKIP = tuple(m.value for m in OnSkip)
 #: What a run whose lease was lost while its body ran does: ``raise`` fails it with
 #: ``LeaseLost``; ``warn`` logs, reports and keeps its result.
-ON_LOST = ("raise", "warn")
+ON_LOST = tuple(m.value for m in OnLost)
 DEFAULT_TTL = 60.0
 
 
@@ -35,8 +36,8 @@ class GuardOptions:
     ttl: float
     wait: float
     renew: bool
-    on_skip: str
-    on_lost: str
+    on_skip: OnSkip
+    on_lost: OnLost
     skip_retry_delay: float | None
     skip_max_retries: int
     max_hold: float | None
@@ -216,8 +217,8 @@ class GuardOptions:
                 raise bad(f"{flag} must be True or False, got {value!r}")
         if isinstance(skip_max_retries, bool) or not isinstance(skip_max_retries, int) or skip_max_retries < 0:
             raise bad(f"skip_max_retries must be an int >= 0, got {skip_max_retries!r}")
-        return cls(template, ttl, wait, renew, on_skip, on_lost, skip_retry_delay, skip_max_retries, max_hold,
-                   continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait, once, once_ttl,
+        return cls(template, ttl, wait, renew, OnSkip(on_skip), OnLost(on_lost), skip_retry_delay, skip_max_retries,
+                   max_hold, continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait, once, once_ttl,
                    fingerprint, once_max_bytes, enforce, unique, unique_ttl, run_cost, limit_fn)
 
     def once_policy(self, args: tuple[Any, ...], kwargs: dict[str, Any], dumps: Any = None, loads: Any = None) -> Any:

@@ -20,6 +20,7 @@ While the body runs, ``with run:`` makes :func:`taskguard.context.current_lease`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -33,11 +34,12 @@ from .leasing import finished_id
 from .liveness import holder_is_dead
 from .policy import ON_LOST
 from .skipped import Skipped
+from .values import OnLost, Reason, RunState
 
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["GuardedRun", "SAME_RUN", "SHADOW_ONCE"]
+__all__ = ["GuardedRun", "RunRequest", "SAME_RUN", "SHADOW_ONCE"]
 
 log = logging.getLogger("taskguard")
 
@@ -50,11 +52,35 @@ SAME_RUN = ("report", "wait")
 SHADOW_ONCE = "shadow-once"
 
 
+@dataclasses.dataclass(frozen=True)
+class RunRequest:
+    """What one guarded run asks for (see :class:`GuardedRun` for each field)."""
+
+    key: str
+    ttl: float
+    wait: float = 0.0
+    renew: bool = True
+    holder: Mapping[str, Any] | None = None
+    max_hold: float | None = None
+    limit: int = 1
+    run_id: str | None = None
+    task: str | None = None
+    on_lost: str = OnLost.RAISE
+    finished_ttl: float | None = None
+    delivery: str | None = None
+    once: Any = None
+    enforce: bool = True
+
+
 class GuardedRun:
     """The lifecycle of one guarded run of ``key``.
 
+    ``GuardedRun(locks, RunRequest(key, ttl=..., ...), on_lost_report=..., tag=...)``; the
+    request's fields may also be given as keywords after the key: ``GuardedRun(locks, key, ttl=...)``.
+
     Args:
         locks: the :class:`~taskguard.Locks` to use.
+        request: a :class:`RunRequest`, or the lease key (``str``) with its fields as keywords:
         key: the lease key (``str``).
         ttl: lease TTL, seconds (float > 0).
         wait: seconds to wait for a lease held by another run before skipping (>= 0).
@@ -64,8 +90,8 @@ class GuardedRun:
         limit: how many runs may hold ``key`` at once (``int`` >= 1; see :meth:`Locks.acquire`).
         run_id: the identity of the run (a Celery task id, an RQ job id), or ``None``.
         task: the task name for skips, events and logs, or ``None``.
-        on_lost: ``"raise"`` (:meth:`finish` raises :class:`~taskguard.LeaseLost` when the
-            lease was lost while the body ran) or ``"warn"`` (log and carry on).
+        on_lost: :class:`~taskguard.values.OnLost`: ``"raise"`` (:meth:`finish` raises
+            :class:`~taskguard.LeaseLost` when the lease was lost while the body ran) or ``"warn"`` (log and carry on).
         finished_ttl: seconds a finished run's own marker is kept (see
             :meth:`~taskguard.Lease.release`); ``None``: no marker, only the key's fence record
             remembers its last finished run (the caller has another record of finished runs,
@@ -85,13 +111,15 @@ class GuardedRun:
 
     Attributes:
         lease: the held :class:`~taskguard.Lease` after a successful :meth:`begin`, else ``None``.
-        reason: why :meth:`begin` did not get the lease: ``"held"``, ``"limit"``, ``"wait_timeout"``,
+        reason: why :meth:`begin` did not get the lease (a :class:`~taskguard.values.Reason`
+            where it is one of them): ``"held"``, ``"limit"``, ``"wait_timeout"``,
             ``"duplicate"`` (this copy's run already finished), ``"running"`` (another
             execution of this run id holds it) or ``"once"`` (the key's work is done: see
             :meth:`stored_value`). In shadow mode: what the guard would have done (the body
             runs anyway), or ``None``.
         holder_ttl: seconds left on the holder's lease when not acquired, where known.
-        state: ``"new"``, ``"running"``, ``"skipped"``, ``"finished"``, ``"handed_back"`` or ``"kept"``.
+        state: a :class:`~taskguard.values.RunState`: ``"new"``, ``"running"``, ``"skipped"``,
+            ``"finished"``, ``"handed_back"`` or ``"kept"``.
         tag: free for the adapter (e.g. the Celery task object the run belongs to).
         delivery: which delivery of ``run_id`` this is, when an id can run more than once (a
             Celery publish stamp): finished runs are recorded per (``run_id``, ``delivery``).
@@ -100,27 +128,31 @@ class GuardedRun:
     :class:`~taskguard.Locks`.
     """
 
-    __slots__ = ("locks", "key", "ttl", "wait", "renew", "holder", "max_hold", "run_id", "task", "on_lost",
+    __slots__ = ("locks", "request", "key", "ttl", "wait", "renew", "holder", "max_hold", "run_id", "task", "on_lost",
                  "finished_ttl", "on_lost_report", "lease", "reason", "holder_ttl", "state", "tag", "_ctx", "delivery",
                  "limit", "once", "enforce", "_record")
 
-    def __init__(self, locks: Locks, key: str, *, ttl: float, wait: float = 0.0, renew: bool = True,
-                 holder: Mapping[str, Any] | None = None, max_hold: float | None = None, run_id: str | None = None,
-                 task: str | None = None, on_lost: str = "raise", finished_ttl: float | None = None,
+    def __init__(self, locks: Locks, request: RunRequest | str, *,
                  on_lost_report: Callable[[GuardedRun, str], None] | None = None, tag: Any = None,
-                 delivery: str | None = None, limit: int = 1, once: Any = None, enforce: bool = True) -> None:
-        if on_lost not in ON_LOST:
-            raise ConfigError(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
-        self.limit, self.once, self.enforce = limit, once, enforce
+                 **fields: Any) -> None:
+        if not isinstance(request, RunRequest):  # the keyword form: GuardedRun(locks, key, ttl=..., ...)
+            request = RunRequest(request, **fields)
+        elif fields:
+            raise TypeError(f"GuardedRun takes a RunRequest or a key with keywords, not both ({', '.join(fields)})")
+        if request.on_lost not in ON_LOST:
+            raise ConfigError(f"on_lost must be one of {ON_LOST}, got {request.on_lost!r}")
+        r = self.request = request
+        self.limit, self.once, self.enforce = r.limit, r.once, r.enforce
         self._record: dict[str, Any] | None = None
-        self.locks, self.key, self.ttl, self.wait, self.renew = locks, key, ttl, wait, renew
-        self.holder, self.max_hold, self.run_id, self.task = holder, max_hold, run_id, task
-        self.on_lost, self.finished_ttl, self.on_lost_report, self.tag = on_lost, finished_ttl, on_lost_report, tag
-        self.delivery = delivery
+        self.locks, self.key, self.ttl, self.wait, self.renew = locks, r.key, r.ttl, r.wait, r.renew
+        self.holder, self.max_hold, self.run_id, self.task = r.holder, r.max_hold, r.run_id, r.task
+        self.on_lost, self.finished_ttl, self.on_lost_report, self.tag = OnLost(r.on_lost), r.finished_ttl, \
+            on_lost_report, tag
+        self.delivery = r.delivery
         self.lease: Lease | None = None
         self.reason: str | None = None
         self.holder_ttl: float | None = None
-        self.state = "new"
+        self.state = RunState.NEW
         self._ctx: running | None = None
 
     def __repr__(self) -> str:
@@ -170,19 +202,19 @@ class GuardedRun:
         if not acq.acquired and self.run_id is not None and acq.holder_run == self.run_id:
             acq = self._same_run(acq, same_run, same_run_wait, refuse_finished)
         if not acq.acquired:
-            self.reason, self.holder_ttl = acq.reason or "held", acq.holder_ttl
+            self.reason, self.holder_ttl = Reason.of(acq.reason or Reason.HELD), acq.holder_ttl
             return False
         self.lease = acq.lease
-        self.state = "running"
+        self.state = RunState.RUNNING
         try:
             completed = self.once is not None and self._completed()  # completed between the check and the lease
         except BaseException:  # Redis failed, or another fingerprint completed it: the body will not run
             self.hand_back()
-            self.lease, self.state = None, "new"
+            self.lease, self.state = None, RunState.NEW
             raise
         if completed:
             self.hand_back()
-            self.lease, self.state = None, "new"
+            self.lease, self.state = None, RunState.NEW
             return False
         return True
 
@@ -200,7 +232,7 @@ class GuardedRun:
             return False
         if record["fp"] != self.once.fingerprint:
             raise IdempotencyConflict(self.key, self.task)
-        self._record, self.reason, self.holder_ttl = record, "once", None
+        self._record, self.reason, self.holder_ttl = record, Reason.ONCE, None
         return True
 
     def stored_value(self) -> Any:
@@ -208,8 +240,8 @@ class GuardedRun:
         (deserialised by the policy), after emitting the ``skip`` event (reason ``"once"``)."""
         from .once import record_value
 
-        self.state = "skipped"
-        self.locks.report_skip(Skipped(key=self.key, reason="once", task=self.task))
+        self.state = RunState.SKIPPED
+        self.locks.report_skip(Skipped(key=self.key, reason=Reason.ONCE, task=self.task))
         return record_value(self.once, self._record or {})
 
     def _begin_shadow(self, handle: Mapping[str, Any] | None = None) -> bool:
@@ -223,13 +255,13 @@ class GuardedRun:
             if self.once is not None:
                 try:
                     if self._completed():
-                        would = "once"
+                        would = Reason.ONCE
                 except IdempotencyConflict:
-                    would = "idempotency_conflict"
+                    would = Reason.IDEMPOTENCY_CONFLICT
                 if would is None:  # what earlier shadow runs of the key would have stored
                     done = self.locks.get_record(self.key, SHADOW_ONCE)
                     if done is not None:
-                        would = "once" if done == self._shadow_digest() else "idempotency_conflict"
+                        would = Reason.ONCE if done == self._shadow_digest() else Reason.IDEMPOTENCY_CONFLICT
             acq = None
             if handle is not None:
                 try:
@@ -243,14 +275,14 @@ class GuardedRun:
         except LeaseBackendError as e:
             log.warning("%s: shadow mode: the guard could not be evaluated (%s); running without a lease",
                         self._who(), e)
-            self.reason, self.state = "error", "running"
+            self.reason, self.state = "error", RunState.RUNNING
             return True
         if acq.acquired:
             self.lease = acq.lease
         elif would is None:
-            would, self.holder_ttl = acq.reason or "held", acq.holder_ttl
+            would, self.holder_ttl = Reason.of(acq.reason or Reason.HELD), acq.holder_ttl
         self.reason = would
-        self.state = "running"
+        self.state = RunState.RUNNING
         if would is not None:
             self.locks.report_skip(Skipped(key=self.key, reason=would, task=self.task, holder_ttl=self.holder_ttl),
                                    shadow=True)
@@ -296,7 +328,7 @@ class GuardedRun:
                 acq = self._acquire(step, refuse_finished)
             if acq.acquired or acq.holder_run != self.run_id:
                 return acq
-        return Acquisition(False, None, "running", acq.holder_ttl, acq.holder_run)
+        return Acquisition(False, None, Reason.RUNNING.value, acq.holder_ttl, acq.holder_run)
 
     # -- the body -------------------------------------------------------------------------------
     def call(self, fn: Callable[[Any], Any]) -> Any:
@@ -305,7 +337,7 @@ class GuardedRun:
         not be had; else ``fn``'s value after :meth:`finish`, or ``fn``'s exception after
         :meth:`fail`."""
         if not self.begin():
-            return self.stored_value() if self.reason == "once" else self.skip()
+            return self.stored_value() if self.reason == Reason.ONCE else self.skip()
         with self:
             try:
                 value = fn(self.lease)
@@ -334,10 +366,10 @@ class GuardedRun:
         :class:`~taskguard.LeaseLost`. A Redis error while releasing is logged (the TTL bounds
         the lease), never raised; a once value that cannot be stored raises ConfigError (the
         lease is released, nothing stored)."""
-        if self.once is not None and not self.enforce and self.state == "running" and self.lease is not None \
+        if self.once is not None and not self.enforce and self.state == RunState.RUNNING and self.lease is not None \
                 and self.reason is None:
             self._store_shadow_completion()  # before the release: the next holder sees it
-        lease = self._end("finished")
+        lease = self._end(RunState.FINISHED)
         if lease is None:
             return
         was_lost = lease.lost
@@ -362,21 +394,21 @@ class GuardedRun:
             reason = lease.lost_reason or "lost while the body ran"
             if self.on_lost_report is not None:
                 self.on_lost_report(self, reason)
-            if self.on_lost == "raise":
+            if self.on_lost == OnLost.RAISE:
                 raise LeaseLost(self.key, reason)
             log.warning("%s: lease %r was lost while the body ran (%s)", self._who(), self.key, reason)
 
     def fail(self) -> None:
         """The body raised and the run is over (its message is not requeued): release,
         recording it as finished. Never raises (the body's exception must win)."""
-        lease = self._end("finished")
+        lease = self._end(RunState.FINISHED)
         if lease is not None:
             self._release_quietly(lease, finished=True)
 
     def hand_back(self) -> None:
         """This execution ends but the run is not over (its message goes back to the queue, or
         the same id will run again): release without recording it as finished. Never raises."""
-        lease = self._end("handed_back")
+        lease = self._end(RunState.HANDED_BACK)
         if lease is not None:
             self._release_quietly(lease, finished=False)
 
@@ -384,16 +416,16 @@ class GuardedRun:
         """A retry of this run will claim the lease: stretch it to ``seconds`` from now, stop
         renewing it here and return the handle to persist with the retry (``None`` when the
         lease is no longer held; the retry then acquires afresh). Raises LeaseBackendError."""
-        lease = self._end("kept")
+        lease = self._end(RunState.KEPT)
         return None if lease is None else persist(lease, seconds)
 
     def release_kept(self, handle: Mapping[str, Any]) -> None:
         """:meth:`keep` handed the lease to a retry that was then never published (max retries
         exceeded, a publish error): the run ends here. Release the kept lease, recording the run as
         finished. Never raises (the caller's own exception must win)."""
-        if self.state != "kept":
+        if self.state != RunState.KEPT:
             return
-        self.state = "finished"
+        self.state = RunState.FINISHED
         lease = self.locks.restore(handle["key"], handle["owner"], ttl=self.ttl, fencing_token=handle["fence"])
         lease.run_id = self.run_id
         lease.finished_id = finished_id(self.run_id, self.delivery)
@@ -403,14 +435,14 @@ class GuardedRun:
         """The :class:`~taskguard.Skipped` value of a run that did not get its lease, after
         emitting the ``skip`` event (``report=False``: the caller reports it, e.g. after
         deciding on a retry)."""
-        self.state = "skipped"
-        skipped = Skipped(key=self.key, reason=self.reason or "held", task=self.task, holder_ttl=self.holder_ttl)
+        self.state = RunState.SKIPPED
+        skipped = Skipped(key=self.key, reason=self.reason or Reason.HELD, task=self.task, holder_ttl=self.holder_ttl)
         if report:
             self.locks.report_skip(skipped)
         return skipped
 
-    def _end(self, state: str) -> Lease | None:
-        if self.state != "running":
+    def _end(self, state: RunState) -> Lease | None:
+        if self.state != RunState.RUNNING:
             return None
         self.state = state
         return self.lease

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from .values import Reason
+
 __all__ = ["Skipped", "is_skipped", "SKIP_REASONS", "TAG"]
 
 #: Reasons the core and the adapters use. Others may be added; consumers must accept any string.
-SKIP_REASONS = ("held", "limit", "wait_timeout", "rate_limited", "once", "retry_exhausted", "duplicate", "running",
-                "stale_leader", "idempotency_conflict")
+SKIP_REASONS = tuple(r.value for r in Reason)
 
 #: Key and value marking the dict form of a ``Skipped`` (used where a serializer knows no
 #: custom types, e.g. msgpack or YAML result backends).
@@ -49,6 +51,10 @@ class Skipped:
     task: str | None = None
     holder_ttl: float | None = None
     at: float = dataclasses.field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.reason, enum.Enum):  # stored and pickled as the plain string: older readers
+            object.__setattr__(self, "reason", self.reason.value)
 
     def __bool__(self) -> bool:
         return False

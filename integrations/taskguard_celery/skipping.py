@@ -14,7 +14,7 @@ from taskguard import Locks, Skipped, TaskSkipped
 from .headers import DEFER_HEADER, HEADER, RATE_HEADER
 from .serialization import result_value
 
-__all__ = ["skip", "duplicate", "completed", "report_shadow", "result_codec", "send_event", "skip_count"]
+__all__ = ["skip", "duplicate", "completed", "result_codec", "send_event", "skip_count"]
 
 log = logging.getLogger("taskguard.celery")
 
@@ -29,25 +29,14 @@ def duplicate(task: Any, key: str, locks: Locks) -> Any:
     raise Ignore(f"duplicate of finished {task.name}[{req.id}]")
 
 
-def completed(task: Any, run: Any) -> Any:
-    """``once=True``: the key's work was completed by an earlier call; its stored value is this
+def completed(task: Any, key: str, value: Any) -> Any:
+    """``once=True``: the key's work was completed by an earlier call; its stored ``value`` is this
     run's result (reason ``"once"``, reported; the chain goes on: the value is the work's)."""
-    value = run.stored_value()
-    skipped = Skipped(key=run.key, reason="once", task=task.name)
-    send_event(task, "task-skipped", key=run.key, reason="once", holder_ttl=None, result=skipped.describe(),
+    skipped = Skipped(key=key, reason="once", task=task.name)
+    send_event(task, "task-skipped", key=key, reason="once", holder_ttl=None, result=skipped.describe(),
                retrying=False)
-    log.info("task %s[%s]: %r already completed; returning the stored value", task.name, task.request.id, run.key)
+    log.info("task %s[%s]: %r already completed; returning the stored value", task.name, task.request.id, key)
     return value
-
-
-def report_shadow(task: Any, run: Any) -> None:
-    """Shadow mode (``enforce=False``): the guard would have skipped this run (``run.reason``);
-    it runs anyway. A ``task-guard-shadow`` event, never ``task-skipped`` (which Flower would show
-    as the task's state); the core's skip event (``shadow=True``) was emitted by the run."""
-    send_event(task, "task-guard-shadow", key=run.key, reason=run.reason, holder_ttl=run.holder_ttl,
-               leased=run.lease is not None)
-    log.info("task %s[%s]: shadow mode: would have been skipped (%s, lease %r); running it", task.name,
-             task.request.id, run.reason, run.key)
 
 
 def result_codec(task: Any) -> tuple[Any, Any]:

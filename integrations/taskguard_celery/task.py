@@ -6,27 +6,28 @@ The guard runs where the body runs (``Task.__call__``): worker executions, direc
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, cast
+from typing import Any
 
 from celery import Task, shared_task
 from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 from celery.utils.time import get_exponential_backoff_interval, maybe_iso8601
 
-from taskguard import ConfigError, Lease, LeaseBackendError, Locks, RateLimited, Skipped
+from taskguard import ConfigError, LeaseBackendError, Locks, RateLimited
 from taskguard.context import current_lease, current_runs, running
 from taskguard.handoff import parse_handle, release_handle
+from taskguard.pipeline import Run, backed_off, decide
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 
-from . import identity, rates, setup, skipping, uniqueness
+from . import identity, setup, skipping, uniqueness
 from .beat_runs import beat_run, entry_guard
 from .config import locks_for
+from .decisions import CeleryHooks, execution, outcome
 from .headers import BEAT_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, new_publish_stamp, read_header
 
 __all__ = ["GuardedTask", "guarded_task", "current_lease", "HEADER"]  # current_lease: taskguard.context
@@ -234,77 +235,26 @@ class GuardedTask(Task):
         handle = header if isinstance(header, dict) and "owner" in header else None
         # a retry's message carries its one-shot handle: a second copy of it is a copy, not a publish
         redelivered = not local and (identity.is_redelivery(req) or handle is not None)
-        if redelivered and identity.finished_in_backend(self, req):
-            uniqueness.clear(self, req)
-            return skipping.duplicate(self, key, locks)
-        stamp = read_header(req, PUBLISH_HEADER)
-        stamp = stamp if isinstance(stamp, str) and stamp and not local else None
-        charge = None
-        try:
-            if opts.rate is not None:
-                # the rate first: a run deferred to its turn must not sit on a lease meanwhile
-                paced = rates.pace_run(self, opts, key, args, kwargs, locks, handle, local)
-                if isinstance(paced, Skipped):
-                    uniqueness.clear(self, req)
-                    return skipping.skip(self, paced, skips, locks)
-                charge = paced
-            once = opts.once_policy(args, kwargs, *skipping.result_codec(self)) if opts.once else None
-            run_id, finished_ttl = req.id or None, None if local else identity.finished_ttl(self, req)
-            if slot_run is not None and not local:
-                # a beat slot's messages share one run identity (the slot), whichever task id each
-                # has: a slot published again after a hand-over runs once
-                run_id, stamp = slot_run[0], None
-                finished_ttl = max(finished_ttl or 0.0, slot_run[1])
-            run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
-                             holder={"task": self.name, "task_id": req.id}, max_hold=opts.max_hold,
-                             run_id=run_id, task=self.name, on_lost=opts.on_lost, finished_ttl=finished_ttl,
-                             on_lost_report=self._report_lost, tag=self, delivery=stamp,
-                             limit=opts.limit_of(args, kwargs), once=once, enforce=opts.enforce)
-            # with a publish stamp, finished runs are known per delivery: no copy of a delivery whose
-            # run finished runs again, whichever copy the broker hands out first (an ETA message held
-            # past the visibility timeout runs on two workers at once); unstamped (a client without
-            # taskguard), only a redelivered copy is checked
-            began = run.begin(handle=handle, refuse_finished=redelivered or stamp is not None or slot_run is not None)
-        except Retry:
-            raise  # deferred to its turn under the rate: still queued
-        except BaseException:
-            uniqueness.clear(self, req)  # it will not run: no longer queued
-            raise
-        uniqueness.clear(self, req)  # it started, or will not run: no longer queued
-        if not began:
-            if run.reason == "once":
-                return skipping.completed(self, run)
-            if run.reason == "duplicate":
-                identity.end_chain(self, run)
-                return skipping.duplicate(self, key, locks)
-            if run.reason == "running":
-                identity.defer(self, run, redelivered)
-            return skipping.skip(self, run.skip(report=False), skips, locks)
-        if redelivered and opts.wait > 0 and identity.finished_in_backend(self, req):
-            # it waited behind other runs of the key: its own run may have finished meanwhile
-            run.hand_back()
-            identity.end_chain(self, run)
-            return skipping.duplicate(self, key, locks)
-        identity.end_chain(self, run)
-        if not opts.enforce and run.reason is not None:
-            skipping.report_shadow(self, run)
+        ex, hooks = execution(self, req, local, redelivered, slot_run), CeleryHooks(self, req, handle)
+        decision = decide(opts, key, args, kwargs, ex, hooks, locks)
+        if not isinstance(decision, Run):
+            return outcome(self, decision, skips, redelivered)
+        identity.end_chain(self, decision.run)
         entered.append(True)
         try:
-            return self._run_body(run, req, args, kwargs, charge)
-        except RateLimited as exc:
-            if opts.enforce:
-                backed = rates.back_off_run(self, opts, args, kwargs, locks, exc, local)  # raises Retry when deferred
-                if backed is not None:
-                    return skipping.skip(self, backed, skips, locks)
-            else:
-                rates.back_off_run(self, opts, args, kwargs, locks, exc, local)
-            raise
+            return self._run_body(decision, req, args, kwargs)
+        except RateLimited as exc:  # an upstream 429: the pipeline pauses the rate and decides
+            after = backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)
+            if after is None:
+                raise
+            return outcome(self, after, skips, redelivered)
 
-    def _run_body(self, run: GuardedRun, req: Any, args: tuple, kwargs: dict, charge: Any) -> Any:
-        """The body under ``run`` (and the rate's ``charge``, for settle_cost); how it ends says
-        how the run ends. A :class:`taskguard.RateLimited` hands the run back (enforced: it is
-        deferred past the pause by the caller)."""
-        with run, (charge if charge is not None else contextlib.nullcontext()):
+    def _run_body(self, decision: Run, req: Any, args: tuple, kwargs: dict) -> Any:
+        """The body under the decision's run (and its rate charge); how it ends (Celery's
+        exceptions) says how the run ends. A :class:`taskguard.RateLimited` hands the run back
+        (in shadow mode: fails it); the caller asks the pipeline what follows."""
+        run = decision.run
+        with run, decision.charging():
             try:
                 result = self._body(req, args, kwargs)
             except RateLimited:
@@ -361,10 +311,6 @@ class GuardedTask(Task):
     def _enclosing_run(key: str, locks: Locks) -> GuardedRun | None:
         return next((r for r in reversed(current_runs()) if isinstance(r, GuardedRun) and r.key == key
                      and r.locks is locks and r.state == "running"), None)
-
-    def _report_lost(self, run: GuardedRun, reason: str) -> None:
-        skipping.send_event(self, "task-lease-lost", key=run.key, reason=reason,
-                            fencing_token=cast(Lease, run.lease).fencing_token)
 
     # -- publishing ------------------------------------------------------------------------------
     def apply_async(self, args=None, kwargs=None, task_id=None, producer=None, link=None, link_error=None,

@@ -18,22 +18,21 @@ token.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import logging
 import math
-import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from rq import Retry, get_current_job
 
 from taskguard import ConfigError, LeaseBackendError, Locks, RateLimited, Skipped, TaskSkipped
-from taskguard.keys import KeyTemplate
-from taskguard.pacing import Pace, back_off, charging, pace, parse_state, shadow_reason
+from taskguard.pacing import parse_state
+from taskguard.pipeline import Execution, Run, Skip, Stored, backed_off, decide
 from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
+from taskguard.values import Reason, plain
 
 from .config import locks_for
 from .cron_runs import entry_guard
@@ -128,7 +127,7 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
     reason ``"limit"``); ``guarded.rate_limit_for(*args, **kwargs)`` gives RQ 3's own
     ``RateLimit`` for the same key and limit, so RQ parks jobs over it instead. ``rate=`` (with
     ``rate_key``, ``rate_burst``, ``rate_max_wait``, ``cost``) defers a job over the rate to its booked turn
-    through RQ's scheduler (see :func:`_pace`), or skips it past ``rate_max_wait`` (reason
+    through RQ's scheduler (:mod:`taskguard.pipeline`), or skips it past ``rate_max_wait`` (reason
     ``"rate_limited"``).
     """
 
@@ -151,8 +150,7 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
                 from rq import RateLimit
             except ImportError:
                 raise ConfigError("rate_limit_for needs RQ >= 3.0 (rq.RateLimit)") from None
-            return RateLimit(f"taskguard:{opts.key.render(args, kwargs)}",
-                             opts.limit_of(args, kwargs))
+            return RateLimit(f"taskguard:{opts.key.render(args, kwargs)}", opts.limit_of(args, kwargs))
 
         guarded.taskguard_options = opts  # type: ignore[attr-defined]
         guarded.taskguard_locks = locks  # type: ignore[attr-defined]
@@ -184,8 +182,8 @@ def _job_timeout(job: Any) -> float:
     return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else DEFAULT_JOB_TIMEOUT
 
 
-def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks | None, args: tuple,
-             kwargs: dict) -> Any:
+def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks | None, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
     job = get_current_job()
     if job is None or _performing.get() is job:
         return _run(fn, name, opts, locks, args, kwargs, None)  # a direct call
@@ -196,8 +194,8 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
         _performing.reset(token)
 
 
-def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | None, args: tuple, kwargs: dict,
-         job: Any) -> Any:
+def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | None, args: tuple[Any, ...],
+         kwargs: dict[str, Any], job: Any) -> Any:
     """One guarded run: ``job``'s execution, or a direct call (``job`` ``None``). The arguments
     are bound first: a caller's wrong arguments raise their ``TypeError`` even where no Redis is
     configured."""
@@ -206,47 +204,20 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
     key = opts.key.render(args, kwargs)
     locks = locks_for(given)
     run_id = job.id if job is not None else None
-    charge = None
-    try:
-        if opts.rate is not None:
-            deferred = _pace(job, locks, name, opts, key, args, kwargs)
-            if isinstance(deferred, charging):
-                charge = deferred
-            else:
-                if not isinstance(deferred, Retry):  # skipped past rate_max_wait: it will not run
-                    clear_mark(locks, job)
-                return deferred  # (a Retry: deferred to its turn, still queued)
-        once = opts.once_policy(args, kwargs, *_result_codec(job)) if opts.once else None
-        run = GuardedRun(locks, key, ttl=opts.ttl, wait=opts.wait, renew=opts.renew,
-                         holder={"job": name, "job_id": run_id}, max_hold=opts.max_hold, run_id=run_id, task=name,
-                         on_lost=opts.on_lost, limit=opts.limit_of(args, kwargs), once=once, enforce=opts.enforce)
-        handle = load_handle(locks, run_id) if run_id is not None else None
-        if handle is not None and handle.get("running"):
-            # the handle of an execution that may still be running (an orphaned work-horse): never
-            # take its lease over; wait for it like any earlier execution of this job id
-            handle = None
-        began = run.begin(handle=handle, same_run="wait", same_run_wait=_job_timeout(job))
-    except BaseException:
-        clear_mark(locks, job)  # it will not run: no longer queued
-        raise
-    clear_mark(locks, job)  # it started, or will not run: no longer queued
-    if not began:
-        if run.reason == "once":
-            value = run.stored_value()
-            log.info("%s: %r already completed; returning the stored value", name, key)
-            mirror_meta(job, key=key, outcome="once")
-            return value
-        return _skip(job, locks, name, opts, run)
-    if not opts.enforce and run.reason is not None:
-        log.info("%s: shadow mode: would have been skipped (%s, lease %r); running it", name, run.reason, key)
-        mirror_meta(job, key=key, shadow=run.reason)
+    ex = Execution(task=name, run_id=run_id, holder={"job": name, "job_id": run_id}, local=job is None,
+                   same_run="wait", same_run_wait=_job_timeout(job))
+    decision = decide(opts, key, args, kwargs, ex, _Hooks(locks, job, name), locks)
+    if not isinstance(decision, Run):
+        return _outcome(job, locks, name, opts, key, decision)
+    run = decision.run
     lease = run.lease
+    hooks = _Hooks(locks, job, name)
     if lease is None:  # shadow mode without the lease: the body runs unguarded
-        with run, (charge if charge is not None else contextlib.nullcontext()):
+        with run, decision.charging():
             try:
                 result = fn(*args, **kwargs)
             except RateLimited as exc:
-                _back_off(job, locks, name, opts, key, args, kwargs, exc)
+                backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)  # (shadow: reported only)
                 raise
         return result
     saved = None
@@ -259,22 +230,21 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
             run.hand_back()  # the body never ran: nothing is left locked
             raise
     mirror_meta(job, key=key, fence=lease.fencing_token, slot=lease.slot, outcome="running")
-    with run, (charge if charge is not None else contextlib.nullcontext()):
+    with run, decision.charging():
         try:
             result = fn(*args, **kwargs)
-        except RateLimited as exc:
-            if opts.enforce:
+        except RateLimited as exc:  # an upstream 429: the pipeline pauses the rate and decides
+            if not opts.enforce:
+                retry_in = job.get_retry_interval() if job is not None and job.retries_left else None
+                _end(job, locks, run, retry_in, "failed", saved)
+            else:
                 run.hand_back()  # it runs again after the pause
                 if job is not None:
                     _quietly(drop_handle, locks, job.id, saved)
-                deferred = _back_off(job, locks, name, opts, key, args, kwargs, exc)
-                if deferred is not None:
-                    return deferred
+            after = backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)
+            if after is None:
                 raise
-            retry_in = job.get_retry_interval() if job is not None and job.retries_left else None
-            _end(job, locks, run, retry_in, "failed", saved)
-            _back_off(job, locks, name, opts, key, args, kwargs, exc)
-            raise
+            return _outcome(job, locks, name, opts, key, after)
         except BaseException:
             retry_in = job.get_retry_interval() if job is not None and job.retries_left else None
             _end(job, locks, run, retry_in, "failed", saved)
@@ -291,6 +261,95 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
             _quietly(drop_handle, locks, job.id, saved)
     mirror_meta(job, outcome="ran")
     return result
+
+
+class _Hooks:
+    """:class:`taskguard.pipeline.Hooks` for one execution of a job (``job`` ``None``: a direct call)."""
+
+    __slots__ = ("locks", "job", "name")
+
+    def __init__(self, locks: Locks, job: Any, name: str) -> None:
+        self.locks, self.job, self.name = locks, job, name
+
+    def persisted_handle(self) -> dict[str, Any] | None:
+        handle = load_handle(self.locks, self.job.id) if self.job is not None else None
+        # the handle of an execution that may still be running (an orphaned work-horse): never
+        # take its lease over; wait for it like any earlier execution of this job id
+        return None if handle is not None and handle.get("running") else handle
+
+    def release_handle(self, handle: Any) -> None:
+        """Release the lease a failed execution of the job kept for its retry."""
+        try:
+            self.locks.restore(handle["key"], handle["owner"], ttl=1.0).release()
+            drop_handle(self.locks, self.job.id)
+        except (LeaseBackendError, ConfigError) as e:
+            log.warning("job %s: could not release its kept lease before a rate wait: %s", self.job.id, e)
+
+    def finished(self) -> bool:
+        return False  # every execution of a job is a run (RQ has no per-enqueue identity)
+
+    def clear_mark(self) -> None:
+        clear_mark(self.locks, self.job)
+
+    def result_codec(self) -> Any:
+        return _result_codec(self.job)
+
+    def rate_state(self) -> dict[str, Any] | None:
+        if self.job is None:
+            return None
+        try:
+            return parse_state(self.job.meta.get(RATE_META_KEY))
+        except ValueError as e:
+            log.error("job %s: ignoring a malformed meta[%r] (%s); pacing it afresh", self.job.id, RATE_META_KEY, e)
+            return None
+
+    def rate_bound(self) -> float:
+        return RATE_MAX_COUNTDOWN
+
+    def rate_go(self) -> None:
+        job = self.job
+        if job is not None and RATE_META_KEY in job.meta:
+            job.meta.pop(RATE_META_KEY)
+            _quietly_save_meta(job)
+
+    def shadow(self, key: str, reason: str, holder_ttl: float | None, leased: bool, rate: bool) -> None:
+        if rate:
+            log.info("%s: shadow mode: would have been %s (%r); running it", self.name,
+                     "rate-limited" if reason == Reason.RATE_LIMITED else "backing off", key)
+            return
+        log.info("%s: shadow mode: would have been skipped (%s, lease %r); running it", self.name, reason, key)
+        mirror_meta(self.job, key=key, shadow=reason)
+
+    def lost(self, run: GuardedRun, reason: str) -> None:
+        pass
+
+
+def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d: Any) -> Any:
+    """What a decision other than ``Run`` means for a job (RQ never sees a ``Duplicate``: no copy
+    of a job is refused as finished)."""
+    if isinstance(d, Stored):
+        log.info("%s: %r already completed; returning the stored value", name, key)
+        mirror_meta(job, key=key, outcome="once")
+        return d.value
+    if isinstance(d, Skip):
+        return _report_skip(job, locks, name, opts, d.skipped)
+    if d.why == Reason.RUNNING:  # an earlier execution of this job id outlasted the wait
+        raise TaskSkipped(key, Reason.RUNNING.value, name, d.run.holder_ttl)
+    # deferred to its rate turn: RQ's scheduler runs it again (rq worker --with-scheduler). A
+    # deferral consumes neither the job's own Retry (retries_left) nor its returned-Retry count
+    # (number_of_retries, which RQ bumps for the returned Retry: it is set back first)
+    job.meta[RATE_META_KEY] = d.state  # saved by mirror_meta below
+    booked = d.state is not None and d.state.get("turn") is not None
+    what = "backoff (upstream rate limit)" if d.why == Reason.BACKOFF else "rate-limited"
+    log.info("job %s: %s; %s in %.2fs", job.id, what, "its turn is booked" if booked else "it asks again",
+             d.countdown)
+    mirror_meta(job, key=key, outcome=plain(d.why))
+    job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
+    # whole seconds (RQ's Retry): a turn rounded down (the job waits out the rest of its turn on
+    # arrival, so the scheduler's rounding never bunches booked turns together); a back-off pause
+    # rounded up (asking again inside the pause would only defer once more)
+    countdown = math.ceil(d.countdown) if d.why == Reason.BACKOFF else int(d.countdown)
+    return Retry(max=10**9, interval=[countdown])
 
 
 def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcome: str, saved: str | None) -> None:
@@ -320,100 +379,6 @@ def _quietly(fn: Callable[..., Any], *args: Any) -> None:
         log.warning("could not drop a stored lease handle: %s", e)
 
 
-def _pace(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args: tuple, kwargs: dict) -> Any:
-    """The job's ``rate`` (:func:`taskguard.pacing.pace`): a ``charging`` context for the body
-    (the rate key and the cost it was admitted at, for :func:`taskguard.settle_cost`) when it runs
-    now; else what the job function returns instead — a ``Retry`` that RQ's scheduler runs at the
-    booked turn, or the ``Skipped`` (reason ``"rate_limited"`` or ``"backoff"``) past
-    ``rate_max_wait``. A deferral consumes neither the job's own ``Retry`` (``retries_left``) nor
-    its returned-``Retry`` count (``number_of_retries``, which RQ bumps for the returned ``Retry``;
-    it is set back first). It needs a worker running RQ's scheduler (``rq worker
-    --with-scheduler``). A direct call waits for its turn here."""
-    state = _rate_state(job)
-    rate_key = cast(KeyTemplate, opts.rate_key).render(args, kwargs)  # (a guard with a rate has its key)
-    rate = cast("tuple[int, float]", opts.rate)
-    cost = opts.cost_of(args, kwargs)
-    if not opts.enforce:  # shadow mode: checked, not consumed; reported; the job runs
-        reason = shadow_reason(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                               max_countdown=RATE_MAX_COUNTDOWN, task=name, cost=cost)
-        if reason is not None:
-            log.info("%s: shadow mode: would have been %s (%r); running it", name,
-                     "rate-limited" if reason == "rate_limited" else "backing off", rate_key)
-        return charging(locks, rate_key, rate, cost, shadow=True)
-    while True:
-        p = pace(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                 max_countdown=RATE_MAX_COUNTDOWN, state=state, cost=cost)
-        if p.go:
-            if p.countdown > 0:
-                time.sleep(p.countdown)  # RQ's scheduler counts whole seconds: wait for the booked turn
-                continue  # (and re-check it against a back-off pause)
-            if job is not None and RATE_META_KEY in job.meta:
-                job.meta.pop(RATE_META_KEY)
-                _quietly_save_meta(job)
-            return charging(locks, rate_key, rate, cost)
-        if p.skip:
-            if job is not None:
-                _release_kept(locks, job)
-            skipped = Skipped(key=rate_key, reason=p.reason, task=name)
-            return _report_skip(job, locks, name, opts, skipped)
-        if job is None:
-            time.sleep(p.countdown)
-            state = p.state
-            continue
-        return _defer(job, locks, name, key, rate_key, p)
-
-
-def _rate_state(job: Any) -> dict | None:
-    if job is None:
-        return None
-    try:
-        return parse_state(job.meta.get(RATE_META_KEY))
-    except ValueError as e:
-        log.error("job %s: ignoring a malformed meta[%r] (%s); pacing it afresh", job.id, RATE_META_KEY, e)
-        return None
-
-
-def _defer(job: Any, locks: Locks, name: str, key: str, rate_key: str, p: Pace) -> Retry:
-    """The ``Retry`` that brings ``job`` back in ``p.countdown`` seconds without consuming its
-    own retries (see :func:`_pace`); the deferral reported (reason ``p.reason``)."""
-    _release_kept(locks, job)  # a failed job's kept lease is not held through a rate wait
-    job.meta[RATE_META_KEY] = p.state  # saved by mirror_meta below
-    locks.report_skip(Skipped(key=rate_key, reason=p.reason, task=name))
-    booked = p.state is not None and p.state.get("turn") is not None
-    what = "rate-limited" if p.reason == "rate_limited" else "backoff (upstream rate limit)"
-    log.info("job %s: %s; %s in %.2fs", job.id, what, "its turn is booked" if booked else "it asks again",
-             p.countdown)
-    mirror_meta(job, key=key, outcome=p.reason)
-    job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
-    # whole seconds (RQ's Retry); rounded down, and the job waits out the rest of its turn on
-    # arrival, so the scheduler's rounding never bunches booked turns together
-    return Retry(max=10**9, interval=[int(p.countdown)])
-
-
-def _back_off(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, args: tuple, kwargs: dict,
-              exc: RateLimited) -> Any:
-    """The body raised :class:`taskguard.RateLimited` (its run handed back): pause the rate key
-    cluster-wide (:func:`taskguard.pacing.back_off`; the job's own key when it has no rate) and
-    return what the job function returns instead: a ``Retry`` past the pause (reason
-    ``"backoff"``; the job's own ``Retry`` untouched), or the ``Skipped`` past
-    ``rate_max_wait``. ``None`` for a direct call and in shadow mode (the caller re-raises)."""
-    rate_key = exc.key if exc.key is not None else (
-        cast(KeyTemplate, opts.rate_key).render(args, kwargs) if opts.rate is not None else key)
-    p = back_off(locks, rate_key, exc.retry_after, max_wait=opts.rate_max_wait, max_countdown=RATE_MAX_COUNTDOWN,
-                 state=_rate_state(job), shadow=not opts.enforce)
-    if not opts.enforce:
-        locks.report_skip(Skipped(key=rate_key, reason="backoff", task=name), shadow=True)
-        log.info("%s: shadow mode: would have backed off %r for %.2fs", name, rate_key, p.countdown)
-        return None
-    if job is None:
-        return None
-    if p.skip:
-        return _report_skip(job, locks, name, opts, Skipped(key=rate_key, reason="backoff", task=name))
-    # (countdown rounded up: RQ's scheduler counts whole seconds and the pause must be over)
-    return _defer(job, locks, name, key, rate_key, Pace(False, countdown=float(math.ceil(p.countdown)),
-                                                        state=p.state, reason="backoff"))
-
-
 def _result_codec(job: Any) -> tuple[Any, Any]:
     """``(dumps, loads)`` storing a ``once`` value as RQ stores the job's results: the job's
     serializer (RQ's default: pickle; rq/serializers.py ``resolve_serializer``)."""
@@ -430,28 +395,11 @@ def _result_codec(job: Any) -> tuple[Any, Any]:
     return dumps, loads
 
 
-def _release_kept(locks: Locks, job: Any) -> None:
-    """Release the lease a failed execution of ``job`` kept for its retry, if any."""
-    try:
-        handle = load_handle(locks, job.id)
-        if handle is not None and not handle.get("running"):
-            locks.restore(handle["key"], handle["owner"], ttl=1.0).release()
-            drop_handle(locks, job.id)
-    except (LeaseBackendError, ConfigError) as e:
-        log.warning("job %s: could not release its kept lease before a rate wait: %s", job.id, e)
-
-
 def _quietly_save_meta(job: Any) -> None:
     try:
         job.save_meta()
     except Exception as e:
         log.warning("job %s: could not save meta: %s", job.id, e)
-
-
-def _skip(job: Any, locks: Locks, name: str, opts: GuardOptions, run: GuardedRun) -> Any:
-    if run.reason == "running":  # an earlier execution of this job id outlasted the wait
-        raise TaskSkipped(run.key, "running", name, run.holder_ttl)
-    return _report_skip(job, locks, name, opts, run.skip(report=False))
 
 
 def _report_skip(job: Any, locks: Locks, name: str, opts: GuardOptions, skipped: Skipped) -> Any:

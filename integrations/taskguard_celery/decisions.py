@@ -1,0 +1,151 @@
+"""Celery's side of the guard pipeline (:mod:`taskguard.pipeline`): the hooks it calls, and what
+each of its decisions means for a Celery execution.
+
+* :class:`Run` — the task runs its body (``GuardedTask``);
+* :class:`Skip` — per ``on_skip`` (:func:`taskguard_celery.skipping.skip`);
+* :class:`Defer` for a rate turn (``"rate_limited"``) or past a back-off pause (``"backoff"``,
+  also after the body raised :class:`taskguard.RateLimited`) — the request is re-published for its turn
+  (``signature_from_request`` with the request's own ``retries``, as ``on_skip="retry"`` does, so
+  ``max_retries`` is not consumed) with the ``taskguard_rate`` header, and the execution ends with
+  ``Retry`` (state RETRY). One deferral never lasts longer than half the broker's redelivery
+  timeout (Redis ``visibility_timeout``, RabbitMQ ``consumer_timeout``;
+  :func:`taskguard_celery.identity.redelivery_timeout`): a worker holds a delayed message unacked
+  until its ETA, and the broker would hand a message held longer to another worker as well. A
+  longer wait re-checks and defers again. Direct and eager calls wait for their turn in the
+  calling thread instead (in the pipeline);
+* :class:`Defer` for another execution of the same task id — a deferred copy
+  (:func:`taskguard_celery.identity.defer`), ``Ignore``;
+* :class:`Stored` — the ``once`` value is the result; :class:`Duplicate` — ``Ignore``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, cast
+
+from celery.exceptions import Retry
+
+from taskguard.handoff import parse_handle, release_handle
+from taskguard.pacing import parse_state
+from taskguard.pipeline import Decision, Defer, Duplicate, Execution, Skip, Stored
+from taskguard.run import GuardedRun
+from taskguard.skipped import Skipped
+from taskguard.values import Reason
+
+from . import identity, skipping, uniqueness
+from .headers import DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, read_header
+
+__all__ = ["CeleryHooks", "execution", "outcome", "max_countdown"]
+
+log = logging.getLogger("taskguard.celery")
+
+
+def max_countdown(app: Any) -> float:
+    """The longest one deferral lasts, seconds: half the broker's redelivery timeout, at least 1 s."""
+    return max(1.0, identity.redelivery_timeout(app) / 2)
+
+
+def execution(task: Any, req: Any, local: bool, redelivered: bool, slot: Any) -> Execution:
+    """What Celery knows about this execution of ``task`` (its request ``req``)."""
+    stamp = read_header(req, PUBLISH_HEADER)
+    try:
+        finished_ttl = None if local else identity.finished_ttl(task, req)
+    except BaseException:  # (a bad taskguard_redelivery_timeout) it will not run: no longer queued
+        uniqueness.clear(task, req)
+        raise
+    return Execution(task=task.name, run_id=req.id or None, holder={"task": task.name, "task_id": req.id},
+                     redelivered=redelivered, local=local,
+                     stamp=stamp if isinstance(stamp, str) and stamp and not local else None, slot=slot,
+                     finished_ttl=finished_ttl, tag=task)
+
+
+class CeleryHooks:
+    """:class:`taskguard.pipeline.Hooks` for one execution of a ``GuardedTask``."""
+
+    __slots__ = ("task", "req", "handle")
+
+    def __init__(self, task: Any, req: Any, handle: dict | None) -> None:
+        self.task, self.req, self.handle = task, req, handle
+
+    def persisted_handle(self) -> dict | None:
+        return self.handle  # a retry's, from its ``taskguard`` header
+
+    def release_handle(self, handle: Any) -> None:
+        try:
+            release_handle(self.task.taskguard_locks, parse_handle(handle))
+        except Exception as e:  # (a Redis error, a malformed handle) the kept lease's TTL bounds it
+            log.warning("task %s: could not release its kept lease before a rate wait: %s", self.task.name, e)
+
+    def finished(self) -> bool:
+        return identity.finished_in_backend(self.task, self.req)
+
+    def clear_mark(self) -> None:
+        uniqueness.clear(self.task, self.req)
+
+    def result_codec(self) -> Any:
+        return skipping.result_codec(self.task)
+
+    def rate_state(self) -> dict | None:
+        try:
+            return parse_state(read_header(self.req, RATE_HEADER))
+        except ValueError as e:
+            log.error("task %s[%s]: ignoring a malformed %r header (%s); pacing it afresh", self.task.name,
+                      self.req.id, RATE_HEADER, e)
+            return None
+
+    def rate_bound(self) -> float:
+        return max_countdown(self.task.app)
+
+    def rate_go(self) -> None:
+        pass
+
+    def shadow(self, key: str, reason: str, holder_ttl: float | None, leased: bool, rate: bool) -> None:
+        # a task-guard-shadow event, never task-skipped (which Flower would show as the task's
+        # state); the core's skip event (shadow=True) was emitted already
+        skipping.send_event(self.task, "task-guard-shadow", key=key, reason=reason, holder_ttl=holder_ttl,
+                            leased=leased)
+        if not rate:
+            log.info("task %s[%s]: shadow mode: would have been skipped (%s, lease %r); running it",
+                     self.task.name, self.req.id, reason, key)
+
+    def lost(self, run: Any, reason: str) -> None:
+        skipping.send_event(self.task, "task-lease-lost", key=run.key, reason=reason,
+                            fencing_token=run.lease.fencing_token)
+
+
+def outcome(task: Any, decision: Decision, skips: int, redelivered: bool) -> Any:
+    """What a decision other than ``Run`` means for this execution: the result, or the
+    exception Celery turns into its state (``Retry``, ``Ignore``, ``TaskSkipped``)."""
+    if isinstance(decision, Skip):
+        return skipping.skip(task, decision.skipped, skips, task.taskguard_locks)
+    if isinstance(decision, Stored):
+        return skipping.completed(task, decision.key, decision.value)
+    if isinstance(decision, Duplicate):
+        if decision.run is not None:
+            identity.end_chain(task, decision.run)
+        return skipping.duplicate(task, decision.key, task.taskguard_locks)
+    assert isinstance(decision, Defer)
+    if decision.why == Reason.RUNNING:
+        identity.defer(task, cast(GuardedRun, decision.run), redelivered)  # raises Ignore
+    _defer_rate(task, decision)
+
+
+def _defer_rate(task: Any, d: Defer) -> None:
+    """Re-publish this request for its turn under the rate; raises ``Retry``."""
+    req = task.request
+    header = read_header(req)
+    skips = header.get("skips") if isinstance(header, dict) else None
+    headers = {**(req.headers or {}), RATE_HEADER: d.state}
+    headers.pop(DEFER_HEADER, None)
+    headers.pop(HEADER, None)
+    if skips:
+        headers[HEADER] = {"skips": skips}
+    skipping.send_skip_event(task, cast(Skipped, d.skipped), retrying=True, retry_after=round(d.countdown, 3),
+                             turn=None if d.state is None else d.state.get("turn"))
+    booked = d.state is not None and d.state.get("turn") is not None
+    what = "backing off (upstream rate limit)" if d.why == Reason.BACKOFF else "rate-limited"
+    log.info("task %s[%s]: %s; %s in %.2fs", task.name, req.id, what,
+             "its turn is booked" if booked else "it asks again", d.countdown)
+    sig = task.signature_from_request(req, countdown=d.countdown, retries=req.retries, headers=headers)
+    sig.apply_async()
+    raise Retry(f"{what}; deferred {d.countdown:.2f}s", when=d.countdown, sig=sig)
