@@ -70,6 +70,7 @@ def child_core(url: str, ops: int) -> dict[str, Any]:
     locks = RedisLocks.from_url(url, prefix=prefix)
     admin = redis.Redis.from_url(url)
     try:
+
         def cycle(i: int) -> None:
             got = locks.acquire(f"k{i}", ttl=10)
             assert got.acquired and got.lease is not None
@@ -96,8 +97,15 @@ def child_celery(url: str, tasks: int, batches: int) -> dict[str, Any]:
     import bench_celery
 
     admin = redis.Redis.from_url(url, client_name="tgbench-ab-admin", decode_responses=True)
-    args = argparse.Namespace(url=url, url_host=redis.connection.parse_url(url).get("host") or "",
-                              timeout=60.0, wait="poll", concurrency=2, warmup=200, tasks=tasks)
+    args = argparse.Namespace(
+        url=url,
+        url_host=redis.connection.parse_url(url).get("host") or "",
+        timeout=60.0,
+        wait="poll",
+        concurrency=2,
+        warmup=200,
+        tasks=tasks,
+    )
     bench = bench_celery.Bench(args, run, admin)
     try:
         bench.start_worker()
@@ -105,11 +113,12 @@ def child_celery(url: str, tasks: int, batches: int) -> dict[str, Any]:
             bench.drain(kind, args.warmup, measure_cpu=False)
         rates: dict[str, list[float]] = {"guarded": [], "unguarded": []}
         for b in range(batches):
-            for kind in (("guarded", "unguarded") if b % 2 == 0 else ("unguarded", "guarded")):
+            for kind in ("guarded", "unguarded") if b % 2 == 0 else ("unguarded", "guarded"):
                 rates[kind].append(bench.drain(kind, tasks, measure_cpu=False)["rate"])
-        return {"rate": statistics.median(rates["guarded"]),
-                "vs_unguarded": statistics.median(g / u for g, u in zip(rates["guarded"], rates["unguarded"],
-                                                                          strict=True))}
+        return {
+            "rate": statistics.median(rates["guarded"]),
+            "vs_unguarded": statistics.median(g / u for g, u in zip(rates["guarded"], rates["unguarded"], strict=True)),
+        }
     finally:
         if bench.worker is not None:
             bench.worker.stop()
@@ -141,8 +150,22 @@ def export(rev: str, dest: Path) -> None:
 
 
 def measure(what: str, tree: str, a: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", what, "--tree", tree, "--url", a.url,
-           "--ops", str(a.ops), "--tasks", str(a.tasks), "--batches", str(a.batches)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        what,
+        "--tree",
+        tree,
+        "--url",
+        a.url,
+        "--ops",
+        str(a.ops),
+        "--tasks",
+        str(a.tasks),
+        "--batches",
+        str(a.batches),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if p.returncode != 0:
@@ -158,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         return child_main(argv[1:])
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("old", help="the old revision (git)")
     ap.add_argument("new", nargs="?", default=None, help="the new revision (default: the working tree)")
     ap.add_argument("--rounds", type=int, default=10, help="alternating rounds (default 10, at least 10 for a verdict)")
@@ -186,14 +210,16 @@ def main(argv: list[str] | None = None) -> int:
             export(a.new, trees["new"])
         new_name = a.new or "the working tree"
         print(f"# taskguard old against new: old = {a.old}, new = {new_name}; A/A control: old' = a second copy of old")
-        print(f"{a.rounds} rounds, the three trees in rotated order each round, each measurement a fresh process\n",
-              flush=True)
+        print(
+            f"{a.rounds} rounds, the three trees in rotated order each round, each measurement a fresh process\n",
+            flush=True,
+        )
         failed = False
         for what in whats:
             names = list(trees)
             res: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
             for r in range(a.rounds):
-                order = names[r % 3:] + names[:r % 3]
+                order = names[r % 3 :] + names[: r % 3]
                 for n in order:
                     res[n].append(measure(what, str(trees[n]), a))
             unit = "acquire+release/s" if what == "core" else "guarded tasks/s"
@@ -210,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             control = [x["rate"] / o["rate"] for x, o in zip(res["old'"], res["old"], strict=True)]
             ok = statistics.median(ratio) >= RULE or min(ratio) <= 1.0 <= max(ratio)
             failed |= not ok
-            print(f"  new/old   per-round ratio {spread(ratio)}   {'PASS' if ok else 'FAIL'} "
-                  f"(median >= {RULE} or the spread covers 1.0)")
+            print(
+                f"  new/old   per-round ratio {spread(ratio)}   {'PASS' if ok else 'FAIL'} "
+                f"(median >= {RULE} or the spread covers 1.0)"
+            )
             print(f"  old'/old  per-round ratio {spread(control)}   (A/A control)\n", flush=True)
         if a.rounds < 10:
             print(f"NOTE: {a.rounds} rounds; a verdict wants at least 10")

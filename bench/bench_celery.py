@@ -94,9 +94,26 @@ class Worker:
     """One ``celery -A celery_bench_app worker -P prefork -c N`` subprocess for this run's queue."""
 
     def __init__(self, queue: str, node: str, concurrency: int, env: dict[str, str]) -> None:
-        self.args = [sys.executable, "-m", "celery", "-A", "celery_bench_app", "worker", "-P", "prefork",
-                     "-c", str(concurrency), "-Q", queue, "-n", node, "--loglevel", "WARNING",
-                     "--without-gossip", "--without-mingle"]
+        self.args = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "celery_bench_app",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            str(concurrency),
+            "-Q",
+            queue,
+            "-n",
+            node,
+            "--loglevel",
+            "WARNING",
+            "--without-gossip",
+            "--without-mingle",
+        ]
         self.env = env
         fd, name = tempfile.mkstemp(prefix=f"{queue}-worker-", suffix=".log")
         os.close(fd)
@@ -106,13 +123,15 @@ class Worker:
 
     def start(self) -> None:
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def check(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
-            raise RuntimeError(f"the worker exited (rc {self.proc.returncode if self.proc else None}):\n"
-                               f"{self.output()[-4000:]}")
+            raise RuntimeError(
+                f"the worker exited (rc {self.proc.returncode if self.proc else None}):\n{self.output()[-4000:]}"
+            )
 
     def output(self) -> str:
         try:
@@ -197,8 +216,12 @@ class Bench:
 
         self.m = m
         self.app = m.app
-        self.tasks = {"unguarded": m.noop, "guarded": m.guarded_noop, "2x PING": m.two_pings_noop,
-                      "redis-py Lock": m.redispy_lock_noop}
+        self.tasks = {
+            "unguarded": m.noop,
+            "guarded": m.guarded_noop,
+            "2x PING": m.two_pings_noop,
+            "redis-py Lock": m.redispy_lock_noop,
+        }
         self.task_ids: list[str] = []
         self.next_i = 0
         self.worker: Worker | None = None
@@ -223,14 +246,23 @@ class Bench:
         main, kids = self.worker.pids()
         mt = proc_times(main)
         kt = [proc_times(p) for p in kids]
-        snap = {"worker main": mt[0] + mt[1], "pool children": sum(u + s for u, s, _ in kt),
-                "this process": time.process_time()}
+        snap = {
+            "worker main": mt[0] + mt[1],
+            "pool children": sum(u + s for u, s, _ in kt),
+            "this process": time.process_time(),
+        }
         if self.local_redis:
             info = self.admin.info("cpu")
             snap["redis-server (whole server)"] = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
         snap[HOST] = host_busy()
-        snap.update({"_kids_user": sum(u for u, _, _ in kt), "_kids_sys": sum(s for _, s, _ in kt),
-                     "_kids_vcsw": sum(c for _, _, c in kt), "_main_vcsw": mt[2]})
+        snap.update(
+            {
+                "_kids_user": sum(u for u, _, _ in kt),
+                "_kids_sys": sum(s for _, s, _ in kt),
+                "_kids_vcsw": sum(c for _, _, c in kt),
+                "_main_vcsw": mt[2],
+            }
+        )
         return snap
 
     def release_batch(self) -> None:
@@ -299,9 +331,12 @@ class Bench:
 
     # -- sections ------------------------------------------------------------------------------------
     def start_worker(self) -> float:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [*EXTRA_PATH, *filter(None, [os.environ.get("PYTHONPATH")])]), "TGBENCH_QUEUE": self.queue,
-            "TGBENCH_PREFIX": self.run}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([*EXTRA_PATH, *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "TGBENCH_QUEUE": self.queue,
+            "TGBENCH_PREFIX": self.run,
+        }
         self.worker = Worker(self.queue, f"{self.run}@%h", self.args.concurrency, env)
         t0 = time.perf_counter()
         self.worker.start()
@@ -325,8 +360,8 @@ class Bench:
         per: dict[str, list[dict[str, Any]]] = {k: [] for k in THROUGHPUT_KINDS}
         kinds = list(THROUGHPUT_KINDS)
         for r in range(rounds):
-            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]  # rotated each round
-            for kind in (order if r % 2 == 0 else order[::-1]):
+            order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]  # rotated each round
+            for kind in order if r % 2 == 0 else order[::-1]:
                 per[kind].append(self.drain(kind, n))
         return per
 
@@ -340,7 +375,7 @@ class Bench:
                 self.task_ids.append(r.id)
                 r.get(timeout=timeout)
         for c in range(self.args.calls):
-            for kind in (KINDS if c % 2 == 0 else KINDS[::-1]):
+            for kind in KINDS if c % 2 == 0 else KINDS[::-1]:
                 (i,) = self.ids(1)
                 s = clock()
                 r = self.tasks[kind].delay(i)
@@ -440,8 +475,15 @@ class MonitorLog:
                 if owner is not None:
                     label, script = owner
                     key = args[0] if args else ""
-                    tag = "done marker" if ":done:" in key else ("fence counter" if key.endswith(":fence") else
-                                                                  ("waiting flag" if key.endswith(":waiting") else ""))
+                    tag = (
+                        "done marker"
+                        if ":done:" in key
+                        else (
+                            "fence counter"
+                            if key.endswith(":fence")
+                            else ("waiting flag" if key.endswith(":waiting") else "")
+                        )
+                    )
                     cmd = f"lua:{script}:{name}" + (f" ({tag})" if tag else "")
                     out[(label, cmd)] = out.get((label, cmd), 0) + 1
                 continue
@@ -487,9 +529,12 @@ def tcp_ports(labels: dict[int, str]) -> dict[str, str]:
 
 def commandstats(admin: redis.Redis) -> dict[str, Any]:
     info = admin.info("stats", "commandstats")
-    return {"total": int(info["total_commands_processed"]),
-            "cmd": {k[len("cmdstat_"):]: (int(v["calls"]), int(v["usec"])) for k, v in info.items()
-                    if k.startswith("cmdstat_")}}
+    return {
+        "total": int(info["total_commands_processed"]),
+        "cmd": {
+            k[len("cmdstat_") :]: (int(v["calls"]), int(v["usec"])) for k, v in info.items() if k.startswith("cmdstat_")
+        },
+    }
 
 
 def diff_stats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -502,12 +547,16 @@ def diff_stats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- printing -------------------------------------------------------------------------------------------
-def print_throughput(per: dict[str, list[dict[str, Any]]], n: int, rounds: int, concurrency: int,
-                     wait: str) -> dict[str, float]:
+def print_throughput(
+    per: dict[str, list[dict[str, Any]]], n: int, rounds: int, concurrency: int, wait: str
+) -> dict[str, float]:
     print(f"## 1. throughput: {rounds} interleaved rounds x {n} tasks per kind (order rotated each round)")
     print("   each batch is published to a staging list first, then moved onto the worker's queue at once;")
-    until = ("ResultSet.get() returns all N (client-bound!)" if wait == "celery"
-             else "all N results are stored (EXISTS polls)")
+    until = (
+        "ResultSet.get() returns all N (client-bound!)"
+        if wait == "celery"
+        else "all N results are stored (EXISTS polls)"
+    )
     print(f"   tasks/s = N / (move -> {until}); worker-side = (N-1) / (first..last date_done).")
     print("   2x PING: the unguarded body plus two PINGs on a plain redis-py client, the two round trips any")
     print("   Redis lease guard needs; redis-py Lock: the body under Lock(timeout=60), acquire(blocking=False)")
@@ -524,26 +573,40 @@ def print_throughput(per: dict[str, list[dict[str, Any]]], n: int, rounds: int, 
         wrates = [x["worker_rate"] for x in per[kind]]
         med[kind] = statistics.median(rates)
         vs = ratios(kind, "unguarded")
-        rows.append([kind, f"{med[kind]:,.0f}", f"{min(rates):,.0f}..{max(rates):,.0f}", f"{1e3 / med[kind]:.3f}",
-                     f"{statistics.median(wrates):,.0f}", f"{statistics.median(vs):.3f}x"])
+        rows.append(
+            [
+                kind,
+                f"{med[kind]:,.0f}",
+                f"{min(rates):,.0f}..{max(rates):,.0f}",
+                f"{1e3 / med[kind]:.3f}",
+                f"{statistics.median(wrates):,.0f}",
+                f"{statistics.median(vs):.3f}x",
+            ]
+        )
     print(fmt_table(["kind", "tasks/s", "rounds min..max", "ms/task", "worker-side tasks/s", "vs unguarded"], rows))
     r = ratios("guarded", "unguarded")
     w = ratios("guarded", "unguarded", "worker_rate")
     m, wm = statistics.median(r), statistics.median(w)
     print()
-    print(f"   guarded / unguarded throughput = {m:.3f}x  (rounds {min(r):.3f}..{max(r):.3f})  "
-          f"target >= 0.90x: {verdict(m >= 0.9)}")
+    print(
+        f"   guarded / unguarded throughput = {m:.3f}x  (rounds {min(r):.3f}..{max(r):.3f})  "
+        f"target >= 0.90x: {verdict(m >= 0.9)}"
+    )
     print(f"   worker-side ratio              = {wm:.3f}x  (rounds {min(w):.3f}..{max(w):.3f})")
     out = {"ratio": m, "worker_ratio": wm}
     for other, label in (("2x PING", "the two-round-trip floor"), ("redis-py Lock", "redis-py Lock by hand")):
         if other in med:
             fl, vs = ratios(other, "unguarded"), ratios("guarded", other)
             out[other] = statistics.median(fl)
-            print(f"   {other + ' / unguarded':<30} = {statistics.median(fl):.3f}x  "
-                  f"(rounds {min(fl):.3f}..{max(fl):.3f})"
-                  f"   guarded / {label} = {statistics.median(vs):.3f}x")
-    print(f"   added time per task: {(1 / med['guarded'] - 1 / med['unguarded']) * 1e6:+.0f} us of wall time "
-          f"(at -c {concurrency}; the pool runs tasks in parallel)")
+            print(
+                f"   {other + ' / unguarded':<30} = {statistics.median(fl):.3f}x  "
+                f"(rounds {min(fl):.3f}..{max(fl):.3f})"
+                f"   guarded / {label} = {statistics.median(vs):.3f}x"
+            )
+    print(
+        f"   added time per task: {(1 / med['guarded'] - 1 / med['unguarded']) * 1e6:+.0f} us of wall time "
+        f"(at -c {concurrency}; the pool runs tasks in parallel)"
+    )
     print(f"   per-round guarded/unguarded ratios: {' '.join(f'{x:.3f}' for x in r)}")
     # CPU per task
     if all("cpu" in x for k in kinds for x in per[k]):
@@ -551,8 +614,10 @@ def print_throughput(per: dict[str, list[dict[str, Any]]], n: int, rounds: int, 
         cpu = {k: {c: sum(x["cpu"][c] for x in per[k]) / (n * rounds) * 1e6 for c in comps} for k in kinds}
         wall = {k: sum(x["wall"] for x in per[k]) for k in kinds}
         host = {k: sum(x["cpu"][HOST] for x in per[k]) for k in kinds}
-        print("\n   CPU time per task during the drains, all rounds (/proc utime+stime in 10 ms ticks; redis-server "
-              "from INFO cpu), us:")
+        print(
+            "\n   CPU time per task during the drains, all rounds (/proc utime+stime in 10 ms ticks; redis-server "
+            "from INFO cpu), us:"
+        )
         rows = []
         for c in comps + ["total"]:
             v = {k: (sum(cpu[k].values()) if c == "total" else cpu[k][c]) for k in kinds}
@@ -561,17 +626,26 @@ def print_throughput(per: dict[str, list[dict[str, Any]]], n: int, rounds: int, 
         print("   " + table.replace("\n", "\n   "))
         cores = os.cpu_count() or 1
         ours = {k: sum(cpu[k].values()) * n * rounds / 1e6 for k in kinds}
-        print(f"   cores busy during the drains: ours {ours['unguarded'] / wall['unguarded']:.2f} (unguarded) / "
-              f"{ours['guarded'] / wall['guarded']:.2f} (guarded), other load on this host "
-              f"{max(0.0, host['unguarded'] - ours['unguarded']) / wall['unguarded']:.2f} / "
-              f"{max(0.0, host['guarded'] - ours['guarded']) / wall['guarded']:.2f}, of {cores}")
-        det = {k: {c: sum(x["cpu"][c] for x in per[k]) / (n * rounds) for c in
-                   ("_kids_user", "_kids_sys", "_kids_vcsw", "_main_vcsw")} for k in kinds}
+        print(
+            f"   cores busy during the drains: ours {ours['unguarded'] / wall['unguarded']:.2f} (unguarded) / "
+            f"{ours['guarded'] / wall['guarded']:.2f} (guarded), other load on this host "
+            f"{max(0.0, host['unguarded'] - ours['unguarded']) / wall['unguarded']:.2f} / "
+            f"{max(0.0, host['guarded'] - ours['guarded']) / wall['guarded']:.2f}, of {cores}"
+        )
+        det = {
+            k: {
+                c: sum(x["cpu"][c] for x in per[k]) / (n * rounds)
+                for c in ("_kids_user", "_kids_sys", "_kids_vcsw", "_main_vcsw")
+            }
+            for k in kinds
+        }
         ug, gd = det["unguarded"], det["guarded"]
-        print(f"   pool children: user {ug['_kids_user'] * 1e6:.0f} -> {gd['_kids_user'] * 1e6:.0f} us, "
-              f"system {ug['_kids_sys'] * 1e6:.0f} -> {gd['_kids_sys'] * 1e6:.0f} us, "
-              f"voluntary context switches {ug['_kids_vcsw']:.2f} -> {gd['_kids_vcsw']:.2f} "
-              f"per task (worker main {ug['_main_vcsw']:.2f} -> {gd['_main_vcsw']:.2f})")
+        print(
+            f"   pool children: user {ug['_kids_user'] * 1e6:.0f} -> {gd['_kids_user'] * 1e6:.0f} us, "
+            f"system {ug['_kids_sys'] * 1e6:.0f} -> {gd['_kids_sys'] * 1e6:.0f} us, "
+            f"voluntary context switches {ug['_kids_vcsw']:.2f} -> {gd['_kids_vcsw']:.2f} "
+            f"per task (worker main {ug['_main_vcsw']:.2f} -> {gd['_main_vcsw']:.2f})"
+        )
         tu = sum(cpu["unguarded"].values())
         bound = "  ".join(f"{k} {tu / sum(cpu[k].values()):.3f}x" for k in kinds if k != "unguarded")
         print(f"   if the drain were bound by total CPU (CPU/task unguarded / CPU/task of the kind): {bound}")
@@ -583,16 +657,27 @@ def print_latency(lat: dict[str, list[float]], calls: int) -> None:
     rows = []
     for kind in KINDS:
         v = sorted(x * 1e3 for x in lat[kind])
-        rows.append([kind, f"{pct(v, .5):.3f}", f"{pct(v, .9):.3f}", f"{pct(v, .99):.3f}", f"{statistics.mean(v):.3f}",
-                     f"{v[0]:.3f}", f"{v[-1]:.3f}"])
+        rows.append(
+            [
+                kind,
+                f"{pct(v, 0.5):.3f}",
+                f"{pct(v, 0.9):.3f}",
+                f"{pct(v, 0.99):.3f}",
+                f"{statistics.mean(v):.3f}",
+                f"{v[0]:.3f}",
+                f"{v[-1]:.3f}",
+            ]
+        )
     print(fmt_table(["kind", "p50 ms", "p90 ms", "p99 ms", "mean ms", "min ms", "max ms"], rows))
     gu = sorted(lat["guarded"])
     uu = sorted(lat["unguarded"])
     paired = [(g - u) * 1e3 for g, u in zip(lat["guarded"], lat["unguarded"], strict=True)]
     print()
-    print(f"   median difference guarded - unguarded = {(pct(gu, .5) - pct(uu, .5)) * 1e3:+.3f} ms "
-          f"(p50 - p50); median of the {len(paired)} adjacent-call differences {statistics.median(paired):+.3f} ms; "
-          f"p99 - p99 {(pct(gu, .99) - pct(uu, .99)) * 1e3:+.3f} ms")
+    print(
+        f"   median difference guarded - unguarded = {(pct(gu, 0.5) - pct(uu, 0.5)) * 1e3:+.3f} ms "
+        f"(p50 - p50); median of the {len(paired)} adjacent-call differences {statistics.median(paired):+.3f} ms; "
+        f"p99 - p99 {(pct(gu, 0.99) - pct(uu, 0.99)) * 1e3:+.3f} ms"
+    )
 
 
 def print_commands(res: dict[str, dict[str, Any]], n: int, others_active: bool) -> None:
@@ -610,8 +695,11 @@ def print_commands(res: dict[str, dict[str, Any]], n: int, others_active: bool) 
         cmds = by_label[label]
         top = sorted(c for c in cmds if not c.startswith("lua:"))
         for cmd in top:
-            for c in [cmd] + (sorted(x for x in cmds if x.startswith(f"lua:{cmd.split(' ', 1)[1]}:"))
-                              if cmd.startswith("EVAL") and " " in cmd else []):
+            for c in [cmd] + (
+                sorted(x for x in cmds if x.startswith(f"lua:{cmd.split(' ', 1)[1]}:"))
+                if cmd.startswith("EVAL") and " " in cmd
+                else []
+            ):
                 u, g = mon["unguarded"].get((label, c), 0) / n, mon["guarded"].get((label, c), 0) / n
                 name = f"  {c}" if c.startswith("lua:") else c
                 d = g - u if abs(g - u) >= 0.005 else 0.0
@@ -622,35 +710,47 @@ def print_commands(res: dict[str, dict[str, Any]], n: int, others_active: bool) 
         return sum(v for (_, c), v in mon[kind].items() if c.startswith("lua:") == lua) / n
 
     print()
-    print(f"   client-sent commands per task: unguarded {total('unguarded', False):.2f}, guarded "
-          f"{total('guarded', False):.2f} ({total('guarded', False) - total('unguarded', False):+.2f}); "
-          f"run inside scripts: {total('guarded', True):.2f}")
+    print(
+        f"   client-sent commands per task: unguarded {total('unguarded', False):.2f}, guarded "
+        f"{total('guarded', False):.2f} ({total('guarded', False) - total('unguarded', False):+.2f}); "
+        f"run inside scripts: {total('guarded', True):.2f}"
+    )
     g = mon["guarded"]
 
     def calls(script: str) -> float:
         return sum(v for (_, c), v in g.items() if c == f"EVALSHA {script}" or c == f"EVAL {script}") / n
 
     acq, rel, ren = calls("acquire"), calls("release"), calls("renew")
-    print(f"   guard per task: {acq:.2f} ACQUIRE + {rel:.2f} RELEASE + {ren:.3f} RENEW (heartbeat renewals; at the "
-          "default ttl=60 the first renewal falls due after 15-20 s, which a no-op never lasts)")
+    print(
+        f"   guard per task: {acq:.2f} ACQUIRE + {rel:.2f} RELEASE + {ren:.3f} RENEW (heartbeat renewals; at the "
+        "default ttl=60 the first renewal falls due after 15-20 s, which a no-op never lasts)"
+    )
     done_set = sum(v for (_, c), v in g.items() if c.startswith("lua:release:SET (done marker)")) / n
     done_chk = sum(v for (_, c), v in g.items() if c.startswith("lua:acquire:EXISTS (done marker)")) / n
-    print(f"   done marker: {done_chk:.2f} EXISTS in ACQUIRE (refuses a finished run) + {done_set:.2f} SET in RELEASE "
-          "(kept 1 day); the fence counter key is kept 7 days")
+    print(
+        f"   done marker: {done_chk:.2f} EXISTS in ACQUIRE (refuses a finished run) + {done_set:.2f} SET in RELEASE "
+        "(kept 1 day); the fence counter key is kept 7 days"
+    )
     su, sg = res["unguarded"]["stats"], res["guarded"]["stats"]
     ev = lambda d: d["calls"].get("evalsha", 0) + d["calls"].get("eval", 0)  # noqa: E731
     ev_us = sg["usec"].get("evalsha", 0) + sg["usec"].get("eval", 0)
-    print(f"   INFO commandstats over the same windows (every client): evalsha {ev(su) / n:.2f} -> {ev(sg) / n:.2f} "
-          f"per task, total_commands_processed {su['total'] / n:.2f} -> {sg['total'] / n:.2f}; "
-          f"Redis time per EVALSHA {ev_us / max(ev(sg), 1):.1f} us")
+    print(
+        f"   INFO commandstats over the same windows (every client): evalsha {ev(su) / n:.2f} -> {ev(sg) / n:.2f} "
+        f"per task, total_commands_processed {su['total'] / n:.2f} -> {sg['total'] / n:.2f}; "
+        f"Redis time per EVALSHA {ev_us / max(ev(sg), 1):.1f} us"
+    )
     if others_active:
-        print("   (other clients were active: the commandstats figures include their commands; "
-              "the MONITOR table does not)")
+        print(
+            "   (other clients were active: the commandstats figures include their commands; "
+            "the MONITOR table does not)"
+        )
 
 
 def print_diagnostics(rows: list[list[str]], lines: list[str]) -> None:
-    print("## 4. diagnostic: the guard's cost in this process, without the worker (5 interleaved rounds, "
-          "medians per call, us)")
+    print(
+        "## 4. diagnostic: the guard's cost in this process, without the worker (5 interleaved rounds, "
+        "medians per call, us)"
+    )
     print("   CPU: process CPU (every thread); caller CPU: the calling thread only; 'in EVALSHA': inside the")
     print("   redis-py calls that run the scripts (wall, and the caller's CPU there: redis-py + socket syscalls)\n")
     print(fmt_table(["what", "wall", "CPU", "caller CPU", "in EVALSHA wall", "in EVALSHA CPU"], rows))
@@ -706,6 +806,7 @@ def diagnostics(bench: Bench, ops: int, rounds: int) -> tuple[list[list[str]], l
             (i,) = bench.ids(1)
             acq = locks.acquire(f"noop:{i}", ttl=60.0, holder=holder, renew=renew, run_id=secrets.token_hex(16))
             acq.lease.release(finished=True, finished_ttl=3660.0)
+
         return fn
 
     U, P, G = "unguarded task.apply()", "pass-through __call__ task.apply()", "guarded task.apply()"
@@ -720,7 +821,7 @@ def diagnostics(bench: Bench, ops: int, rounds: int) -> tuple[list[list[str]], l
         res: dict[str, list[tuple[float, ...]]] = {k: [] for k in contenders}
         names = list(contenders)
         for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 fn = contenders[name]
                 gc.collect()
                 inside[0] = inside[1] = 0.0
@@ -735,9 +836,9 @@ def diagnostics(bench: Bench, ops: int, rounds: int) -> tuple[list[list[str]], l
     rows = [[k] + [f"{x:.1f}" for x in v] for k, v in med.items()]
     u, p, g, b1, b0, pg = med[U], med[P], med[G], med[B1], med[B0], med[PING]
     # columns: 0 wall, 1 CPU (all threads), 2 caller CPU, 3 in-EVALSHA wall, 4 in-EVALSHA caller CPU
-    locks_py = b1[2] - b1[4]                       # the bare Locks API's own Python
-    celery_call = p[2] - u[2]                      # Task.__call__, paid by any class overriding __call__
-    guard_py = (g[2] - g[4]) - p[2] - locks_py     # GuardedTask.__call__'s own Python
+    locks_py = b1[2] - b1[4]  # the bare Locks API's own Python
+    celery_call = p[2] - u[2]  # Task.__call__, paid by any class overriding __call__
+    guard_py = (g[2] - g[4]) - p[2] - locks_py  # GuardedTask.__call__'s own Python
     other_threads = (g[1] - g[2]) - (u[1] - u[2])
     lines = [
         f"   guard per call (guarded - unguarded apply): {g[0] - u[0]:+.1f} us wall, {g[1] - u[1]:+.1f} us CPU. "
@@ -764,7 +865,7 @@ def cleanup(admin: redis.Redis, run: str, task_ids: list[str]) -> tuple[int, int
     deleted = delete_matching(admin, f"*{run}*")
     metas = [f"celery-task-meta-{t}" for t in task_ids]
     for i in range(0, len(metas), 1000):
-        deleted += admin.delete(*metas[i:i + 1000])
+        deleted += admin.delete(*metas[i : i + 1000])
     for key in admin.scan_iter(match="_kombu.binding*", count=1000):
         if admin.type(key) == "set":
             members = [mb for mb in admin.sscan_iter(key, match=f"*{run}*")]
@@ -775,7 +876,7 @@ def cleanup(admin: redis.Redis, run: str, task_ids: list[str]) -> tuple[int, int
         admin.hdel("unacked", *stale)
         admin.zrem("unacked_index", *stale)
     left = sum(1 for _ in admin.scan_iter(match=f"*{run}*", count=1000))
-    left += sum(admin.exists(*metas[i:i + 1000]) for i in range(0, len(metas), 1000))
+    left += sum(admin.exists(*metas[i : i + 1000]) for i in range(0, len(metas), 1000))
     return deleted, left
 
 
@@ -785,11 +886,14 @@ def client_ids(admin: redis.Redis) -> dict[int, dict[str, Any]]:
 
 # -- main -----------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                    help="Redis URL: broker, results, leases (default: $TASKGUARD_REDIS_URL or "
-                         "redis://127.0.0.1:6379/0)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--url",
+        default=os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="Redis URL: broker, results, leases (default: $TASKGUARD_REDIS_URL or redis://127.0.0.1:6379/0)",
+    )
     ap.add_argument("--tasks", type=int, default=600, help="tasks per kind per throughput round (default 600)")
     ap.add_argument("--rounds", type=int, default=8, help="interleaved throughput rounds (default 8)")
     ap.add_argument("--calls", type=int, default=400, help="sequential delay().get() calls per kind (default 400)")
@@ -798,10 +902,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=200, help="warm-up tasks per kind (default 200)")
     ap.add_argument("--diag-ops", type=int, default=500, help="calls per contender per diagnostic round (default 500)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for one batch's results (default 60)")
-    ap.add_argument("--wait", choices=("poll", "celery"), default="poll",
-                    help="how a throughput round waits for its results: poll (EXISTS on the result keys, then "
-                         "ResultSet.get() outside the timed window; default) or celery (ResultSet.get() inside it: "
-                         "client-bound, see README)")
+    ap.add_argument(
+        "--wait",
+        choices=("poll", "celery"),
+        default="poll",
+        help="how a throughput round waits for its results: poll (EXISTS on the result keys, then "
+        "ResultSet.get() outside the timed window; default) or celery (ResultSet.get() inside it: "
+        "client-bound, see README)",
+    )
     ap.add_argument("--no-diagnostics", action="store_true", help="skip section 4")
     args = ap.parse_args(argv)
     for name in ("tasks", "rounds", "calls", "count_tasks", "concurrency", "warmup", "diag_ops"):
@@ -841,21 +949,31 @@ def main(argv: list[str] | None = None) -> int:
         pass
     urlhost = redact_url(args.url).strip("'\"")
     print("# taskguard Celery benchmark: GuardedTask no-op vs the same no-op unguarded")
-    print(f"one `celery worker -P prefork -c {args.concurrency}` subprocess, Redis broker + Redis result backend, "
-          "queue and key prefix unique to this run")
-    print(f"python        {platform.python_implementation()} {platform.python_version()} on "
-          f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs")
+    print(
+        f"one `celery worker -P prefork -c {args.concurrency}` subprocess, Redis broker + Redis result backend, "
+        "queue and key prefix unique to this run"
+    )
+    print(
+        f"python        {platform.python_implementation()} {platform.python_version()} on "
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs"
+    )
     print(f"celery        {celery.__version__}, kombu {kombu.__version__}")
     print(f"redis-py      {redis.__version__}, hiredis {'yes ' + hv if hv and redis.utils.HIREDIS_AVAILABLE else 'no'}")
-    print(f"redis server  {server.get('redis_version')} ({server.get('redis_mode', '?')}, "
-          f"{server.get('multiplexing_api', '?')}, io-threads {server.get('io_threads_active', '?')}) at {urlhost}")
+    print(
+        f"redis server  {server.get('redis_version')} ({server.get('redis_mode', '?')}, "
+        f"{server.get('multiplexing_api', '?')}, io-threads {server.get('io_threads_active', '?')}) at {urlhost}"
+    )
     print(f"taskguard     {taskguard.__version__} from {os.path.dirname(taskguard.__file__)}{git_state()}")
     print(f"run           queue {run}, key prefix {run} (deleted at the end)")
-    print(f"tasks         {args.tasks} per kind per round x {args.rounds} rounds; {args.calls} latency calls per kind; "
-          f"worker prefetch multiplier {celery_bench_app.app.conf.worker_prefetch_multiplier}")
+    print(
+        f"tasks         {args.tasks} per kind per round x {args.rounds} rounds; {args.calls} latency calls per kind; "
+        f"worker prefetch multiplier {celery_bench_app.app.conf.worker_prefetch_multiplier}"
+    )
     if others_at_start:
-        print(f"NOTE          {len(others_at_start)} other client(s) connected to this Redis at the start; "
-              "their load adds noise")
+        print(
+            f"NOTE          {len(others_at_start)} other client(s) connected to this Redis at the start; "
+            "their load adds noise"
+        )
     print(flush=True)
 
     bench: Bench | None = None
@@ -867,13 +985,22 @@ def main(argv: list[str] | None = None) -> int:
     rc = 0
     try:
         bench = Bench(args, run, admin)
-        atexit.register(lambda: bench.worker and bench.worker.proc and bench.worker.proc.poll() is None
-                        and os.killpg(bench.worker.proc.pid, signal.SIGKILL))
+        atexit.register(
+            lambda: (
+                bench.worker
+                and bench.worker.proc
+                and bench.worker.proc.poll() is None
+                and os.killpg(bench.worker.proc.pid, signal.SIGKILL)
+            )
+        )
         startup = bench.start_worker()
         bench.warm_up()
         main_pid, kids = bench.worker.pids()
-        print(f"worker        pid {main_pid}, pool children {kids}; first result {startup:.1f} s after start, "
-              f"warmed up with {args.warmup} tasks per kind\n", flush=True)
+        print(
+            f"worker        pid {main_pid}, pool children {kids}; first result {startup:.1f} s after start, "
+            f"warmed up with {args.warmup} tasks per kind\n",
+            flush=True,
+        )
         mine = set(client_ids(admin)) - set(clients_before)
         t_measure = time.monotonic()
 
@@ -890,9 +1017,11 @@ def main(argv: list[str] | None = None) -> int:
         active = [c for i, c in now.items() if i not in mine and i != my_admin_id and int(c.get("idle", 0)) < elapsed]
         print_commands(stats, args.count_tasks, bool(active))
         if active:
-            print(f"\n   NOTE: {len(active)} other client(s) sent commands to this Redis during sections 1-3 "
-                  f"(idle < {elapsed:.0f} s in CLIENT LIST): their commands are in the counts above and their load in "
-                  "the timings")
+            print(
+                f"\n   NOTE: {len(active)} other client(s) sent commands to this Redis during sections 1-3 "
+                f"(idle < {elapsed:.0f} s in CLIENT LIST): their commands are in the counts above and their load in "
+                "the timings"
+            )
         if not args.no_diagnostics:
             print(flush=True)
             rows, lines = diagnostics(bench, args.diag_ops, 5)
@@ -924,8 +1053,10 @@ def main(argv: list[str] | None = None) -> int:
                     pass
                 bench.app.close()
             deleted, left = cleanup(admin, run, bench.task_ids if bench else [])
-            print(f"\ncleanup: worker stopped (rc {worker_rc}); deleted {deleted} keys of {run} "
-                  f"(queue, bindings, leases, fence counters, done markers, results); {left} left")
+            print(
+                f"\ncleanup: worker stopped (rc {worker_rc}); deleted {deleted} keys of {run} "
+                f"(queue, bindings, leases, fence counters, done markers, results); {left} left"
+            )
         except redis.RedisError as e:
             print(f"cleanup failed: {type(e).__name__}: {e}", file=sys.stderr)
             rc = rc or 1

@@ -67,8 +67,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 COMPARE_VENV = os.path.join(HERE, ".venv-compare")
 REQUIREMENTS = os.path.join(HERE, "requirements-compare.txt")
-SETUP_ONE_LINER = ("python3 -m venv bench/.venv-compare && "
-                   "bench/.venv-compare/bin/pip install -e . -r bench/requirements-compare.txt")
+SETUP_ONE_LINER = (
+    "python3 -m venv bench/.venv-compare && bench/.venv-compare/bin/pip install -e . -r bench/requirements-compare.txt"
+)
 TTL = 10  # seconds, every contender
 
 
@@ -81,10 +82,10 @@ def _setup_venv() -> None:
     if not os.path.exists(py):
         print(f"setup: creating {os.path.relpath(COMPARE_VENV, ROOT)}", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", COMPARE_VENV], check=True)
-    print("setup: pip install -e . -r bench/requirements-compare.txt (into the benchmark's venv only)",
-          file=sys.stderr)
-    subprocess.run([py, "-m", "pip", "install", "--disable-pip-version-check", "-q", "-e", ROOT,
-                    "-r", REQUIREMENTS], check=True)
+    print("setup: pip install -e . -r bench/requirements-compare.txt (into the benchmark's venv only)", file=sys.stderr)
+    subprocess.run(
+        [py, "-m", "pip", "install", "--disable-pip-version-check", "-q", "-e", ROOT, "-r", REQUIREMENTS], check=True
+    )
 
 
 def _maybe_reexec(argv: list[str]) -> None:
@@ -158,16 +159,24 @@ def counting_client(url: str, **kw: Any) -> tuple[redis.Redis, list[int]]:
 
 def cmdstats(admin: redis.Redis) -> dict[str, tuple[int, int]]:
     info = admin.info("commandstats")
-    return {k[len("cmdstat_"):]: (int(v["calls"]), int(v["usec"])) for k, v in info.items()
-            if k.startswith("cmdstat_")}
+    return {
+        k[len("cmdstat_") :]: (int(v["calls"]), int(v["usec"])) for k, v in info.items() if k.startswith("cmdstat_")
+    }
 
 
 def cmd_delta(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]]) -> dict[str, int]:
     out = {}
     for name, (c, _) in b.items():
         d = c - a.get(name, (0, 0))[0]
-        if d and name not in ("info", "client|list", "client|info", "hello", "client|setinfo", "client|setname",
-                              "select"):
+        if d and name not in (
+            "info",
+            "client|list",
+            "client|info",
+            "hello",
+            "client|setinfo",
+            "client|setname",
+            "select",
+        ):
             out[name] = d
     return out
 
@@ -283,25 +292,46 @@ def c_ping(client: redis.Redis, prefix: str) -> tuple[Callable[[], None], set[st
 
 CONTENDERS: list[tuple[str, str, Callable[..., Any], str]] = [
     # name, distribution, factory, what it does / guarantees (for the notes)
-    ("taskguard", "taskguard", c_taskguard,
-     "2 round trips (EVALSHA acquire, EVALSHA release); fencing token, owner-checked release, "
-     "holder metadata, wakes waiters"),
-    ("redis-py Lock", "redis", c_redispy,
-     "2 round trips (SET NX PX, EVALSHA release); owner-checked release; waiters poll"),
-    ("python-redis-lock", "python-redis-lock", c_python_redis_lock,
-     "3 round trips (GET own-id check, SET NX EX, EVALSHA release); owner-checked release; "
-     "every release pushes a wake-up signal"),
-    ("pottery Redlock", "pottery", c_pottery,
-     "2 round trips, each on a new ThreadPoolExecutor thread (SET NX PX, EVALSHA release); "
-     "owner-checked release; waiters poll"),
-    ("celery-once", "celery-once", c_celery_once,
-     "2 round trips (SET NX PX via redis-py Lock, DEL): clear_lock deletes whoever holds the key"),
+    (
+        "taskguard",
+        "taskguard",
+        c_taskguard,
+        "2 round trips (EVALSHA acquire, EVALSHA release); fencing token, owner-checked release, "
+        "holder metadata, wakes waiters",
+    ),
+    (
+        "redis-py Lock",
+        "redis",
+        c_redispy,
+        "2 round trips (SET NX PX, EVALSHA release); owner-checked release; waiters poll",
+    ),
+    (
+        "python-redis-lock",
+        "python-redis-lock",
+        c_python_redis_lock,
+        "3 round trips (GET own-id check, SET NX EX, EVALSHA release); owner-checked release; "
+        "every release pushes a wake-up signal",
+    ),
+    (
+        "pottery Redlock",
+        "pottery",
+        c_pottery,
+        "2 round trips, each on a new ThreadPoolExecutor thread (SET NX PX, EVALSHA release); "
+        "owner-checked release; waiters poll",
+    ),
+    (
+        "celery-once",
+        "celery-once",
+        c_celery_once,
+        "2 round trips (SET NX PX via redis-py Lock, DEL): clear_lock deletes whoever holds the key",
+    ),
     ("2x PING", "redis", c_ping, "the floor: two round trips doing nothing"),
 ]
 
 
-def section_throughput(url: str, admin: redis.Redis, prefix: str, ops: int, rounds: int, count_ops: int,
-                       profile_ops: int) -> None:
+def section_throughput(
+    url: str, admin: redis.Redis, prefix: str, ops: int, rounds: int, count_ops: int, profile_ops: int
+) -> None:
     client = redis.Redis.from_url(url)
     ops_by_name: dict[str, Callable[[], None]] = {}
     skipped: dict[str, str] = {}
@@ -322,8 +352,10 @@ def section_throughput(url: str, admin: redis.Redis, prefix: str, ops: int, roun
     names = list(ops_by_name)
     per_round, lat, _ = interleaved_rounds(ops_by_name, ops, rounds, warm_up=False)
 
-    print(f"## 1. acquire + release, uncontended: {rounds} interleaved rounds x {ops} ops per contender, "
-          f"one shared client")
+    print(
+        f"## 1. acquire + release, uncontended: {rounds} interleaved rounds x {ops} ops per contender, "
+        f"one shared client"
+    )
     print("   ratios are per round (time per op / the reference's in the same round): median [min..max];")
     print("   > 1.00x means slower than the reference.\n")
 
@@ -338,14 +370,22 @@ def section_throughput(url: str, admin: redis.Redis, prefix: str, ops: int, roun
             rows.append([name, f"skipped: {skipped[name]}"])
             continue
         med = statistics.median(per_round[name])
-        rows.append([name, f"{1 / med:,.0f}", f"{med * 1e6:.1f}", f"{pct(lat[name], .5) * 1e6:.1f}",
-                     f"{pct(lat[name], .99) * 1e6:.1f}", ratio_cell(ratios(name, "taskguard")),
-                     ratio_cell(ratios(name, "2x PING"))])
-    print(fmt_table(["contender", "ops/s", "us/op", "p50 us", "p99 us", "time / taskguard", "time / 2x PING"],
-                    rows))
+        rows.append(
+            [
+                name,
+                f"{1 / med:,.0f}",
+                f"{med * 1e6:.1f}",
+                f"{pct(lat[name], 0.5) * 1e6:.1f}",
+                f"{pct(lat[name], 0.99) * 1e6:.1f}",
+                ratio_cell(ratios(name, "taskguard")),
+                ratio_cell(ratios(name, "2x PING")),
+            ]
+        )
+    print(fmt_table(["contender", "ops/s", "us/op", "p50 us", "p99 us", "time / taskguard", "time / 2x PING"], rows))
     if "taskguard" in per_round:
-        faster = [n for n in names if n not in ("taskguard", "2x PING")
-                  and statistics.median(ratios(n, "taskguard")) < 1.0]
+        faster = [
+            n for n in names if n not in ("taskguard", "2x PING") and statistics.median(ratios(n, "taskguard")) < 1.0
+        ]
         if faster:
             print(f"   faster than taskguard here: {', '.join(faster)} (see the round trips and commands below)")
     client.close()
@@ -358,8 +398,10 @@ def section_throughput(url: str, admin: redis.Redis, prefix: str, ops: int, roun
 
 def section_costs(url: str, admin: redis.Redis, prefix: str, n: int, skipped: dict[str, str]) -> None:
     """Round trips (client-side count), Redis commands (commandstats), threads started, per op."""
-    print(f"   per op ({n} ops each, on a client that counts the commands it sends; Redis commands from "
-          f"INFO commandstats deltas,")
+    print(
+        f"   per op ({n} ops each, on a client that counts the commands it sends; Redis commands from "
+        f"INFO commandstats deltas,"
+    )
     print("   the commands run inside Lua scripts included; 'threads/op' = threading.Thread.start calls):\n")
     client, sent = counting_client(url)
     rows, notes = [], []
@@ -391,13 +433,28 @@ def section_costs(url: str, admin: redis.Redis, prefix: str, n: int, skipped: di
         mine = {k: v for k, v in calls.items() if k in ours}
         usec = sum(b[k][1] - a.get(k, (0, 0))[1] for k in mine if k in client_side)
         per = " ".join(f"{k}={v / n:.2f}" for k, v in sorted(mine.items(), key=lambda kv: (-kv[1], kv[0])))
-        rows.append([name, f"{sent[0] / n:.2f}", f"{sum(mine.values()) / n:.2f}", f"{usec / n:.1f}",
-                     f"{started[0] / n:.2f}", per])
+        rows.append(
+            [
+                name,
+                f"{sent[0] / n:.2f}",
+                f"{sum(mine.values()) / n:.2f}",
+                f"{usec / n:.1f}",
+                f"{started[0] / n:.2f}",
+                per,
+            ]
+        )
         if foreign:
-            notes.append(f"   NOTE: other clients ran {sum(foreign.values())} commands "
-                         f"({', '.join(sorted(foreign)[:8])}) during the {name} count; left out above")
-    print(fmt_table(["contender", "round trips/op", "redis cmds/op", "server us/op", "threads/op",
-                     "commands per op"], rows, align="lrrrrl"))
+            notes.append(
+                f"   NOTE: other clients ran {sum(foreign.values())} commands "
+                f"({', '.join(sorted(foreign)[:8])}) during the {name} count; left out above"
+            )
+    print(
+        fmt_table(
+            ["contender", "round trips/op", "redis cmds/op", "server us/op", "threads/op", "commands per op"],
+            rows,
+            align="lrrrrl",
+        )
+    )
     print("   server us/op: Redis's own time in the commands the client sent (EVALSHA: the Lua inside).")
     for line in notes:
         print(line)
@@ -443,18 +500,40 @@ def section_profile(url: str, prefix: str, n: int) -> None:
                 split["stdlib"] += tt
                 top.append((tt, f"{os.path.basename(path) or '~'}:{func}" if path != "~" else func))
         total = sum(split.values())
-        rows.append([name, f"{total / n * 1e6:.1f}", f"{split['recv'] / n * 1e6:.1f}",
-                     f"{split['send'] / n * 1e6:.1f}", f"{split['redis-py'] / n * 1e6:.1f}",
-                     f"{split['taskguard'] / n * 1e6:.1f}", f"{split['stdlib'] / n * 1e6:.1f}"])
+        rows.append(
+            [
+                name,
+                f"{total / n * 1e6:.1f}",
+                f"{split['recv'] / n * 1e6:.1f}",
+                f"{split['send'] / n * 1e6:.1f}",
+                f"{split['redis-py'] / n * 1e6:.1f}",
+                f"{split['taskguard'] / n * 1e6:.1f}",
+                f"{split['stdlib'] / n * 1e6:.1f}",
+            ]
+        )
         tops[name] = sorted(top, reverse=True)[:6]
     client.close()
     print(f"   where the time goes, cProfile over {n} ops each (us/op; profiling inflates the Python parts):\n")
-    print(fmt_table(["contender", "total", "waiting for replies (recv)", "send", "redis-py code",
-                     "taskguard code", "stdlib / C calls"], rows))
+    print(
+        fmt_table(
+            [
+                "contender",
+                "total",
+                "waiting for replies (recv)",
+                "send",
+                "redis-py code",
+                "taskguard code",
+                "stdlib / C calls",
+            ],
+            rows,
+        )
+    )
     print("   (redis-py Lock's own code is part of 'redis-py code'.)")
     for name, top in tops.items():
-        print(f"   {name}, largest own + stdlib items: " +
-              ", ".join(f"{label.strip()} {tt / n * 1e6:.1f}" for tt, label in top[:5]))
+        print(
+            f"   {name}, largest own + stdlib items: "
+            + ", ".join(f"{label.strip()} {tt / n * 1e6:.1f}" for tt, label in top[:5])
+        )
 
 
 # -- section 2: contention ------------------------------------------------------------------------
@@ -469,6 +548,7 @@ def make_waiter(kind: str, client: redis.Redis, prefix: str) -> Callable[[], Cal
         def acquire() -> Callable[[], None] | None:
             acq = locks.acquire("hot", ttl=TTL, wait=WAIT)
             return acq.lease.release if acq.acquired else None
+
         return acquire
     if kind.startswith("redis-py Lock"):
         sleep = 0.01 if "0.01" in kind else 0.1
@@ -477,20 +557,24 @@ def make_waiter(kind: str, client: redis.Redis, prefix: str) -> Callable[[], Cal
         def acquire() -> Callable[[], None] | None:
             lk = client.lock(name, timeout=TTL, sleep=sleep, blocking=True, blocking_timeout=WAIT)
             return lk.release if lk.acquire() else None
+
         return acquire
     if kind == "python-redis-lock":
         import redis_lock
+
         name = f"{prefix}:prl:hot"
 
         def acquire() -> Callable[[], None] | None:
             lk = redis_lock.Lock(client, name, expire=TTL)
             return lk.release if lk.acquire(blocking=True, timeout=int(WAIT)) else None
+
         return acquire
     raise ValueError(kind)
 
 
-def contention_worker(kind: str, url: str, prefix: str, wid: int, hold: float, think: float, duration: float,
-                      ready: Any, out: Any) -> None:
+def contention_worker(
+    kind: str, url: str, prefix: str, wid: int, hold: float, think: float, duration: float, ready: Any, out: Any
+) -> None:
     """One contender: acquire (waiting), hold, release, think; until its deadline."""
     client, sent = counting_client(url, socket_timeout=5, socket_connect_timeout=5)
     try:
@@ -537,21 +621,28 @@ class _ListQueue:
             self.items.append(item)
 
 
-def run_contention(kind: str, mode: str, n: int, url: str, admin: redis.Redis, prefix: str, hold: float,
-                   think: float, duration: float) -> dict[str, Any]:
+def run_contention(
+    kind: str, mode: str, n: int, url: str, admin: redis.Redis, prefix: str, hold: float, think: float, duration: float
+) -> dict[str, Any]:
     if mode == "threads":
         ready: Any = threading.Barrier(n + 1)
         out: Any = _ListQueue()
-        workers = [threading.Thread(target=contention_worker, daemon=True,
-                                    args=(kind, url, prefix, i, hold, think, duration, ready, out))
-                   for i in range(n)]
+        workers = [
+            threading.Thread(
+                target=contention_worker, daemon=True, args=(kind, url, prefix, i, hold, think, duration, ready, out)
+            )
+            for i in range(n)
+        ]
     else:
         ctx = multiprocessing.get_context("fork")
         ready = ctx.Barrier(n + 1)
         out = ctx.Queue()
-        workers = [ctx.Process(target=contention_worker, daemon=True,
-                               args=(kind, url, prefix, i, hold, think, duration, ready, out))
-                   for i in range(n)]
+        workers = [
+            ctx.Process(
+                target=contention_worker, daemon=True, args=(kind, url, prefix, i, hold, think, duration, ready, out)
+            )
+            for i in range(n)
+        ]
     for w in workers:
         w.start()
     gc.collect()
@@ -594,12 +685,21 @@ def run_contention(kind: str, mode: str, n: int, url: str, admin: redis.Redis, p
     waits = sorted(x[0] - x[3] for x in in_window)
     return {
         "waits": waits,
-        "acq_window": len(in_window), "acq_total": len(recs), "duration": duration,
-        "handoffs": handoffs, "self_again": self_again, "overlaps": overlaps,
-        "served": len({x[2] for x in in_window}), "n": n,
-        "timeouts": sum(r[2] for r in results), "sent": sum(r[3] for r in results),
-        "calls": cmd_delta(a, b), "redis_cpu": rcpu1 - rcpu0, "client_cpu": client_cpu,
-        "missing": n - len(results), "errors": errors,
+        "acq_window": len(in_window),
+        "acq_total": len(recs),
+        "duration": duration,
+        "handoffs": handoffs,
+        "self_again": self_again,
+        "overlaps": overlaps,
+        "served": len({x[2] for x in in_window}),
+        "n": n,
+        "timeouts": sum(r[2] for r in results),
+        "sent": sum(r[3] for r in results),
+        "calls": cmd_delta(a, b),
+        "redis_cpu": rcpu1 - rcpu0,
+        "client_cpu": client_cpu,
+        "missing": n - len(results),
+        "errors": errors,
     }
 
 
@@ -612,11 +712,21 @@ def expected_commands(kind: str) -> set[str]:
     if kind.startswith("redis-py"):
         return {"set", "evalsha", "eval", "script|load"} | lua_calls(redis.lock.Lock.LUA_RELEASE_SCRIPT)
     import redis_lock
+
     return {"get", "set", "evalsha", "eval", "blpop"} | lua_calls(redis_lock.UNLOCK_SCRIPT)
 
 
-def section_contention(url: str, admin: redis.Redis, prefix: str, threads: list[int], procs: list[int],
-                       seconds: float, rounds: int, hold: float, think: float) -> None:
+def section_contention(
+    url: str,
+    admin: redis.Redis,
+    prefix: str,
+    threads: list[int],
+    procs: list[int],
+    seconds: float,
+    rounds: int,
+    hold: float,
+    think: float,
+) -> None:
     kinds = list(CONTENTION_KINDS)
     try:
         import redis_lock  # noqa: F401
@@ -629,10 +739,11 @@ def section_contention(url: str, admin: redis.Redis, prefix: str, threads: list[
     res: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for r in range(rounds):
         for mode, n in configs:
-            order = kinds[r % len(kinds):] + kinds[: r % len(kinds)]
+            order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
             for kind in order:
                 res.setdefault((mode, n, kind), []).append(
-                    run_contention(kind, mode, n, url, admin, f"{prefix}:c{r}", hold, think, seconds))
+                    run_contention(kind, mode, n, url, admin, f"{prefix}:c{r}", hold, think, seconds)
+                )
 
     print(f"## 2. contention on one key: {rounds} interleaved rounds x {seconds:g} s per cell; each worker loops")
     print(f"   acquire(wait <= {WAIT:g} s) -> hold {hold * 1e3:g} ms -> release -> pause {think * 1e3:g} ms")
@@ -654,12 +765,41 @@ def section_contention(url: str, admin: redis.Redis, prefix: str, threads: list[
             again = sum(x["self_again"] for x in rs) / max(1, total - len(rs))
             served = statistics.median(x["served"] for x in rs)
             waits = sorted(w for x in rs for w in x["waits"])
-            rows.append([f"{n} {mode}", kind, f"{acq_s:,.0f}", str(len(ho)),
-                         f"{pct(ho, .5) * 1e3:.2f}" if ho else "n/a", f"{pct(ho, .99) * 1e3:.2f}" if ho else "n/a",
-                         f"{again * 100:.0f}%", f"{served:g}/{n}", f"{pct(waits, .5) * 1e3:.1f}",
-                         f"{pct(waits, .99) * 1e3:.1f}", str(sum(x["timeouts"] for x in rs))])
-    print(fmt_table(["workers", "contender", "acq/s", "hand-offs", "p50 ms", "p99 ms", "again", "served",
-                     "wait p50 ms", "wait p99 ms", "timeouts"], rows, align="llrrrrrrrrr", lead=2))
+            rows.append(
+                [
+                    f"{n} {mode}",
+                    kind,
+                    f"{acq_s:,.0f}",
+                    str(len(ho)),
+                    f"{pct(ho, 0.5) * 1e3:.2f}" if ho else "n/a",
+                    f"{pct(ho, 0.99) * 1e3:.2f}" if ho else "n/a",
+                    f"{again * 100:.0f}%",
+                    f"{served:g}/{n}",
+                    f"{pct(waits, 0.5) * 1e3:.1f}",
+                    f"{pct(waits, 0.99) * 1e3:.1f}",
+                    str(sum(x["timeouts"] for x in rs)),
+                ]
+            )
+    print(
+        fmt_table(
+            [
+                "workers",
+                "contender",
+                "acq/s",
+                "hand-offs",
+                "p50 ms",
+                "p99 ms",
+                "again",
+                "served",
+                "wait p50 ms",
+                "wait p99 ms",
+                "timeouts",
+            ],
+            rows,
+            align="llrrrrrrrrr",
+            lead=2,
+        )
+    )
 
     print("\n   cost per successful acquisition (all acquisitions of the cell, the drain after the window too):")
     print("   round trips = commands the workers' clients sent; redis cmds = INFO commandstats deltas, Lua-run")
@@ -682,12 +822,23 @@ def section_contention(url: str, admin: redis.Redis, prefix: str, threads: list[
                         calls[k] = calls.get(k, 0) + v
                     else:
                         foreign += v
-            per = " ".join(f"{k}={v / acq:.2f}" for k, v in sorted(calls.items(), key=lambda kv: (-kv[1], kv[0]))
-                           if v / acq >= 0.005)
+            per = " ".join(
+                f"{k}={v / acq:.2f}"
+                for k, v in sorted(calls.items(), key=lambda kv: (-kv[1], kv[0]))
+                if v / acq >= 0.005
+            )
             sent = sum(x["sent"] for x in rs)
-            rows.append([f"{n} {mode}", kind, f"{sent / acq:.2f}", f"{sum(calls.values()) / acq:.2f}",
-                         f"{sum(x['redis_cpu'] for x in rs) / acq * 1e6:.0f}",
-                         f"{sum(x['client_cpu'] for x in rs) / acq * 1e6:.0f}", per])
+            rows.append(
+                [
+                    f"{n} {mode}",
+                    kind,
+                    f"{sent / acq:.2f}",
+                    f"{sum(calls.values()) / acq:.2f}",
+                    f"{sum(x['redis_cpu'] for x in rs) / acq * 1e6:.0f}",
+                    f"{sum(x['client_cpu'] for x in rs) / acq * 1e6:.0f}",
+                    per,
+                ]
+            )
             if foreign:
                 foreign_cells.append((foreign, f"{n} {mode} / {kind}"))
                 foreign_names.update(k for x in rs for k in x["calls"] if k not in exp)
@@ -695,20 +846,39 @@ def section_contention(url: str, admin: redis.Redis, prefix: str, threads: list[
             missing = sum(x["missing"] for x in rs)
             overlaps = sum(x["overlaps"] for x in rs)
             if bad or missing or overlaps:
-                notes.append(f"   PROBLEM in {n} {mode} / {kind}: {len(bad)} worker errors {bad[:2]}, "
-                             f"{missing} workers did not report, {overlaps} overlapping holds")
-    print(fmt_table(["workers", "contender", "round trips/acq", "redis cmds/acq", "redis CPU us/acq",
-                     "client CPU us/acq", "redis commands per acquisition"], rows, align="llrrrrl"))
+                notes.append(
+                    f"   PROBLEM in {n} {mode} / {kind}: {len(bad)} worker errors {bad[:2]}, "
+                    f"{missing} workers did not report, {overlaps} overlapping holds"
+                )
+    print(
+        fmt_table(
+            [
+                "workers",
+                "contender",
+                "round trips/acq",
+                "redis cmds/acq",
+                "redis CPU us/acq",
+                "client CPU us/acq",
+                "redis commands per acquisition",
+            ],
+            rows,
+            align="llrrrrl",
+        )
+    )
     if foreign_cells:
         worst = max(foreign_cells)
-        print(f"   NOTE: other clients ran commands this contender never runs in {len(foreign_cells)} cells "
-              f"({sum(f for f, _ in foreign_cells)} in all, at most {worst[0]} in {worst[1]}; "
-              f"{', '.join(sorted(foreign_names)[:6])}): left out of 'redis cmds', in 'redis CPU'")
+        print(
+            f"   NOTE: other clients ran commands this contender never runs in {len(foreign_cells)} cells "
+            f"({sum(f for f, _ in foreign_cells)} in all, at most {worst[0]} in {worst[1]}; "
+            f"{', '.join(sorted(foreign_names)[:6])}): left out of 'redis cmds', in 'redis CPU'"
+        )
     for line in notes:
         print(line)
     tot_overlaps = sum(x["overlaps"] for rs in res.values() for x in rs)
-    print(f"   mutual exclusion check: {tot_overlaps} overlapping holds in all cells (a hold begins when acquire "
-          f"returns, ends when release is called)")
+    print(
+        f"   mutual exclusion check: {tot_overlaps} overlapping holds in all cells (a hold begins when acquire "
+        f"returns, ends when release is called)"
+    )
 
 
 # -- main -------------------------------------------------------------------------------------------
@@ -721,9 +891,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", type=int, default=1500, help="ops per contender per round (default 1500)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds of section 1 (default 7)")
     ap.add_argument("--count-ops", type=int, default=500, help="ops per contender for the counts (default 500)")
-    ap.add_argument("--profile-ops", type=int, default=3000,
-                    help="ops per contender for the cProfile split of taskguard vs redis-py Lock "
-                         "(0: skip; default 3000)")
+    ap.add_argument(
+        "--profile-ops",
+        type=int,
+        default=3000,
+        help="ops per contender for the cProfile split of taskguard vs redis-py Lock (0: skip; default 3000)",
+    )
     ap.add_argument("--threads", default="1,8,32", help="contending thread counts (default 1,8,32)")
     ap.add_argument("--procs", default="8,32", help="contending process counts ('' for none; default 8,32)")
     ap.add_argument("--contention-seconds", type=float, default=1.5, help="seconds per cell (default 1.5)")
@@ -753,16 +926,24 @@ def main(argv: list[str] | None = None) -> int:
     probe.close()
 
     print("# taskguard vs other Redis locks")
-    print(f"python        {platform.python_implementation()} {platform.python_version()} on {platform.system()} "
-          f"{platform.machine()}, {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"interpreter   {sys.executable}" + ("  (bench/.venv-compare)" if _in_compare_venv() else
-                                                f"  (not bench/.venv-compare: {SETUP_ONE_LINER})"))
+    print(
+        f"python        {platform.python_implementation()} {platform.python_version()} on {platform.system()} "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    print(
+        f"interpreter   {sys.executable}"
+        + ("  (bench/.venv-compare)" if _in_compare_venv() else f"  (not bench/.venv-compare: {SETUP_ONE_LINER})")
+    )
     print(f"redis server  {server.get('redis_version')} ({server.get('redis_mode', '?')}) at {urlhost}")
-    print(f"redis-py      {redis.__version__}, parser {parser}, hiredis "
-          f"{'yes' if redis.utils.HIREDIS_AVAILABLE else 'no'}")
+    print(
+        f"redis-py      {redis.__version__}, parser {parser}, hiredis "
+        f"{'yes' if redis.utils.HIREDIS_AVAILABLE else 'no'}"
+    )
     print(f"taskguard     {taskguard.__version__} from {os.path.dirname(taskguard.__file__)}{git_state()}")
-    print(f"others        python-redis-lock {version_of('python-redis-lock')}, pottery {version_of('pottery')}, "
-          f"celery-once {version_of('celery-once')}")
+    print(
+        f"others        python-redis-lock {version_of('python-redis-lock')}, pottery {version_of('pottery')}, "
+        f"celery-once {version_of('celery-once')}"
+    )
     print(f"key prefix    {prefix} (deleted at the end)")
     others = int(admin.info("clients").get("connected_clients", 0)) - 1
     if others > 0:
@@ -772,14 +953,25 @@ def main(argv: list[str] | None = None) -> int:
         section_throughput(args.url, admin, prefix, args.ops, args.rounds, args.count_ops, args.profile_ops)
         if not args.skip_contention:
             print()
-            section_contention(args.url, admin, prefix, threads, procs, args.contention_seconds,
-                               args.contention_rounds, args.hold_ms / 1e3, args.think_ms / 1e3)
+            section_contention(
+                args.url,
+                admin,
+                prefix,
+                threads,
+                procs,
+                args.contention_seconds,
+                args.contention_rounds,
+                args.hold_ms / 1e3,
+                args.think_ms / 1e3,
+            )
     finally:
         deleted, left = cleanup(admin, prefix)
         print(f"\ncleanup: deleted {deleted} keys under {prefix}; {left} left")
         admin.close()
-    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-          f"total wall time {time.monotonic() - t_start:.1f} s")
+    print(
+        f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+        f"total wall time {time.monotonic() - t_start:.1f} s"
+    )
     return 0
 
 

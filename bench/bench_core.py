@@ -162,17 +162,21 @@ def print_throughput(res: dict[str, Any], ops: int, rounds: int) -> dict[str, fl
     for name in pr:
         med = statistics.median(pr[name])
         r_ping, r_rp = ratios(name, base), ratios(name, rp)
-        rows.append([
-            name,
-            f"{1 / med:,.0f}",
-            f"{med * 1e6:.1f}",
-            f"{pct(lat[name], 0.50) * 1e6:.1f}",
-            f"{pct(lat[name], 0.99) * 1e6:.1f}",
-            f"{statistics.median(r_ping):.3f}x",
-            f"{statistics.median(r_rp):.3f}x",
-        ])
-    print(f"## 1. acquire+release throughput: {rounds} interleaved rounds x {ops} ops per contender "
-          f"(order rotated each round)")
+        rows.append(
+            [
+                name,
+                f"{1 / med:,.0f}",
+                f"{med * 1e6:.1f}",
+                f"{pct(lat[name], 0.50) * 1e6:.1f}",
+                f"{pct(lat[name], 0.99) * 1e6:.1f}",
+                f"{statistics.median(r_ping):.3f}x",
+                f"{statistics.median(r_rp):.3f}x",
+            ]
+        )
+    print(
+        f"## 1. acquire+release throughput: {rounds} interleaved rounds x {ops} ops per contender "
+        f"(order rotated each round)"
+    )
     print("   us/op: wall time of a round / ops, median over rounds; ops/s = 1 / that;")
     print("   p50/p99: per-op latencies of all rounds pooled;")
     print("   ratios: per-round (mean op time / mean op time of the other), median over rounds.\n")
@@ -182,18 +186,26 @@ def print_throughput(res: dict[str, Any], ops: int, rounds: int) -> dict[str, fl
     p50_ping = pct(lat["taskguard"], 0.5) / pct(lat[base], 0.5)
     p50_rp = pct(lat["taskguard"], 0.5) / pct(lat[rp], 0.5)
     print()
-    print(f"   taskguard / 2x PING       = {m_ping:.3f}x  (rounds {min(tg_ping):.3f}..{max(tg_ping):.3f}; "
-          f"p50/p50 {p50_ping:.3f}x)  target <= 1.20x: {verdict(m_ping <= 1.2)}")
-    print(f"   taskguard / redis-py Lock = {m_rp:.3f}x  (rounds {min(tg_rp):.3f}..{max(tg_rp):.3f}; "
-          f"p50/p50 {p50_rp:.3f}x)  target <= 0.95x: {verdict(m_rp <= 0.95)}")
+    print(
+        f"   taskguard / 2x PING       = {m_ping:.3f}x  (rounds {min(tg_ping):.3f}..{max(tg_ping):.3f}; "
+        f"p50/p50 {p50_ping:.3f}x)  target <= 1.20x: {verdict(m_ping <= 1.2)}"
+    )
+    print(
+        f"   taskguard / redis-py Lock = {m_rp:.3f}x  (rounds {min(tg_rp):.3f}..{max(tg_rp):.3f}; "
+        f"p50/p50 {p50_rp:.3f}x)  target <= 0.95x: {verdict(m_rp <= 0.95)}"
+    )
     med = {n: statistics.median(v) for n, v in pr.items()}
     print("   decomposition of the taskguard op (medians, us/op):")
     print(f"     2 round trips (2x PING)                    {med[base] * 1e6:7.1f}")
-    print(f"     + the scripts on taskguard's path          {(med['tg scripts raw'] - med[base]) * 1e6:+7.1f}"
-          "   (tg scripts raw - 2x PING: bigger commands, Lua, array replies,")
+    print(
+        f"     + the scripts on taskguard's path          {(med['tg scripts raw'] - med[base]) * 1e6:+7.1f}"
+        "   (tg scripts raw - 2x PING: bigger commands, Lua, array replies,"
+    )
     print("                                                           less redis-py's per-call overhead)")
-    print(f"     + taskguard Python API around the scripts  {(med['taskguard'] - med['tg scripts raw']) * 1e6:+7.1f}"
-          "   (taskguard - tg scripts raw)")
+    print(
+        f"     + taskguard Python API around the scripts  {(med['taskguard'] - med['tg scripts raw']) * 1e6:+7.1f}"
+        "   (taskguard - tg scripts raw)"
+    )
     print("   (every row goes through redis-py's client: pool checkout, its Retry, its hooks)")
     return {"tg_ping": m_ping, "tg_rp": m_rp, **{f"us:{n}": v * 1e6 for n, v in med.items()}}
 
@@ -206,8 +218,9 @@ def _blocked_in_blpop(admin: redis.Redis, name: str) -> bool:
     return False
 
 
-def handoff_taskguard(url: str, client: redis.Redis, admin: redis.Redis, prefix: str, n: int,
-                      rng: random.Random) -> tuple[list[float], int, int]:
+def handoff_taskguard(
+    url: str, client: redis.Redis, admin: redis.Redis, prefix: str, n: int, rng: random.Random
+) -> tuple[list[float], int, int]:
     holder = RedisLocks(client, prefix=prefix)
     wname = f"{prefix}-tgwaiter"
     wclient = redis.Redis.from_url(url, client_name=wname)
@@ -290,8 +303,9 @@ def handoff_redispy(url: str, client: redis.Redis, prefix: str, n: int, rng: ran
     return sorted(out), failed
 
 
-def print_handoff(url: str, client: redis.Redis, admin: redis.Redis, prefix: str, n: int,
-                  seed: int) -> dict[str, float]:
+def print_handoff(
+    url: str, client: redis.Redis, admin: redis.Redis, prefix: str, n: int, seed: int
+) -> dict[str, float]:
     rng = random.Random(seed)
     tg, blocked, tg_failed = handoff_taskguard(url, client, admin, prefix, n, rng)
     rp, rp_failed = handoff_redispy(url, client, prefix, n, rng)
@@ -301,22 +315,38 @@ def print_handoff(url: str, client: redis.Redis, admin: redis.Redis, prefix: str
 
     def row(name: str, v: list[float], failed: int) -> list[str]:
         ms = [x * 1e3 for x in v]
-        return [name, str(len(v)), str(failed), f"{pct(ms, .5):.2f}", f"{pct(ms, .99):.2f}",
-                f"{min(ms):.2f}", f"{statistics.mean(ms):.2f}", f"{max(ms):.2f}"]
+        return [
+            name,
+            str(len(v)),
+            str(failed),
+            f"{pct(ms, 0.5):.2f}",
+            f"{pct(ms, 0.99):.2f}",
+            f"{min(ms):.2f}",
+            f"{statistics.mean(ms):.2f}",
+            f"{max(ms):.2f}",
+        ]
 
-    print(fmt_table(["waiter", "n", "failed", "p50 ms", "p99 ms", "min ms", "mean ms", "max ms"], [
-        row("taskguard acquire(wait=5), poll_interval=1.0", tg, tg_failed),
-        row("redis-py Lock(blocking=True, sleep=0.1)", rp, rp_failed),
-    ]))
+    print(
+        fmt_table(
+            ["waiter", "n", "failed", "p50 ms", "p99 ms", "min ms", "mean ms", "max ms"],
+            [
+                row("taskguard acquire(wait=5), poll_interval=1.0", tg, tg_failed),
+                row("redis-py Lock(blocking=True, sleep=0.1)", rp, rp_failed),
+            ],
+        )
+    )
     if min(tg + rp, default=0) < 0:
         print("   (a negative time: the waiter had the lock before the holder's release() call got back to")
         print("   Python and read the clock - both threads race for the GIL once Redis has answered)")
-    print(f"\n   taskguard waiter was blocked in BLPOP at release in {blocked}/{n} hand-offs "
-          f"(checked with CLIENT LIST).")
-    p50_tg, p99_tg = pct(tg, .5) * 1e3, pct(tg, .99) * 1e3
-    print(f"   taskguard p50 {p50_tg:.2f} ms, p99 {p99_tg:.2f} ms; target 'a few ms': {verdict(p99_tg <= 5.0)}"
-          f"  (p50 redis-py / p50 taskguard = {pct(rp, .5) / pct(tg, .5):.0f}x)")
-    return {"ho_tg_p50": p50_tg, "ho_tg_p99": p99_tg, "ho_rp_p50": pct(rp, .5) * 1e3}
+    print(
+        f"\n   taskguard waiter was blocked in BLPOP at release in {blocked}/{n} hand-offs (checked with CLIENT LIST)."
+    )
+    p50_tg, p99_tg = pct(tg, 0.5) * 1e3, pct(tg, 0.99) * 1e3
+    print(
+        f"   taskguard p50 {p50_tg:.2f} ms, p99 {p99_tg:.2f} ms; target 'a few ms': {verdict(p99_tg <= 5.0)}"
+        f"  (p50 redis-py / p50 taskguard = {pct(rp, 0.5) / pct(tg, 0.5):.0f}x)"
+    )
+    return {"ho_tg_p50": p50_tg, "ho_tg_p99": p99_tg, "ho_rp_p50": pct(rp, 0.5) * 1e3}
 
 
 # -- server-side command counts ---------------------------------------------------------------------
@@ -324,8 +354,9 @@ def snapshot(admin: redis.Redis) -> dict[str, Any]:
     info = admin.info("stats", "commandstats")
     return {
         "total": int(info["total_commands_processed"]),
-        "cmd": {k[len("cmdstat_"):]: (int(v["calls"]), int(v["usec"])) for k, v in info.items()
-                if k.startswith("cmdstat_")},
+        "cmd": {
+            k[len("cmdstat_") :]: (int(v["calls"]), int(v["usec"])) for k, v in info.items() if k.startswith("cmdstat_")
+        },
     }
 
 
@@ -358,8 +389,7 @@ EXPECTED = {
 CLIENT_SIDE = {"taskguard": {"evalsha", "eval"}, "2x PING": {"ping"}, "redis-py Lock": {"set", "evalsha"}}
 
 
-def print_commands(admin: redis.Redis, contenders: dict[str, Callable[[], None]], locks: RedisLocks,
-                   n: int) -> None:
+def print_commands(admin: redis.Redis, contenders: dict[str, Callable[[], None]], locks: RedisLocks, n: int) -> None:
     print(f"## 3. Redis commands executed per acquire+release ({n} ops each; INFO stats/commandstats deltas)")
     print("   total_commands_processed counts the commands Lua scripts run inside EVALSHA as well;")
     print("   'client cmds' are the commands the client sent, i.e. the round trips.\n")
@@ -375,10 +405,17 @@ def print_commands(admin: redis.Redis, contenders: dict[str, Callable[[], None]]
         srv_us = sum(d["usec"].get(c, 0) for c in CLIENT_SIDE[name]) / n
         rows.append([name, f"{client_cmds / n:.2f}", f"{total / n:.2f}", f"{srv_us:.1f}", per])
         if foreign:
-            notes.append(f"   NOTE: other clients ran {sum(foreign.values())} commands ({', '.join(sorted(foreign))}) "
-                         f"during the {name} count; excluded above where told apart by name")
-    print(fmt_table(["contender", "client cmds/op", "server cmds/op", "server us/op", "per command, per op"],
-                    rows, align="lrrrl"))
+            notes.append(
+                f"   NOTE: other clients ran {sum(foreign.values())} commands ({', '.join(sorted(foreign))}) "
+                f"during the {name} count; excluded above where told apart by name"
+            )
+    print(
+        fmt_table(
+            ["contender", "client cmds/op", "server cmds/op", "server us/op", "per command, per op"],
+            rows,
+            align="lrrrl",
+        )
+    )
     print("   server us/op: Redis's own time in the client-sent commands (for EVALSHA: the Lua inside).")
     # Server time of each taskguard script on its own: n acquisitions of distinct keys, then n releases.
     keys = [f"cnt:{i}" for i in range(n)]
@@ -428,7 +465,7 @@ def print_split(url: str, prefix: str, ops: int, rounds: int) -> None:
             cont[name]()
     res: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             gc.collect()
             inside[0] = 0.0
             wall, _ = run_chunk(cont[name], ops)
@@ -436,8 +473,10 @@ def print_split(url: str, prefix: str, ops: int, rounds: int) -> None:
     locks.close()
     client.close()
     med = {n: (statistics.median(w for w, _ in v), statistics.median(i for _, i in v)) for n, v in res.items()}
-    print(f"## 4. where taskguard's extra time goes: time inside the 2 EVALSHA calls vs outside them "
-          f"({rounds} alternating rounds x {ops} ops, medians, us/op)\n")
+    print(
+        f"## 4. where taskguard's extra time goes: time inside the 2 EVALSHA calls vs outside them "
+        f"({rounds} alternating rounds x {ops} ops, medians, us/op)\n"
+    )
     rows = [[n, f"{w * 1e6:.1f}", f"{i * 1e6:.1f}", f"{(w - i) * 1e6:.1f}"] for n, (w, i) in med.items()]
     print(fmt_table(["contender", "wall", "inside evalsha x2", "outside (Python around them)"], rows))
     (tw, ti), (rw, ri) = med["taskguard"], med["tg scripts raw"]
@@ -490,7 +529,13 @@ def print_breakdown(client: redis.Redis) -> None:
 
     def clocks() -> None:  # time.monotonic x5 + time.time x2 (+ Lease's) in acquire/release
         m = time.monotonic
-        m(); m(); m(); m(); m(); time.time(); time.time()  # noqa: E702  (one line: the calls counted above)
+        m()
+        m()
+        m()
+        m()
+        m()
+        time.time()
+        time.time()  # noqa: E702  (one line: the calls counted above)
 
     parts = [
         ("whole API over a no-op backend (acquire+release)", whole),
@@ -499,8 +544,10 @@ def print_breakdown(client: redis.Redis) -> None:
         ("json.dumps(holder meta)", lambda: json.dumps(meta, separators=(",", ":"))),
         ("secrets.token_urlsafe(18) (owner token)", lambda: secrets.token_urlsafe(18)),
         ("2 LeaseEvent built + emitted (no listeners)", events),
-        ("Lease(...) handle (threading.Lock, getpid, dict)", lambda: Lease(null.leasing, "k", "o", ttl=10.0,
-                                                                         fencing_token=1, expires_at=0.0, holder=meta)),
+        (
+            "Lease(...) handle (threading.Lock, getpid, dict)",
+            lambda: Lease(null.leasing, "k", "o", ttl=10.0, fencing_token=1, expires_at=0.0, holder=meta),
+        ),
         ("Acquisition(...) dataclass", lambda: Acquisition(True, lease)),
         ("WeakSet add + discard", weakset),
         ("get_heartbeat().discard(lease) (2 locks)", lambda: hb.discard(lease)),
@@ -508,6 +555,7 @@ def print_breakdown(client: redis.Redis) -> None:
         ("clock reads (monotonic x5, time x2)", clocks),
         ("os.getpid()", os.getpid),
     ]
+
     def best_of(fn: Callable[[], Any]) -> float:
         t = timeit.Timer(fn)
         n = max(100, int(0.03 / max(t.timeit(500) / 500, 1e-9)))  # ~30 ms per repeat
@@ -524,10 +572,12 @@ def print_breakdown(client: redis.Redis) -> None:
         return statistics.median(out)
 
     rows = [[label, f"{best_of(fn) * 1e6:.2f}"] for label, fn in parts]
-    rows.insert(1, ["  the same, each call right after a PING round trip (median)",
-                    f"{between_round_trips(whole) * 1e6:.2f}"])
-    print("## 5. client-side CPU of the taskguard API per acquire+release (no Redis I/O in the API; "
-          "timeit, best of 5)\n")
+    rows.insert(
+        1, ["  the same, each call right after a PING round trip (median)", f"{between_round_trips(whole) * 1e6:.2f}"]
+    )
+    print(
+        "## 5. client-side CPU of the taskguard API per acquire+release (no Redis I/O in the API; timeit, best of 5)\n"
+    )
     print(fmt_table(["piece", "us"], rows))
     print("   (the pieces are parts of the whole; they show where its time goes and do not add up exactly)")
 
@@ -540,8 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--handoffs", type=int, default=50, help="hand-offs per waiter kind (default 50)")
     ap.add_argument("--count-ops", type=int, default=1000, help="ops for the command counts (default 1000)")
     ap.add_argument("--seed", type=int, default=1, help="seed of the random hold times (default 1)")
-    ap.add_argument("--no-diagnostics", action="store_true",
-                    help="skip sections 4-5 (where taskguard's time goes)")
+    ap.add_argument("--no-diagnostics", action="store_true", help="skip sections 4-5 (where taskguard's time goes)")
     args = ap.parse_args(argv)
     if args.ops < 1 or args.rounds < 1 or args.handoffs < 1 or args.count_ops < 1:
         ap.error("--ops, --rounds, --handoffs and --count-ops must be >= 1")
@@ -558,14 +607,19 @@ def main(argv: list[str] | None = None) -> int:
     urlhost = redact_url(args.url).strip("'\"")  # never print a password
 
     print("# taskguard core benchmark")
-    print("compares, on one shared redis.Redis client: taskguard RedisLocks.acquire(key, ttl=10) + "
-          "lease.release()")
-    print("  vs 2x client.ping() (the two-round-trip floor) vs redis-py Lock(timeout=10) "
-          "acquire(blocking=False) + release()")
-    print(f"python        {platform.python_implementation()} {platform.python_version()} on "
-          f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs")
-    print(f"redis server  {server.get('redis_version')} ({server.get('redis_mode', '?')}, "
-          f"{server.get('multiplexing_api', '?')}) at {urlhost}")
+    print("compares, on one shared redis.Redis client: taskguard RedisLocks.acquire(key, ttl=10) + lease.release()")
+    print(
+        "  vs 2x client.ping() (the two-round-trip floor) vs redis-py Lock(timeout=10) "
+        "acquire(blocking=False) + release()"
+    )
+    print(
+        f"python        {platform.python_implementation()} {platform.python_version()} on "
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs"
+    )
+    print(
+        f"redis server  {server.get('redis_version')} ({server.get('redis_mode', '?')}, "
+        f"{server.get('multiplexing_api', '?')}) at {urlhost}"
+    )
     print(f"redis-py      {redis.__version__}, protocol RESP{proto}, parser {parser}")
     hv = None
     try:

@@ -126,22 +126,35 @@ def main(argv: list[str] | None = None) -> int:
         bench_sigkill(args.url, admin, prefix)
         bench_unique_publish(args, admin, prefix)
         print("## §4 rate decisions\n")
-        contenders = {"taskguard throttle": throttle, "taskguard throttle, cost=250": weighted, "1x PING": ping,
-                      "INCR+PEXPIRE fixed window": fixed_window}
+        contenders = {
+            "taskguard throttle": throttle,
+            "taskguard throttle, cost=250": weighted,
+            "1x PING": ping,
+            "INCR+PEXPIRE fixed window": fixed_window,
+        }
         per_round, lat, _orders = interleaved_rounds(contenders, args.ops, args.rounds)
         base = per_round["1x PING"]
         rows = []
         for name in contenders:
             med = statistics.median(per_round[name])
             ratios = sorted(a / b for a, b in zip(per_round[name], base, strict=True))
-            rows.append([name, f"{1 / med:,.0f}", f"{med * 1e6:.1f}", f"{pct(lat[name], .5) * 1e6:.1f}",
-                         f"{pct(lat[name], .99) * 1e6:.1f}",
-                         f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}..{ratios[-1]:.2f})"])
+            rows.append(
+                [
+                    name,
+                    f"{1 / med:,.0f}",
+                    f"{med * 1e6:.1f}",
+                    f"{pct(lat[name], 0.5) * 1e6:.1f}",
+                    f"{pct(lat[name], 0.99) * 1e6:.1f}",
+                    f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}..{ratios[-1]:.2f})",
+                ]
+            )
         print(f"{args.rounds} interleaved rounds x {args.ops} decisions per contender\n")
         print(fmt_table(["contender", "ops/s", "us/op", "p50 us", "p99 us", "vs 1x PING"], rows, align="lrrrrr"))
-        print("\n   a throttle decision is one round trip, weighted (cost=) or not, as the fixed window's is; the"
-              "\n   fixed window lets up to 2x the rate through across a window boundary and tells denied callers"
-              "\n   nothing about when to come back")
+        print(
+            "\n   a throttle decision is one round trip, weighted (cost=) or not, as the fixed window's is; the"
+            "\n   fixed window lets up to 2x the rate through across a window boundary and tells denied callers"
+            "\n   nothing about when to come back"
+        )
     finally:
         deleted, left = cleanup(admin, prefix)
         print(f"\ncleanup: deleted {deleted} keys under {prefix}; {left} left")
@@ -214,8 +227,13 @@ def bench_holder_limits(args, client, locks, admin, prefix) -> None:
         client.ping()
         client.ping()
 
-    contenders = {"limit=1": limit1, "limit=5, 4 held": limit5, "limit=50, 49 held": limit50,
-                  "sorted-set semaphore, 4 held": zsem, "2x PING": pings}
+    contenders = {
+        "limit=1": limit1,
+        "limit=5, 4 held": limit5,
+        "limit=50, 49 held": limit50,
+        "sorted-set semaphore, 4 held": zsem,
+        "2x PING": pings,
+    }
     per_round, lat, _orders = interleaved_rounds(contenders, args.ops, args.rounds)
     redis_us = {}
     for name, fn in contenders.items():  # Redis time, each alone
@@ -229,20 +247,35 @@ def bench_holder_limits(args, client, locks, admin, prefix) -> None:
         med = statistics.median(per_round[name])
         r_ping = sorted(a / b for a, b in zip(per_round[name], base, strict=True))
         r_one = sorted(a / b for a, b in zip(per_round[name], one, strict=True))
-        rows.append([name, f"{med * 1e6:.1f}", f"{pct(lat[name], .99) * 1e6:.1f}", f"{redis_us[name][1]:.1f}",
-                     f"{redis_us[name][0]:.1f}",
-                     f"{statistics.median(r_ping):.3f}x ({r_ping[0]:.2f}..{r_ping[-1]:.2f})",
-                     f"{statistics.median(r_one):.3f}x"])
+        rows.append(
+            [
+                name,
+                f"{med * 1e6:.1f}",
+                f"{pct(lat[name], 0.99) * 1e6:.1f}",
+                f"{redis_us[name][1]:.1f}",
+                f"{redis_us[name][0]:.1f}",
+                f"{statistics.median(r_ping):.3f}x ({r_ping[0]:.2f}..{r_ping[-1]:.2f})",
+                f"{statistics.median(r_one):.3f}x",
+            ]
+        )
     print(f"## §1 holder limits: acquire + release, {args.rounds} interleaved rounds x {args.ops} ops\n")
-    print(fmt_table(["contender", "us/op", "p99 us", "cmds/op", "redis us/op", "vs 2x PING", "vs limit=1"], rows,
-                    align="lrrrrrr"))
-    print("\n   every contender is two round trips (acquire, release); cmds/op counts the commands Redis ran"
-          "\n   (a script is 1 + the commands inside it). A limited acquire reads each slot inside one script.\n")
+    print(
+        fmt_table(
+            ["contender", "us/op", "p99 us", "cmds/op", "redis us/op", "vs 2x PING", "vs limit=1"],
+            rows,
+            align="lrrrrrr",
+        )
+    )
+    print(
+        "\n   every contender is two round trips (acquire, release); cmds/op counts the commands Redis ran"
+        "\n   (a script is 1 + the commands inside it). A limited acquire reads each slot inside one script.\n"
+    )
     for lease in held:
         lease.release()
 
 
 # -- §3 publishing with unique=True ------------------------------------------------------------------
+
 
 def bench_unique_publish(args: Any, admin: Any, prefix: str) -> None:
     from celery import Celery
@@ -251,8 +284,12 @@ def bench_unique_publish(args: Any, admin: Any, prefix: str) -> None:
     from taskguard_celery import GuardedTask
 
     app = Celery(f"{prefix}-app", broker=args.url, set_as_current=False)
-    app.conf.update(task_default_queue=f"{prefix}-q", taskguard_redis_url=args.url, taskguard_prefix=prefix,
-                    broker_connection_retry_on_startup=True)
+    app.conf.update(
+        task_default_queue=f"{prefix}-q",
+        taskguard_redis_url=args.url,
+        taskguard_prefix=prefix,
+        broker_connection_retry_on_startup=True,
+    )
 
     @app.task(base=GuardedTask, shared=False, name=f"{prefix}.job", key="job:{n}")
     def job(n):
@@ -271,26 +308,38 @@ def bench_unique_publish(args: Any, admin: Any, prefix: str) -> None:
         job.apply_async((-1,), unique=True)  # the first call marked it; every later one is suppressed
 
     try:
-        contenders = {"apply_async": plain, "unique=True, new key": unique_new,
-                      "unique=True, key queued": unique_queued}
+        contenders = {
+            "apply_async": plain,
+            "unique=True, new key": unique_new,
+            "unique=True, key queued": unique_queued,
+        }
         per_round, lat, _orders = interleaved_rounds(contenders, ops, args.rounds)
         base = per_round["apply_async"]
         rows = []
         for name in contenders:
             med = statistics.median(per_round[name])
             ratios = sorted(a / b for a, b in zip(per_round[name], base, strict=True))
-            rows.append([name, f"{med * 1e6:.1f}", f"{pct(lat[name], .99) * 1e6:.1f}",
-                         f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}..{ratios[-1]:.2f})"])
+            rows.append(
+                [
+                    name,
+                    f"{med * 1e6:.1f}",
+                    f"{pct(lat[name], 0.99) * 1e6:.1f}",
+                    f"{statistics.median(ratios):.3f}x ({ratios[0]:.2f}..{ratios[-1]:.2f})",
+                ]
+            )
         print(f"## §3 publishing a guarded Celery task, {args.rounds} interleaved rounds x {ops} publishes\n")
         print(fmt_table(["publish", "us/op", "p99 us", "vs apply_async"], rows, align="lrrr"))
-        print("\n   unique=True adds one round trip (the mark script) before the publish; a suppressed publish is"
-              "\n   that round trip alone.\n")
+        print(
+            "\n   unique=True adds one round trip (the mark script) before the publish; a suppressed publish is"
+            "\n   that round trip alone.\n"
+        )
     finally:
         admin.delete(f"{prefix}-q")
         app.close()
 
 
 # -- §2 after a SIGKILL -------------------------------------------------------------------------------
+
 
 def _take_two(url: str, prefix: str, how: str, ready: Any) -> None:
     client = redis.Redis.from_url(url)
@@ -330,8 +379,11 @@ def bench_sigkill(url: str, admin: Any, prefix: str, give_up: float = 8.0) -> No
     print("## §2 a holder SIGKILLed while holding both slots of a limit-2 key\n")
     ctx = multiprocessing.get_context("spawn")
     rows = []
-    for how, label in (("taskguard", "taskguard limit=2 (ttl 2 s, renewed)"),
-                       ("zset", "sorted-set semaphore (timeout 2 s)"), ("counter", "INCR/DECR counter")):
+    for how, label in (
+        ("taskguard", "taskguard limit=2 (ttl 2 s, renewed)"),
+        ("zset", "sorted-set semaphore (timeout 2 s)"),
+        ("counter", "INCR/DECR counter"),
+    ):
         ready = ctx.Queue()
         proc = ctx.Process(target=_take_two, args=(url, prefix, how, ready))
         proc.start()
@@ -350,12 +402,16 @@ def bench_sigkill(url: str, admin: Any, prefix: str, give_up: float = 8.0) -> No
         when = "never (leaked)" if back is None else f"{back:.2f} s"
         if not alive_held:
             when = "- (gone before it)"
-        rows.append([label, "yes" if alive_held else "NO", when,
-                     "per slot" if how == "taskguard" else "none"])
-    print(fmt_table(["semaphore", "held past TTL while alive", "slot back after SIGKILL", "fencing token"], rows,
-                    align="lrrr"))
-    print("\n   the sorted-set recipe cannot renew: a holder alive past its timeout loses its slot unnoticed"
-          "\n   and nothing fences its late writes; the counter never gives a dead holder's slots back.\n")
+        rows.append([label, "yes" if alive_held else "NO", when, "per slot" if how == "taskguard" else "none"])
+    print(
+        fmt_table(
+            ["semaphore", "held past TTL while alive", "slot back after SIGKILL", "fencing token"], rows, align="lrrr"
+        )
+    )
+    print(
+        "\n   the sorted-set recipe cannot renew: a holder alive past its timeout loses its slot unnoticed"
+        "\n   and nothing fences its late writes; the counter never gives a dead holder's slots back.\n"
+    )
 
 
 if __name__ == "__main__":

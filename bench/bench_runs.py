@@ -40,12 +40,17 @@ def measure(url: str, admin, prefix: str, kind: str, acks_late: bool, ignore_res
     tg_prefix = f"{prefix}-{kind}"
     queue = f"{prefix}-{kind}-q"
     app = Celery(f"bench-{kind}", broker=url, backend=url, set_as_current=False)
-    app.conf.update(task_default_queue=queue, broker_transport_options={"visibility_timeout": 60},
-                    taskguard_locks=RedisLocks(redis.Redis.from_url(url), prefix=tg_prefix),
-                    result_expires=3600, worker_hijack_root_logger=False)
+    app.conf.update(
+        task_default_queue=queue,
+        broker_transport_options={"visibility_timeout": 60},
+        taskguard_locks=RedisLocks(redis.Redis.from_url(url), prefix=tg_prefix),
+        result_expires=3600,
+        worker_hijack_root_logger=False,
+    )
 
-    @app.task(base=GuardedTask, shared=False, name=f"bench.noop_{kind}", acks_late=acks_late,
-              ignore_result=ignore_result)
+    @app.task(
+        base=GuardedTask, shared=False, name=f"bench.noop_{kind}", acks_late=acks_late, ignore_result=ignore_result
+    )
     def noop() -> int:
         return 1
 
@@ -72,8 +77,16 @@ def measure(url: str, admin, prefix: str, kind: str, acks_late: bool, ignore_res
     admin.delete(queue)
     per_run_bytes = sum(admin.memory_usage(k) or 0 for k in per_run) / runs
     ratio = f"{per_run_bytes / (celery_bytes / runs):.2f}x" if celery_bytes else "n/a (no result)"
-    return [kind, str(len(tg_keys)), str(len(per_run)), f"{per_run_bytes:.0f} B",
-            f"{max(ttls) / 1000:.0f} s" if ttls else "-", f"{tg_bytes} B", f"{celery_bytes / runs:.0f} B", ratio]
+    return [
+        kind,
+        str(len(tg_keys)),
+        str(len(per_run)),
+        f"{per_run_bytes:.0f} B",
+        f"{max(ttls) / 1000:.0f} s" if ttls else "-",
+        f"{tg_bytes} B",
+        f"{celery_bytes / runs:.0f} B",
+        ratio,
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,16 +101,34 @@ def main(argv: list[str] | None = None) -> int:
     prefix = run_prefix()
     rows = []
     try:
-        for kind, late, ignore in (("early-ack", False, False), ("early-ack, ignore_result", False, True),
-                                   ("acks_late", True, False), ("acks_late, ignore_result", True, True)):
-            rows.append(measure(args.url, admin, prefix, kind.replace(", ", "-").replace("_", "-"), late, ignore,
-                                args.runs))
+        for kind, late, ignore in (
+            ("early-ack", False, False),
+            ("early-ack, ignore_result", False, True),
+            ("acks_late", True, False),
+            ("acks_late, ignore_result", True, True),
+        ):
+            rows.append(
+                measure(args.url, admin, prefix, kind.replace(", ", "-").replace("_", "-"), late, ignore, args.runs)
+            )
             rows[-1][0] = kind
     finally:
         cleanup(admin, prefix)
     print(f"{args.runs} finished runs of one guarded no-op task per kind (Redis broker, visibility_timeout 60 s)")
-    print(fmt_table(["task", "taskguard keys left", "naming a run", "taskguard B / run", "longest TTL",
-                     "taskguard B in all", "Celery result B / run", "taskguard / Celery per run"], rows))
+    print(
+        fmt_table(
+            [
+                "task",
+                "taskguard keys left",
+                "naming a run",
+                "taskguard B / run",
+                "longest TTL",
+                "taskguard B in all",
+                "Celery result B / run",
+                "taskguard / Celery per run",
+            ],
+            rows,
+        )
+    )
     print("Keys that name no run are per guard key: its lease hash (fencing token, release mark, last finished run).")
     return 0
 

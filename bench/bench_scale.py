@@ -103,8 +103,7 @@ def thread_cpu() -> dict[str, float]:
 def lat_cell(v: list[float]) -> str:
     if not v:
         return "n/a"
-    return (f"p50 {pct(v, .5) * 1e3:.2f} ms, p99 {pct(v, .99) * 1e3:.2f} ms, max {v[-1] * 1e3:.2f} ms "
-            f"({len(v)} pings)")
+    return f"p50 {pct(v, 0.5) * 1e3:.2f} ms, p99 {pct(v, 0.99) * 1e3:.2f} ms, max {v[-1] * 1e3:.2f} ms ({len(v)} pings)"
 
 
 # -- a PING prober in another process -----------------------------------------------------------------
@@ -156,8 +155,17 @@ def busy_loop(stop: threading.Event) -> None:
         sum(i * i for i in range(2000))
 
 
-def part_heartbeat(url: str, admins: list[redis.Redis], prefix: str, n: int, ttl: float, seconds: float,
-                   warmup: float, cluster: bool = False, busy: bool = False) -> dict[str, float]:
+def part_heartbeat(
+    url: str,
+    admins: list[redis.Redis],
+    prefix: str,
+    n: int,
+    ttl: float,
+    seconds: float,
+    warmup: float,
+    cluster: bool = False,
+    busy: bool = False,
+) -> dict[str, float]:
     if cluster:
         client: Any = redis.cluster.RedisCluster.from_url(url, socket_timeout=5, socket_connect_timeout=5)
     else:
@@ -230,37 +238,55 @@ def part_heartbeat(url: str, admins: list[redis.Redis], prefix: str, n: int, ttl
     busy_pings = sorted(x[1] for x in samples if w0 <= x[0] <= w1)
 
     where = f"a {len(admins)}-primary Redis Cluster" if cluster else "one Redis"
-    print(f"## 1. {n:,} live leases on one heartbeat, {where}{', a CPU-busy thread beside it' if busy else ''}: "
-          f"ttl={ttl:g} s, renew_fraction={locks.renew_fraction:.3g} (renewed every {interval:g} s,")
-    print(f"   up to {COALESCE:.0%} of that early to share a round); measured over {wall:.1f} s after a "
-          f"{warmup:g} s warm-up\n")
+    print(
+        f"## 1. {n:,} live leases on one heartbeat, {where}{', a CPU-busy thread beside it' if busy else ''}: "
+        f"ttl={ttl:g} s, renew_fraction={locks.renew_fraction:.3g} (renewed every {interval:g} s,"
+    )
+    print(
+        f"   up to {COALESCE:.0%} of that early to share a round); measured over {wall:.1f} s after a "
+        f"{warmup:g} s warm-up\n"
+    )
     rows = [
         ["acquire of the leases (renew=True), sequential", f"{acquire_s:.2f} s ({acquire_s / n * 1e6:.0f} us each)"],
         ["heartbeat rounds", f"{rounds} ({rounds / wall:.2f}/s)"],
-        ["pipelines (round trips)", f"{len(window)} ({len(window) / wall:.2f}/s, "
-                                    f"{len(window) / max(rounds, 1):.2f} per round)"],
-        ["leases per pipeline", f"mean {statistics.mean(sizes):,.0f}, min {min(sizes):,}, max {max(sizes):,}"
-         if sizes else "n/a"],
-        ["pipeline round trip", f"p50 {pct(rtts, .5) * 1e3:.1f} ms, max {rtts[-1] * 1e3:.1f} ms" if rtts else "n/a"],
-        ["renewals / s (client-side)", f"{renewals / wall:,.0f} ({renewals / wall / n:.2f} per lease; "
-                                       f"1/interval = {1 / interval:.2f})"],
+        [
+            "pipelines (round trips)",
+            f"{len(window)} ({len(window) / wall:.2f}/s, {len(window) / max(rounds, 1):.2f} per round)",
+        ],
+        [
+            "leases per pipeline",
+            f"mean {statistics.mean(sizes):,.0f}, min {min(sizes):,}, max {max(sizes):,}" if sizes else "n/a",
+        ],
+        ["pipeline round trip", f"p50 {pct(rtts, 0.5) * 1e3:.1f} ms, max {rtts[-1] * 1e3:.1f} ms" if rtts else "n/a"],
+        [
+            "renewals / s (client-side)",
+            f"{renewals / wall:,.0f} ({renewals / wall / n:.2f} per lease; 1/interval = {1 / interval:.2f})",
+        ],
         ["EVALSHA / s (INFO commandstats)", f"{(ev1 - ev0) / wall:,.0f} (other clients' included)"],
         ["COMMAND GETKEYS in the window", f"{gk1 - gk0} (redis-py's ClusterPipeline asks one per EVALSHA)"],
-        ["CPU of this process", f"{cpu / wall * 1e3:.0f} ms/s = {cpu / wall:.1%} of a core "
-                                f"({cpu / max(renewals, 1) * 1e6:.1f} us per renewal)"],
+        [
+            "CPU of this process",
+            f"{cpu / wall * 1e3:.0f} ms/s = {cpu / wall:.1%} of a core "
+            f"({cpu / max(renewals, 1) * 1e6:.1f} us per renewal)",
+        ],
     ]
     for name in sorted(th1):
         d = th1[name] - th0.get(name, 0.0)
         if d > 0 or name in ("taskguard-heartbeat", "MainThread"):
             rows.append([f"  thread {name}", f"{d / wall * 1e3:.0f} ms/s"])
     rows += [
-        ["Redis CPU", f"{(rcpu1 - rcpu0) / wall * 1e3:.0f} ms/s "
-                      f"({(rcpu1 - rcpu0) / max(renewals, 1) * 1e6:.1f} us per renewal; other clients' included)"],
+        [
+            "Redis CPU",
+            f"{(rcpu1 - rcpu0) / wall * 1e3:.0f} ms/s "
+            f"({(rcpu1 - rcpu0) / max(renewals, 1) * 1e6:.1f} us per renewal; other clients' included)",
+        ],
         ["PING from another process, no leases", lat_cell(idle)],
         ["PING from another process, heartbeat on", lat_cell(busy_pings)],
         ["leases lost", f"{lost} of {n:,}"],
-        ["TTL left at the end check", f"min {pttls[0] / 1e3:.2f} s, median {pct(pttls, .5) / 1e3:.2f} s "
-                                      f"(of ttl {ttl:g} s)"],
+        [
+            "TTL left at the end check",
+            f"min {pttls[0] / 1e3:.2f} s, median {pct(pttls, 0.5) / 1e3:.2f} s (of ttl {ttl:g} s)",
+        ],
         ["release of the leases, sequential", f"{release_s:.2f} s; {not_released} not released"],
     ]
     print(fmt_table(["measure", "value"], rows, align="ll"))
@@ -305,8 +331,9 @@ def wait_until(pred: Any, timeout: float, step: float = 1.0) -> bool:
     return pred()
 
 
-def part_memory(url: str, admin: redis.Redis, prefix: str, n: int, idle_ttl: float | None,
-                per_op_hint: float | None) -> None:
+def part_memory(
+    url: str, admin: redis.Redis, prefix: str, n: int, idle_ttl: float | None, per_op_hint: float | None
+) -> None:
     """Memory per idle distinct key, side by side with its floor: one string key with a TTL (a
     16-digit value, what any fencing counter needs) under the same name."""
     client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
@@ -328,7 +355,7 @@ def part_memory(url: str, admin: redis.Redis, prefix: str, n: int, idle_ttl: flo
     usage = mean_memory_usage(admin, prefix)
     names = [locks.backend.lease_key(f"k:{i}") for i in range(n)]
     for i in range(0, n, 1000):
-        admin.delete(*names[i:i + 1000])
+        admin.delete(*names[i : i + 1000])
     time.sleep(0.5)
     base2 = used_memory(admin)
     pipe = admin.pipeline(transaction=False)
@@ -342,25 +369,43 @@ def part_memory(url: str, admin: redis.Redis, prefix: str, n: int, idle_ttl: flo
     floor = used_memory(admin)
     floor_usage = mean_memory_usage(admin, prefix)
     for i in range(0, n, 1000):
-        admin.delete(*names[i:i + 1000])
+        admin.delete(*names[i : i + 1000])
     others1 = int(admin.dbsize()) - count_keys(admin, prefix)
     per_key, per_floor = (after - base) / n, (floor - base2) / n
-    print(f"## 2. Redis memory per idle distinct key: {n:,} distinct keys acquired + released once "
-          f"(fence_idle_ttl={idle_ttl:g} s), beside the floor of one string key with a TTL per name")
-    print(f"   creating them took {create_s:.1f} s ({create_s / n * 1e6:.0f} us per acquire+release); "
-          f"used_memory = median of 5 INFO reads\n")
-    print(fmt_table(["what", "keys", "B per key (used_memory delta)", "MEMORY USAGE (mean of 200)"], [
-        ["taskguard: the lease hash once released (fence + release mark)", f"{keys_after:,}", f"{per_key:.1f}",
-         f"{usage:.0f}"],
-        ["floor: SET name <16 digits> PX idle", f"{n:,}", f"{per_floor:.1f}", f"{floor_usage:.0f}"],
-    ], align="lrrr"))
+    print(
+        f"## 2. Redis memory per idle distinct key: {n:,} distinct keys acquired + released once "
+        f"(fence_idle_ttl={idle_ttl:g} s), beside the floor of one string key with a TTL per name"
+    )
+    print(
+        f"   creating them took {create_s:.1f} s ({create_s / n * 1e6:.0f} us per acquire+release); "
+        f"used_memory = median of 5 INFO reads\n"
+    )
+    print(
+        fmt_table(
+            ["what", "keys", "B per key (used_memory delta)", "MEMORY USAGE (mean of 200)"],
+            [
+                [
+                    "taskguard: the lease hash once released (fence + release mark)",
+                    f"{keys_after:,}",
+                    f"{per_key:.1f}",
+                    f"{usage:.0f}",
+                ],
+                ["floor: SET name <16 digits> PX idle", f"{n:,}", f"{per_floor:.1f}", f"{floor_usage:.0f}"],
+            ],
+            align="lrrr",
+        )
+    )
     ratio = per_key / per_floor if per_floor > 0 else float("nan")
     print(f"   taskguard / floor = {ratio:.3f}x  target <= 1.15x: {verdict(ratio <= 1.15)}")
-    print(f"   one key per distinct guard key; it goes after fence_idle_ttl (7 days by default) without use. "
-          f"The release signal ({{P:K}}:signal, {SIGNAL_TTL:g} s) exists only when someone waited.")
+    print(
+        f"   one key per distinct guard key; it goes after fence_idle_ttl (7 days by default) without use. "
+        f"The release signal ({{P:K}}:signal, {SIGNAL_TTL:g} s) exists only when someone waited."
+    )
     if others1 != others0:
-        print(f"   NOTE: other clients' keys in this db went from {others0:,} to {others1:,} meanwhile; their "
-              f"memory is in the deltas")
+        print(
+            f"   NOTE: other clients' keys in this db went from {others0:,} to {others1:,} meanwhile; their "
+            f"memory is in the deltas"
+        )
     client.close()
 
 
@@ -375,24 +420,39 @@ def main_cluster(args: Any, t_start: float) -> int:
         admins = [redis.Redis(port=p, decode_responses=True) for p in cluster.ports]
         server = admins[0].info("server")
         print("# taskguard at scale on Redis Cluster: many leases on one heartbeat")
-        print(f"python        {platform.python_implementation()} {platform.python_version()} on {platform.system()} "
-              f"{platform.machine()}, {os.cpu_count()} CPUs, load average "
-              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-        print(f"redis server  {server.get('redis_version')} (cluster of {len(admins)} primaries, no replicas, "
-              f"ports {', '.join(map(str, cluster.ports))}; started for this run)")
+        print(
+            f"python        {platform.python_implementation()} {platform.python_version()} on {platform.system()} "
+            f"{platform.machine()}, {os.cpu_count()} CPUs, load average "
+            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        )
+        print(
+            f"redis server  {server.get('redis_version')} (cluster of {len(admins)} primaries, no replicas, "
+            f"ports {', '.join(map(str, cluster.ports))}; started for this run)"
+        )
         print(f"redis-py      {redis.__version__}, hiredis {'yes' if redis.utils.HIREDIS_AVAILABLE else 'no'}")
         print(f"taskguard     {taskguard.__version__} from {os.path.dirname(taskguard.__file__)}{git_state()}\n")
         prefix = run_prefix()
         for busy in (False, True):
-            part_heartbeat(cluster.url, admins, f"{prefix}:hb{int(busy)}", args.leases, args.ttl, args.seconds,
-                           args.warmup, cluster=True, busy=busy)
+            part_heartbeat(
+                cluster.url,
+                admins,
+                f"{prefix}:hb{int(busy)}",
+                args.leases,
+                args.ttl,
+                args.seconds,
+                args.warmup,
+                cluster=True,
+                busy=busy,
+            )
             print()
         for a in admins:
             a.close()
     finally:
         cluster.close()
-    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-          f"total wall time {time.monotonic() - t_start:.1f} s")
+    print(
+        f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+        f"total wall time {time.monotonic() - t_start:.1f} s"
+    )
     return 0
 
 
@@ -404,15 +464,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=15.0, help="measured window of part 1 (default 15)")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds before the window (default 3)")
     ap.add_argument("--keys", type=int, default=100_000, help="distinct keys in part 2 (default 100000)")
-    ap.add_argument("--fence-idle-ttl", type=float, default=None,
-                    help="fence_idle_ttl of part 2, seconds (default: just long enough, see the docstring)")
+    ap.add_argument(
+        "--fence-idle-ttl",
+        type=float,
+        default=None,
+        help="fence_idle_ttl of part 2, seconds (default: just long enough, see the docstring)",
+    )
     ap.add_argument("--skip-heartbeat", action="store_true", help="part 2 only")
     ap.add_argument("--skip-memory", action="store_true", help="part 1 only")
-    ap.add_argument("--busy-thread", action="store_true",
-                    help="run part 1 again with a CPU-busy Python thread in the same process")
-    ap.add_argument("--cluster", action="store_true",
-                    help="part 1 on a 3-primary Redis Cluster of local redis-server processes started for "
-                         "the run (ignores --url; part 1 runs quiet and then beside a CPU-busy thread)")
+    ap.add_argument(
+        "--busy-thread", action="store_true", help="run part 1 again with a CPU-busy Python thread in the same process"
+    )
+    ap.add_argument(
+        "--cluster",
+        action="store_true",
+        help="part 1 on a 3-primary Redis Cluster of local redis-server processes started for "
+        "the run (ignores --url; part 1 runs quiet and then beside a CPU-busy thread)",
+    )
     args = ap.parse_args(argv)
     if args.leases < 1 or args.keys < 1 or args.seconds <= 0 or args.ttl <= 0:
         ap.error("--leases, --keys must be >= 1; --seconds, --ttl > 0")
@@ -428,11 +496,15 @@ def main(argv: list[str] | None = None) -> int:
     prefix = run_prefix()
     mem = admin.info("memory")
     print("# taskguard at scale: many leases on one heartbeat, Redis memory per key")
-    print(f"python        {platform.python_implementation()} {platform.python_version()} on {platform.system()} "
-          f"{platform.machine()}, {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"redis server  {server.get('redis_version')} ({server.get('redis_mode', '?')}, "
-          f"{mem.get('mem_allocator', '?')}, maxmemory-policy {mem.get('maxmemory_policy', '?')}) at "
-          f"{redact_url(args.url).strip(chr(39) + chr(34))}")
+    print(
+        f"python        {platform.python_implementation()} {platform.python_version()} on {platform.system()} "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    print(
+        f"redis server  {server.get('redis_version')} ({server.get('redis_mode', '?')}, "
+        f"{mem.get('mem_allocator', '?')}, maxmemory-policy {mem.get('maxmemory_policy', '?')}) at "
+        f"{redact_url(args.url).strip(chr(39) + chr(34))}"
+    )
     print(f"redis-py      {redis.__version__}, hiredis {'yes' if redis.utils.HIREDIS_AVAILABLE else 'no'}")
     print(f"taskguard     {taskguard.__version__} from {os.path.dirname(taskguard.__file__)}{git_state()}")
     print(f"key prefix    {prefix}:hb / {prefix}:mem (deleted at the end)")
@@ -444,8 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.skip_heartbeat:
             for busy in (False, True) if args.busy_thread else (False,):
-                hint = part_heartbeat(args.url, [admin], prefix + ":hb", args.leases, args.ttl, args.seconds,
-                                      args.warmup, busy=busy)["acq_rel_s"]
+                hint = part_heartbeat(
+                    args.url, [admin], prefix + ":hb", args.leases, args.ttl, args.seconds, args.warmup, busy=busy
+                )["acq_rel_s"]
                 cleanup(admin, prefix + ":hb")  # part 1's counters (fence_idle_ttl 7 days) would skew part 2
                 print()
         if not args.skip_memory:
@@ -454,8 +527,10 @@ def main(argv: list[str] | None = None) -> int:
         deleted, left = cleanup(admin, prefix)
         print(f"\ncleanup: deleted {deleted} keys under {prefix}; {left} left")
         admin.close()
-    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-          f"total wall time {time.monotonic() - t_start:.1f} s")
+    print(
+        f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+        f"total wall time {time.monotonic() - t_start:.1f} s"
+    )
     return 0
 
 

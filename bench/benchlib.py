@@ -28,39 +28,44 @@ def pct(sorted_vals: list[float], q: float) -> float:
     return sorted_vals[i]
 
 
-
 def fmt_table(headers: list[str], rows: list[list[str]], align: str | None = None, lead: int = 1) -> str:
     """Rows with fewer cells than headers keep their first ``lead`` cells and let the rest span."""
     align = align or "l" + "r" * (len(headers) - 1)
     full = [r for r in rows if len(r) == len(headers)]
     part = [r for r in rows if len(r) < len(headers)]
-    widths = [max([len(h)] + [len(r[i]) for r in full] + [len(r[i]) for r in part if i < lead])
-              for i, h in enumerate(headers)]
+    widths = [
+        max([len(h)] + [len(r[i]) for r in full] + [len(r[i]) for r in part if i < lead]) for i, h in enumerate(headers)
+    ]
 
     def line(cells: list[str]) -> str:
         if len(cells) < len(headers):
             head = [c.ljust(w) for c, w in zip(cells[:lead], widths, strict=False)]
             return "  ".join(head + [" ".join(cells[lead:])]).rstrip()
-        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w)
-                         for c, w, a in zip(cells, widths, align, strict=False)).rstrip()
+        return "  ".join(
+            c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align, strict=False)
+        ).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
 
 
 def git_state() -> str:
     """' (git <commit>[, uncommitted changes in: ...])' for the taskguard package, or ''."""
     pkg = os.path.dirname(os.path.abspath(taskguard.__file__))
     try:
-        head = subprocess.run(["git", "-C", pkg, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", pkg, "status", "--porcelain", "--", "."], capture_output=True,
-                               text=True, timeout=5, check=True).stdout.split("\n")
+        head = subprocess.run(
+            ["git", "-C", pkg, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", pkg, "status", "--porcelain", "--", "."],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.split("\n")
     except (OSError, subprocess.SubprocessError):
         return ""
     changed = [line[3:] for line in dirty if line.strip()]
     return f" (git {head}" + (f", uncommitted changes in: {' '.join(changed)})" if changed else ")")
-
 
 
 def verdict(ok: bool) -> str:
@@ -101,8 +106,11 @@ def cleanup(admin: Any, prefix: str) -> tuple[int, int]:
 def arg_parser(doc: str) -> argparse.ArgumentParser:
     """The scripts' parser: described by the first paragraph of ``doc``, with ``--url``."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                    help="Redis URL (default: $TASKGUARD_REDIS_URL or redis://127.0.0.1:6379/0)")
+    ap.add_argument(
+        "--url",
+        default=os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="Redis URL (default: $TASKGUARD_REDIS_URL or redis://127.0.0.1:6379/0)",
+    )
     return ap
 
 
@@ -132,8 +140,9 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, on_term)
 
 
-def interleaved_rounds(contenders: dict[str, Callable[[], None]], ops: int, rounds: int, warm_up: bool = True
-                       ) -> tuple[dict[str, list[float]], dict[str, list[float]], list[list[str]]]:
+def interleaved_rounds(
+    contenders: dict[str, Callable[[], None]], ops: int, rounds: int, warm_up: bool = True
+) -> tuple[dict[str, list[float]], dict[str, list[float]], list[list[str]]]:
     """Run every contender ``ops`` times per round, ``rounds`` rounds, the order rotated each
     round (after a warm-up of each unless the caller did it). -> (mean seconds/op per round,
     sorted per-op latencies of all rounds, the order of each round), each by contender name."""
@@ -145,7 +154,7 @@ def interleaved_rounds(contenders: dict[str, Callable[[], None]], ops: int, roun
     lat: dict[str, list[float]] = {n: [] for n in names}
     orders = []
     for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         orders.append(order)
         for name in order:
             gc.collect()

@@ -78,8 +78,13 @@ def worker(proxy_url: str, direct_url: str, prefix: str, keys: int, seed: int) -
         occ = f"{prefix}:occ:{key}"
         store.set(occ, lease.fencing_token)
         time.sleep(rng.uniform(0, 0.01))
-        accepted = ledger(keys=[f"{prefix}:last:{key}", f"{prefix}:rejected", f"{prefix}:ledger:{key}"],
-                          args=[lease.fencing_token]) == 1
+        accepted = (
+            ledger(
+                keys=[f"{prefix}:last:{key}", f"{prefix}:rejected", f"{prefix}:ledger:{key}"],
+                args=[lease.fencing_token],
+            )
+            == 1
+        )
         seen = int(store.get(occ) or 0)
         store.rpush(f"{prefix}:events:{key}", f"x:{lease.fencing_token}")  # before the release
         try:

@@ -31,8 +31,7 @@ def sql_fenced_update(conn: Any, table: str, row_id: Any, fence: int, **values: 
             raise ValueError(f"not a plain SQL identifier: {name!r}")
     mark = "%s" if type(conn).__module__.startswith(("psycopg", "pg8000")) else "?"
     sets = ", ".join(f"{col} = {mark}" for col in values)
-    sql = (f"UPDATE {table} SET {sets}{', ' if sets else ''}fence = {mark} "
-           f"WHERE id = {mark} AND fence <= {mark}")
+    sql = f"UPDATE {table} SET {sets}{', ' if sets else ''}fence = {mark} WHERE id = {mark} AND fence <= {mark}"
     cur = conn.cursor()
     cur.execute(sql, (*values.values(), fence, row_id, fence))
     return cur.rowcount == 1

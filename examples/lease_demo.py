@@ -35,8 +35,9 @@ URL = os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
 def fenced_write(db_path: str, row: str, value: str, token: int) -> bool:
     """The storage-side check: accept a token equal to or above the last one seen, reject lower."""
     with sqlite3.connect(db_path, timeout=10) as db:
-        cur = db.execute("UPDATE report SET value = ?, fence = ? WHERE id = ? AND fence <= ?",
-                         (value, token, row, token))
+        cur = db.execute(
+            "UPDATE report SET value = ?, fence = ? WHERE id = ? AND fence <= ?", (value, token, row, token)
+        )
         return cur.rowcount == 1
 
 
@@ -64,8 +65,10 @@ def outbox_worker(name: str, prefix: str, db_path: str, out: mp.Queue) -> None:
         with sqlite3.connect(db_path, timeout=10) as db:
             rows = db.execute("SELECT id FROM outbox WHERE sent_fence IS NULL ORDER BY id LIMIT 2").fetchall()
             for (row_id,) in rows:
-                db.execute("UPDATE outbox SET sent_fence = ? WHERE id = ? AND sent_fence IS NULL",
-                           (lease.fencing_token, row_id))
+                db.execute(
+                    "UPDATE outbox SET sent_fence = ? WHERE id = ? AND sent_fence IS NULL",
+                    (lease.fencing_token, row_id),
+                )
         out.put((name, lease.fencing_token, time.time(), [r[0] for r in rows]))
         time.sleep(0.1)
 
@@ -123,8 +126,10 @@ def main() -> int:
     skipped = [(n, r) for n, r in results if is_skipped(r)]
     for n, r in sorted(results):
         print(f"   {n}: {r.describe() if is_skipped(r) else r}")
-    print(f"   -> ran: {len(ran)}, skipped: {len(skipped)} (each an explicit Skipped, reason "
-          f"{sorted({r.reason for _, r in skipped})})\n")
+    print(
+        f"   -> ran: {len(ran)}, skipped: {len(skipped)} (each an explicit Skipped, reason "
+        f"{sorted({r.reason for _, r in skipped})})\n"
+    )
 
     # Act 2 ----------------------------------------------------------------------------------
     print("2. six processes drain one outbox, waiting their turn (wait=20)")
@@ -140,13 +145,16 @@ def main() -> int:
     with sqlite3.connect(db_path) as db:
         moved = db.execute("SELECT COUNT(*) FROM outbox WHERE sent_fence IS NOT NULL").fetchone()[0]
     increasing = all(a < b for a, b in zip(fences, fences[1:], strict=False))
-    print(f"   -> turns: {len(turns)}, fences strictly increasing in lease order: {increasing}, "
-          f"rows moved: {moved}/12\n")
+    print(
+        f"   -> turns: {len(turns)}, fences strictly increasing in lease order: {increasing}, rows moved: {moved}/12\n"
+    )
 
     # Act 3 ----------------------------------------------------------------------------------
     print("3. a holder pauses past its 1 s TTL; another process takes over")
-    procs = [ctx.Process(target=paused_worker, args=(prefix, db_path, out)),
-             ctx.Process(target=takeover_worker, args=(prefix, db_path, out))]
+    procs = [
+        ctx.Process(target=paused_worker, args=(prefix, db_path, out)),
+        ctx.Process(target=takeover_worker, args=(prefix, db_path, out)),
+    ]
     for p in procs:
         p.start()
     events = [out.get(timeout=60) for _ in range(3)]
@@ -161,16 +169,21 @@ def main() -> int:
         else:
             _, _, fence, accepted, released, lost = ev
             stale_rejected = not accepted
-            print(f"   paused holder: woke up with fence {fence}: fenced write accepted={accepted}, "
-                  f"release()={released}, lease.lost={lost}")
+            print(
+                f"   paused holder: woke up with fence {fence}: fenced write accepted={accepted}, "
+                f"release()={released}, lease.lost={lost}"
+            )
     with sqlite3.connect(db_path) as db:
         value, fence = db.execute("SELECT value, fence FROM report WHERE id = 'export'").fetchone()
     print(f"   -> the row says {value!r} (fence {fence}); stale write rejected: {stale_rejected}\n")
 
     ok = len(ran) == 1 and len(skipped) == 5 and increasing and moved == 12 and stale_rejected
-    print("summary: " + ("OK" if ok else "UNEXPECTED") +
-          f" - act 1 ran {len(ran)} / skipped {len(skipped)}; act 2 {len(turns)} turns, {moved} rows, "
-          f"fences increasing={increasing}; act 3 stale write rejected={stale_rejected}")
+    print(
+        "summary: "
+        + ("OK" if ok else "UNEXPECTED")
+        + f" - act 1 ran {len(ran)} / skipped {len(skipped)}; act 2 {len(turns)} turns, {moved} rows, "
+        f"fences increasing={increasing}; act 3 stale write rejected={stale_rejected}"
+    )
     keys = list(client.scan_iter(match="{" + prefix + ":*"))
     if keys:
         client.delete(*keys)

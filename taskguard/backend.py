@@ -23,9 +23,22 @@ from typing import NamedTuple, Protocol
 from .errors import ConfigError, LeaseBackendError
 from .lease import HolderInfo
 
-__all__ = ["Backend", "AcquireRequest", "AcquireStatus", "AcquireReply", "ClaimReply", "RateVerdict",
-           "RateMode", "RateReply", "QueueReply", "RecordCondition", "LeaseWrite", "RenewItem", "Health",
-           "not_a_counter"]
+__all__ = [
+    "Backend",
+    "AcquireRequest",
+    "AcquireStatus",
+    "AcquireReply",
+    "ClaimReply",
+    "RateVerdict",
+    "RateMode",
+    "RateReply",
+    "QueueReply",
+    "RecordCondition",
+    "LeaseWrite",
+    "RenewItem",
+    "Health",
+    "not_a_counter",
+]
 
 
 @dataclasses.dataclass(slots=True)
@@ -175,17 +188,18 @@ class Backend(Protocol):
     def renew_many(self, items: Sequence[RenewItem]) -> list[bool | LeaseBackendError]:
         """Renew several leases; one outcome each: ``True``, ``False`` or the error (not raised)."""
 
-    def release(self, key: str, owner: str, finished_run: str | None = None,
-                finished_ttl: float | None = None) -> bool:
+    def release(self, key: str, owner: str, finished_run: str | None = None, finished_ttl: float | None = None) -> bool:
         """Release if ``owner`` holds it; with ``finished_run``, record that run as finished (and
         with ``finished_ttl``, its own marker for that long)."""
 
-    def release_storing(self, key: str, owner: str, finished_run: str, finished_ttl: float | None,
-                        record: str, record_ttl: float) -> bool:
+    def release_storing(
+        self, key: str, owner: str, finished_run: str, finished_ttl: float | None, record: str, record_ttl: float
+    ) -> bool:
         """:meth:`release` and write the key's completion record in one atomic step."""
 
-    def claim(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
-              run_id: str | None = None) -> ClaimReply: ...
+    def claim(
+        self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str, run_id: str | None = None
+    ) -> ClaimReply: ...
 
     def release_run(self, key: str, run_id: str) -> bool: ...
 
@@ -196,8 +210,9 @@ class Backend(Protocol):
     def owns(self, key: str, owner: str) -> bool: ...
 
     # -- records
-    def put_lease_record(self, key: str, owner: str, name: str, value: str, cond: RecordCondition,
-                         expect: str) -> LeaseWrite: ...
+    def put_lease_record(
+        self, key: str, owner: str, name: str, value: str, cond: RecordCondition, expect: str
+    ) -> LeaseWrite: ...
 
     def get_lease_record(self, key: str, name: str) -> str | None: ...
 
@@ -217,8 +232,17 @@ class Backend(Protocol):
 
     def clear_queued(self, key: str, run_id: str, task: str) -> bool: ...
 
-    def throttle(self, key: str, interval_us: int, tau_us: int, book_us: int, consume: bool,
-                 shadow: bool, cost: int = 1, mode: RateMode = RateMode.CALL) -> RateReply:
+    def throttle(
+        self,
+        key: str,
+        interval_us: int,
+        tau_us: int,
+        book_us: int,
+        consume: bool,
+        shadow: bool,
+        cost: int = 1,
+        mode: RateMode = RateMode.CALL,
+    ) -> RateReply:
         """One weighted GCRA step (:data:`taskguard.scripts.THROTTLE`, :func:`taskguard.throttle.gcra`):
         ``consume=False`` is mode PEEK whatever ``mode`` says; mode PAUSE takes its length as
         ``book_us``."""
@@ -233,5 +257,7 @@ class Backend(Protocol):
 
 def not_a_counter(key: str, name: str) -> ConfigError:
     """The error of :meth:`Backend.count_record` for a record that is not a counter."""
-    return ConfigError(f"record {name!r} of key {key!r} does not hold an integer (or the sum leaves the "
-                       "signed 64-bit range): count_record counts only records it made")
+    return ConfigError(
+        f"record {name!r} of key {key!r} does not hold an integer (or the sum leaves the "
+        "signed 64-bit range): count_record counts only records it made"
+    )

@@ -75,13 +75,23 @@ def doctor_checks(locks: RedisLocks) -> list[dict[str, Any]]:
         server = _info(c, "server")
         version = str(server.get("redis_version", "?"))
         major_minor = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
-        add("server version", "ok" if major_minor >= (6, 2) else "warn",
-            f"Redis {version}" + ("" if major_minor >= (6, 2) else " (6.2 or newer is what taskguard is tested on)"))
+        add(
+            "server version",
+            "ok" if major_minor >= (6, 2) else "warn",
+            f"Redis {version}" + ("" if major_minor >= (6, 2) else " (6.2 or newer is what taskguard is tested on)"),
+        )
         try:
             policy = c.config_get("maxmemory-policy").get("maxmemory-policy")
-            add("maxmemory-policy", "ok" if policy == "noeviction" else "fail",
-                f"{policy}" + ("" if policy == "noeviction" else
-                               ": must be noeviction (leases carry TTLs, so volatile-* policies evict them first)"))
+            add(
+                "maxmemory-policy",
+                "ok" if policy == "noeviction" else "fail",
+                f"{policy}"
+                + (
+                    ""
+                    if policy == "noeviction"
+                    else ": must be noeviction (leases carry TTLs, so volatile-* policies evict them first)"
+                ),
+            )
         except redis.ResponseError as e:
             add("maxmemory-policy", "warn", f"cannot read it (CONFIG disabled?): {e}")
         persistence = _info(c, "persistence")
@@ -91,16 +101,28 @@ def doctor_checks(locks: RedisLocks) -> list[dict[str, Any]]:
         except redis.ResponseError:
             save = ""
         if aof or save.strip():
-            add("persistence", "ok", ("appendonly" if aof else "") + (" + " if aof and save.strip() else "")
-                + (f"RDB save '{save}'" if save.strip() else ""))
+            add(
+                "persistence",
+                "ok",
+                ("appendonly" if aof else "")
+                + (" + " if aof and save.strip() else "")
+                + (f"RDB save '{save}'" if save.strip() else ""),
+            )
         else:
-            add("persistence", "fail", "off: a restart forgets every lease (fencing tokens still grow by the "
-                                       "server-clock floor); enable appendonly")
+            add(
+                "persistence",
+                "fail",
+                "off: a restart forgets every lease (fencing tokens still grow by the "
+                "server-clock floor); enable appendonly",
+            )
         cluster = _info(c, "cluster").get("cluster_enabled")
         add("cluster", "ok", "Redis Cluster" if cluster else "standalone")
         role = _info(c, "replication").get("role")
-        add("role", "ok" if role == "master" else "fail",
-            f"{role}" + ("" if role == "master" else ": leases must be written to a primary"))
+        add(
+            "role",
+            "ok" if role == "master" else "fail",
+            f"{role}" + ("" if role == "master" else ": leases must be written to a primary"),
+        )
         samples = []
         for _ in range(20):
             t0 = time.perf_counter()
@@ -120,8 +142,9 @@ def main() -> None:
 
 
 _url = click.option("--url", envvar="TASKGUARD_REDIS_URL", help="Redis URL (default: $TASKGUARD_REDIS_URL).")
-_prefix = click.option("--prefix", envvar="TASKGUARD_PREFIX",
-                       help="Key prefix (default: $TASKGUARD_PREFIX or taskguard).")
+_prefix = click.option(
+    "--prefix", envvar="TASKGUARD_PREFIX", help="Key prefix (default: $TASKGUARD_PREFIX or taskguard)."
+)
 _json = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
@@ -159,10 +182,20 @@ def leases(url: str | None, prefix: str | None, as_json: bool, pattern: str) -> 
         found = locks.leases(pattern)
     except LeaseBackendError as e:
         raise click.ClickException(str(e)) from None
-    rows = [{"key": i.key, "slot": i.slot, "ttl": i.ttl, "fencing_token": i.fencing_token,
-             "task": i.holder.get("task") or i.holder.get("job"),
-             "task_id": i.holder.get("task_id") or i.holder.get("job_id"),
-             "host": i.holder.get("host"), "pid": i.holder.get("pid"), "since": i.since} for i in found]
+    rows = [
+        {
+            "key": i.key,
+            "slot": i.slot,
+            "ttl": i.ttl,
+            "fencing_token": i.fencing_token,
+            "task": i.holder.get("task") or i.holder.get("job"),
+            "task_id": i.holder.get("task_id") or i.holder.get("job_id"),
+            "host": i.holder.get("host"),
+            "pid": i.holder.get("pid"),
+            "since": i.since,
+        }
+        for i in found
+    ]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -206,7 +239,8 @@ def release(url: str | None, prefix: str | None, as_json: bool, key: str, force:
             question = f"release {key!r} held by {info.holder} (fence {info.fencing_token}, {info.ttl}s left)?"
         else:
             question = f"release every one of the {len(held)} holders of {key!r}?\n" + "\n".join(
-                f"  slot {h.slot}: {h.holder} (fence {h.fencing_token}, {h.ttl}s left)" for h in held)
+                f"  slot {h.slot}: {h.holder} (fence {h.fencing_token}, {h.ttl}s left)" for h in held
+            )
         click.confirm(question, abort=True)
     try:
         ok = locks.force_release(key)
@@ -221,28 +255,69 @@ def release(url: str | None, prefix: str | None, as_json: bool, key: str, force:
 @main.command("rq-cron")
 @_url
 @_prefix
-@click.option("--rq-url", envvar="RQ_REDIS_URL",
-              help="Redis URL of RQ's queues and jobs (default: $RQ_REDIS_URL, else --url).")
-@click.option("--timezone", envvar="TASKGUARD_RQ_CRON_TIMEZONE",
-              help="IANA zone cron expressions are read in, the same for every scheduler of one --name "
-                   "(default: $TASKGUARD_RQ_CRON_TIMEZONE or UTC).")
-@click.option("--name", envvar="TASKGUARD_RQ_CRON_NAME",
-              help="Names the leader lease shared by the schedulers of one schedule (default: default).")
-@click.option("--leader-ttl", type=float, envvar="TASKGUARD_RQ_CRON_LEADER_TTL",
-              help="Seconds; a standby takes over within it after the leader dies (default 30).")
-@click.option("--catch-up", type=float, envvar="TASKGUARD_RQ_CRON_CATCH_UP",
-              help="Seconds a new leader still enqueues a slot that fell due during a hand-over "
-                   "(default: leader TTL + loop + 2; 0: none).")
-@click.option("--loop-interval", type=float, default=1.0, show_default=True,
-              help="Seconds between two looks at the schedule, at most.")
-@click.option("--logging-level", "-l", default="INFO", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False))
-@click.option("--path", "paths", multiple=True, default=["."], show_default=True,
-              help="Import path for the configuration and its jobs (as rq's --path).")
+@click.option(
+    "--rq-url", envvar="RQ_REDIS_URL", help="Redis URL of RQ's queues and jobs (default: $RQ_REDIS_URL, else --url)."
+)
+@click.option(
+    "--timezone",
+    envvar="TASKGUARD_RQ_CRON_TIMEZONE",
+    help="IANA zone cron expressions are read in, the same for every scheduler of one --name "
+    "(default: $TASKGUARD_RQ_CRON_TIMEZONE or UTC).",
+)
+@click.option(
+    "--name",
+    envvar="TASKGUARD_RQ_CRON_NAME",
+    help="Names the leader lease shared by the schedulers of one schedule (default: default).",
+)
+@click.option(
+    "--leader-ttl",
+    type=float,
+    envvar="TASKGUARD_RQ_CRON_LEADER_TTL",
+    help="Seconds; a standby takes over within it after the leader dies (default 30).",
+)
+@click.option(
+    "--catch-up",
+    type=float,
+    envvar="TASKGUARD_RQ_CRON_CATCH_UP",
+    help="Seconds a new leader still enqueues a slot that fell due during a hand-over "
+    "(default: leader TTL + loop + 2; 0: none).",
+)
+@click.option(
+    "--loop-interval",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Seconds between two looks at the schedule, at most.",
+)
+@click.option(
+    "--logging-level",
+    "-l",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
+)
+@click.option(
+    "--path",
+    "paths",
+    multiple=True,
+    default=["."],
+    show_default=True,
+    help="Import path for the configuration and its jobs (as rq's --path).",
+)
 @click.argument("config_path")
-def rq_cron(url: str | None, prefix: str | None, rq_url: str | None, timezone: str | None, name: str | None,
-            leader_ttl: float | None, catch_up: float | None, loop_interval: float, logging_level: str,
-            paths: tuple[str, ...], config_path: str) -> None:
+def rq_cron(
+    url: str | None,
+    prefix: str | None,
+    rq_url: str | None,
+    timezone: str | None,
+    name: str | None,
+    leader_ttl: float | None,
+    catch_up: float | None,
+    loop_interval: float,
+    logging_level: str,
+    paths: tuple[str, ...],
+    config_path: str,
+) -> None:
     """Run the `rq cron` configuration CONFIG_PATH (a module path or a .py file of
     rq.cron.register(...) calls) with each slot enqueued once, however many of these run: one
     leads and enqueues, the others stand by. Exits 78 when the configuration is refused."""
@@ -259,8 +334,16 @@ def rq_cron(url: str | None, prefix: str | None, rq_url: str | None, timezone: s
     try:
         if rq_url is not None:
             check_url(rq_url, _source("rq_url", "RQ_REDIS_URL"))
-        scheduler = RQCronScheduler(redis.Redis.from_url(str(rq_source)), locks, config_path, leader_ttl=leader_ttl,
-                                    catch_up=catch_up, name=name, timezone=timezone, loop_interval=loop_interval)
+        scheduler = RQCronScheduler(
+            redis.Redis.from_url(str(rq_source)),
+            locks,
+            config_path,
+            leader_ttl=leader_ttl,
+            catch_up=catch_up,
+            name=name,
+            timezone=timezone,
+            loop_interval=loop_interval,
+        )
         scheduler.run()
     except ConfigError as e:
         click.echo(f"taskguard rq-cron cannot start: {e}", err=True)

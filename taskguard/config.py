@@ -34,7 +34,6 @@ if TYPE_CHECKING:  # redis_locks imports this module
 __all__ = ["from_env", "read_env", "ENV_VARS"]
 
 
-
 def _show(raw: str) -> str:
     return repr(raw if len(raw) <= 40 else raw[:37] + "...")
 
@@ -43,8 +42,10 @@ def _seconds(name: str, raw: str) -> float:
     try:
         return check_seconds(name, float(raw.strip()))
     except (ValueError, ConfigError):
-        raise ConfigError(f"{name} must be a number of seconds > 0 and at most {MAX_SECONDS:.0e} "
-                          f"(e.g. '5' or '2.5'), got {_show(raw)}") from None
+        raise ConfigError(
+            f"{name} must be a number of seconds > 0 and at most {MAX_SECONDS:.0e} "
+            f"(e.g. '5' or '2.5'), got {_show(raw)}"
+        ) from None
 
 
 def _int_range(lo: int, hi: int) -> Callable[[str, str], int]:
@@ -89,12 +90,23 @@ ENV_VARS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
 #: Every ``TASKGUARD_*`` variable taskguard reads (a close misspelling of one is refused), and
 #: those its ``./run`` script and test suite read (never misspellings of the others).
 KNOWN_ENV_VARS = frozenset(ENV_VARS) | {
-    "TASKGUARD_METRICS", "TASKGUARD_VENV", "TASKGUARD_SCRATCH_BASE", "TASKGUARD_REDIS_SERVER", "TASKGUARD_REDIS_CLI",
-    "TASKGUARD_AMQP_URL", "TASKGUARD_REQUIRE_RABBITMQ", "TASKGUARD_CHROMIUM", "TASKGUARD_LIBFAKETIME",
-    "TASKGUARD_SOAK_SECONDS", "TASKGUARD_SUITE_REPORT",
+    "TASKGUARD_METRICS",
+    "TASKGUARD_VENV",
+    "TASKGUARD_SCRATCH_BASE",
+    "TASKGUARD_REDIS_SERVER",
+    "TASKGUARD_REDIS_CLI",
+    "TASKGUARD_AMQP_URL",
+    "TASKGUARD_REQUIRE_RABBITMQ",
+    "TASKGUARD_CHROMIUM",
+    "TASKGUARD_LIBFAKETIME",
+    "TASKGUARD_SOAK_SECONDS",
+    "TASKGUARD_SUITE_REPORT",
     # read by `taskguard rq-cron` (taskguard/cli.py)
-    "TASKGUARD_RQ_CRON_TIMEZONE", "TASKGUARD_RQ_CRON_NAME", "TASKGUARD_RQ_CRON_LEADER_TTL",
-    "TASKGUARD_RQ_CRON_CATCH_UP"}
+    "TASKGUARD_RQ_CRON_TIMEZONE",
+    "TASKGUARD_RQ_CRON_NAME",
+    "TASKGUARD_RQ_CRON_LEADER_TTL",
+    "TASKGUARD_RQ_CRON_CATCH_UP",
+}
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -110,8 +110,10 @@ class IdempotencyConflict(TaskguardError):
 
     def __str__(self) -> str:
         who = f"{self.args[1]}: " if self.args[1] else ""
-        return (f"{who}key {self.args[0]!r} was already completed by a call with other arguments "
-                f"(another fingerprint); the stored value is not returned")
+        return (
+            f"{who}key {self.args[0]!r} was already completed by a call with other arguments "
+            f"(another fingerprint); the stored value is not returned"
+        )
 
 
 class RateLimited(TaskguardError):

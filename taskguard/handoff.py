@@ -96,15 +96,36 @@ def resume(
     h = parse_handle(handle)
     if h["key"] != key:
         release_handle(locks, h, ttl=ttl)
-        return locks.acquire(key, ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id,
-                             refuse_finished=refuse_finished, delivery=delivery, markers=markers, limit=limit)
-    acq = locks.claim(key, h["owner"], ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id,
-                      delivery=delivery)
+        return locks.acquire(
+            key,
+            ttl=ttl,
+            holder=holder,
+            renew=renew,
+            max_hold=max_hold,
+            run_id=run_id,
+            refuse_finished=refuse_finished,
+            delivery=delivery,
+            markers=markers,
+            limit=limit,
+        )
+    acq = locks.claim(
+        key, h["owner"], ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id, delivery=delivery
+    )
     if acq.acquired:
         return acq
     if acq.reason == "expired" or limit > 1:  # (or already claimed and released by another copy of the handle)
-        return locks.acquire(key, ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id,
-                             refuse_finished=refuse_finished, delivery=delivery, markers=markers, limit=limit)
+        return locks.acquire(
+            key,
+            ttl=ttl,
+            holder=holder,
+            renew=renew,
+            max_hold=max_hold,
+            run_id=run_id,
+            refuse_finished=refuse_finished,
+            delivery=delivery,
+            markers=markers,
+            limit=limit,
+        )
     slot = slot_of(h["owner"])  # who took it: another execution of this run, or another run?
     info = next((i for i in locks.holders(key) if i.slot == slot), None)
     return Acquisition(False, None, "held", acq.holder_ttl, info.run_id if info is not None else None)

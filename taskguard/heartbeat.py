@@ -107,11 +107,13 @@ class Heartbeat:
                 # coalesce: a lease falling due within a quarter of its interval is renewed in
                 # this round too (a little early), so leases taken close together share rounds;
                 # leases whose locks object has a round in flight wait for it to finish
-                due = [e for e in self._entries.values()
-                       if e.next_due - COALESCE * e.interval <= now and id(e.lease.manager) not in self._in_flight]
+                due = [
+                    e
+                    for e in self._entries.values()
+                    if e.next_due - COALESCE * e.interval <= now and id(e.lease.manager) not in self._in_flight
+                ]
                 if not due:
-                    pending = [e.next_due for e in self._entries.values()
-                               if id(e.lease.manager) not in self._in_flight]
+                    pending = [e.next_due for e in self._entries.values() if id(e.lease.manager) not in self._in_flight]
                     nxt = min(pending, default=None)
                     sleep = self._idle_sleep if nxt is None else max(nxt - now, 0.0)
                     self._wake_at = now + sleep
@@ -141,8 +143,15 @@ class Heartbeat:
                 self.discard(lease)
                 log.warning("lease %r passed max_hold; no longer renewed", lease.key)
                 lease.manager.emitter.emit(
-                    LeaseEvent("renew", lease.key, "max_hold", fencing_token=lease.fencing_token,
-                               ttl=lease.ttl, holder=lease.holder, task=lease.task)
+                    LeaseEvent(
+                        "renew",
+                        lease.key,
+                        "max_hold",
+                        fencing_token=lease.fencing_token,
+                        ttl=lease.ttl,
+                        holder=lease.holder,
+                        task=lease.task,
+                    )
                 )
                 continue
             groups.setdefault(id(lease.manager), []).append(e)
@@ -192,16 +201,44 @@ class Heartbeat:
                 # one interval, not an interval plus the round trip and the settling
                 e.next_due = started + e.interval
             if emitter.active:  # the common case: skip building events nobody reads
-                emit(LeaseEvent("renew", lease.key, "renewed", took, fencing_token=lease.fencing_token,
-                                ttl=lease.ttl, task=lease.task))
+                emit(
+                    LeaseEvent(
+                        "renew",
+                        lease.key,
+                        "renewed",
+                        took,
+                        fencing_token=lease.fencing_token,
+                        ttl=lease.ttl,
+                        task=lease.task,
+                    )
+                )
         elif outcome is False:
             self.discard(lease)
-            emit(LeaseEvent("renew", lease.key, "not_owner", took, fencing_token=lease.fencing_token, ttl=lease.ttl,
-                            task=lease.task))
+            emit(
+                LeaseEvent(
+                    "renew",
+                    lease.key,
+                    "not_owner",
+                    took,
+                    fencing_token=lease.fencing_token,
+                    ttl=lease.ttl,
+                    task=lease.task,
+                )
+            )
             lease.mark_lost("renewal found another owner or no lease")
         else:
-            emit(LeaseEvent("renew", lease.key, "error", took, fencing_token=lease.fencing_token,
-                            ttl=lease.ttl, error=str(outcome), task=lease.task))
+            emit(
+                LeaseEvent(
+                    "renew",
+                    lease.key,
+                    "error",
+                    took,
+                    fencing_token=lease.fencing_token,
+                    ttl=lease.ttl,
+                    error=str(outcome),
+                    task=lease.task,
+                )
+            )
             if lease.presumed_expired():
                 self.discard(lease)
                 lease.mark_lost(f"renewal failed until the lease expired: {outcome}")

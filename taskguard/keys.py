@@ -24,7 +24,6 @@ def same_kind(exc: BaseException, context: str) -> BaseException:
         return exc
 
 
-
 class KeyTemplate:
     """Turns a call's arguments into a lease key.
 

@@ -161,10 +161,7 @@ class Lease:
 
     def __repr__(self) -> str:
         state = "released" if self._released else ("lost" if self.lost else "held")
-        return (
-            f"<Lease key={self.key!r} fencing_token={self.fencing_token} "
-            f"expires_at={self.expires_at} state={state}>"
-        )
+        return f"<Lease key={self.key!r} fencing_token={self.fencing_token} expires_at={self.expires_at} state={state}>"
 
     # -- operations ------------------------------------------------------------------------
     def renew(self, ttl: float | None = None) -> bool:
@@ -256,8 +253,15 @@ class Lease:
                 return False
             self._lost_reason = reason
         self._manager.emitter.emit(
-            LeaseEvent("lost", self.key, reason, fencing_token=self.fencing_token, ttl=self.ttl,
-                       holder=self.holder, task=self.task)
+            LeaseEvent(
+                "lost",
+                self.key,
+                reason,
+                fencing_token=self.fencing_token,
+                ttl=self.ttl,
+                holder=self.holder,
+                task=self.task,
+            )
         )
         for cb in self._lost_callbacks:
             try:

@@ -101,10 +101,20 @@ class LeaseRequest(AcquireRequest):
     holder: dict[str, Any] | None = None
 
     @classmethod
-    def build(cls, key: str, ttl: float, wait: float = 0.0, holder: Mapping[str, Any] | None = None,
-              renew: bool = False, max_hold: float | None = None, run_id: str | None = None,
-              refuse_finished: bool = False, delivery: str | None = None, markers: bool = True,
-              limit: int = 1) -> LeaseRequest:
+    def build(
+        cls,
+        key: str,
+        ttl: float,
+        wait: float = 0.0,
+        holder: Mapping[str, Any] | None = None,
+        renew: bool = False,
+        max_hold: float | None = None,
+        run_id: str | None = None,
+        refuse_finished: bool = False,
+        delivery: str | None = None,
+        markers: bool = True,
+        limit: int = 1,
+    ) -> LeaseRequest:
         """Validate the arguments of :meth:`~taskguard.Locks.acquire` (see there; ``max_hold``:
         ``None`` for no bound) and draw a fresh owner token. Raises ConfigError."""
         key = check_key(key)
@@ -115,8 +125,21 @@ class LeaseRequest(AcquireRequest):
         limit = check_limit(limit)
         fid = finished_id(run_id, delivery)
         meta, meta_json = holder_meta(holder)
-        return cls(key, new_owner_token(), ttl, meta_json, run_id, refuse_finished and run_id is not None, fid, markers,
-                   limit, wait, renew, max_hold, meta)
+        return cls(
+            key,
+            new_owner_token(),
+            ttl,
+            meta_json,
+            run_id,
+            refuse_finished and run_id is not None,
+            fid,
+            markers,
+            limit,
+            wait,
+            renew,
+            max_hold,
+            meta,
+        )
 
 
 class Leases:
@@ -159,23 +182,47 @@ class Leases:
             try:
                 reply = backend.acquire(req, max(0.0, deadline - time.monotonic()))
             except LeaseBackendError as e:
-                self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e),
-                           task=_task_of(meta))
+                self._emit(
+                    "acquire",
+                    key,
+                    "error",
+                    duration=time.monotonic() - started,
+                    ttl=ttl,
+                    error=str(e),
+                    task=_task_of(meta),
+                )
                 raise
             status = reply.status
             if status is AcquireStatus.ACQUIRED:
-                lease = Lease(self, key, req.owner + slot_suffix(reply.slot), ttl=ttl,
-                              fencing_token=reply.fencing_token, expires_at=sent_at + ttl, holder=meta,
-                              run_id=req.run_id, deadline=sent_mono + ttl)
+                lease = Lease(
+                    self,
+                    key,
+                    req.owner + slot_suffix(reply.slot),
+                    ttl=ttl,
+                    fencing_token=reply.fencing_token,
+                    expires_at=sent_at + ttl,
+                    holder=meta,
+                    run_id=req.run_id,
+                    deadline=sent_mono + ttl,
+                )
                 lease.finished_id = req.finished_id
                 self.track(lease, request.renew, request.max_hold)
                 if self.emitter.active:
-                    self._emit("acquire", key, "acquired", duration=time.monotonic() - started,
-                               fencing_token=reply.fencing_token, ttl=ttl, holder=meta, task=_task_of(meta))
+                    self._emit(
+                        "acquire",
+                        key,
+                        "acquired",
+                        duration=time.monotonic() - started,
+                        fencing_token=reply.fencing_token,
+                        ttl=ttl,
+                        holder=meta,
+                        task=_task_of(meta),
+                    )
                 return Acquisition(True, lease)
             if status is AcquireStatus.FINISHED:
-                self._emit("acquire", key, "duplicate", duration=time.monotonic() - started, ttl=ttl,
-                           task=_task_of(meta))
+                self._emit(
+                    "acquire", key, "duplicate", duration=time.monotonic() - started, ttl=ttl, task=_task_of(meta)
+                )
                 return Acquisition(False, None, "duplicate")
             holder_ttl = reply.holder_ttl
             remaining = deadline - time.monotonic()
@@ -187,12 +234,27 @@ class Leases:
             try:
                 backend.wait_signal(key, pause)
             except LeaseBackendError as e:
-                self._emit("acquire", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e),
-                           task=_task_of(meta))
+                self._emit(
+                    "acquire",
+                    key,
+                    "error",
+                    duration=time.monotonic() - started,
+                    ttl=ttl,
+                    error=str(e),
+                    task=_task_of(meta),
+                )
                 raise
 
-    def restore(self, key: str, owner_token: str, *, ttl: float, expires_at: float | None = None,
-                fencing_token: int | None = None, renew: bool = False) -> Lease:
+    def restore(
+        self,
+        key: str,
+        owner_token: str,
+        *,
+        ttl: float,
+        expires_at: float | None = None,
+        fencing_token: int | None = None,
+        renew: bool = False,
+    ) -> Lease:
         """See :meth:`Locks.restore`."""
         key = check_key(key)
         ttl = check_ttl(ttl)
@@ -203,9 +265,18 @@ class Leases:
         self.track(lease, renew, self.max_hold)
         return lease
 
-    def claim(self, key: str, owner_token: str, *, ttl: float, holder: Mapping[str, Any] | None = None,
-              renew: bool = False, max_hold: float | None = None, run_id: str | None = None,
-              delivery: str | None = None) -> Acquisition:
+    def claim(
+        self,
+        key: str,
+        owner_token: str,
+        *,
+        ttl: float,
+        holder: Mapping[str, Any] | None = None,
+        renew: bool = False,
+        max_hold: float | None = None,
+        run_id: str | None = None,
+        delivery: str | None = None,
+    ) -> Acquisition:
         """See :meth:`Locks.claim`."""
         key = check_key(key)
         ttl = check_ttl(ttl)
@@ -227,12 +298,22 @@ class Leases:
             self._emit("claim", key, reason, duration=took, ttl=ttl)
             return Acquisition(False, None, reason, None if reply.expired else reply.holder_ttl)
         fence = reply.fencing_token
-        lease = Lease(self, key, new_owner, ttl=ttl, fencing_token=fence, expires_at=sent_at + ttl, holder=meta,
-                      run_id=run_id, deadline=sent_mono + ttl)
+        lease = Lease(
+            self,
+            key,
+            new_owner,
+            ttl=ttl,
+            fencing_token=fence,
+            expires_at=sent_at + ttl,
+            holder=meta,
+            run_id=run_id,
+            deadline=sent_mono + ttl,
+        )
         lease.finished_id = finished_id(run_id, delivery)
         self.track(lease, renew, max_hold)
-        self._emit("claim", key, "claimed", duration=took, fencing_token=fence, ttl=ttl, holder=meta,
-                   task=_task_of(meta))
+        self._emit(
+            "claim", key, "claimed", duration=took, fencing_token=fence, ttl=ttl, holder=meta, task=_task_of(meta)
+        )
         return Acquisition(True, lease)
 
     # -- without a handle ---------------------------------------------------------------------
@@ -279,11 +360,19 @@ class Leases:
         try:
             ok = self.backend.renew(lease.key, lease.owner_token, ttl)
         except LeaseBackendError as e:
-            self._emit("renew", lease.key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e),
-                       task=lease.task)
+            self._emit(
+                "renew", lease.key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e), task=lease.task
+            )
             raise
-        self._emit("renew", lease.key, "renewed" if ok else "not_owner", duration=time.monotonic() - started,
-                   fencing_token=lease.fencing_token, ttl=ttl, task=lease.task)
+        self._emit(
+            "renew",
+            lease.key,
+            "renewed" if ok else "not_owner",
+            duration=time.monotonic() - started,
+            fencing_token=lease.fencing_token,
+            ttl=ttl,
+            task=lease.task,
+        )
         if ok:
             lease.note_renewed(sent_mono, sent_at, ttl)
         else:
@@ -291,8 +380,14 @@ class Leases:
             lease.mark_lost("renew found another owner or no lease")
         return ok
 
-    def release(self, lease: Lease, *, finished: bool = False, finished_ttl: float | None = None,
-                store: tuple[str, float] | None = None) -> bool:
+    def release(
+        self,
+        lease: Lease,
+        *,
+        finished: bool = False,
+        finished_ttl: float | None = None,
+        store: tuple[str, float] | None = None,
+    ) -> bool:
         """Release ``lease`` (see :meth:`Lease.release`); with ``store`` (record, TTL seconds),
         also write the key's completion record atomically with the release (the run finished)."""
         if lease.inherited or lease.released:
@@ -304,18 +399,30 @@ class Leases:
             if finished_ttl is not None:
                 finished_ttl = check_seconds("finished_ttl", finished_ttl)
             if store is not None:
-                ok = self.backend.release_storing(lease.key, lease.owner_token, lease.finished_id or "", finished_ttl,
-                                                  store[0], store[1])
+                ok = self.backend.release_storing(
+                    lease.key, lease.owner_token, lease.finished_id or "", finished_ttl, store[0], store[1]
+                )
             else:
-                ok = self.backend.release(lease.key, lease.owner_token, lease.finished_id if finished else None,
-                                          finished_ttl if finished else None)
+                ok = self.backend.release(
+                    lease.key,
+                    lease.owner_token,
+                    lease.finished_id if finished else None,
+                    finished_ttl if finished else None,
+                )
         except LeaseBackendError as e:
-            self._emit("release", lease.key, "error", duration=time.monotonic() - started, error=str(e),
-                       task=lease.task)
+            self._emit(
+                "release", lease.key, "error", duration=time.monotonic() - started, error=str(e), task=lease.task
+            )
             raise
         if self.emitter.active:
-            self._emit("release", lease.key, "released" if ok else "not_owner", duration=time.monotonic() - started,
-                       fencing_token=lease.fencing_token, task=lease.task)
+            self._emit(
+                "release",
+                lease.key,
+                "released" if ok else "not_owner",
+                duration=time.monotonic() - started,
+                fencing_token=lease.fencing_token,
+                task=lease.task,
+            )
         if not ok:
             lease.mark_lost("release found another owner or no lease")
         lease.mark_released()

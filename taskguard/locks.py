@@ -187,8 +187,21 @@ class Locks:
             LeaseBackendError: Redis unreachable or failing. Never reported as "held".
         """
         leasing = self.leasing
-        return leasing.acquire(LeaseRequest.build(key, ttl, wait, holder, renew, leasing.max_hold if max_hold is None
-                                                  else max_hold, run_id, refuse_finished, delivery, markers, limit))
+        return leasing.acquire(
+            LeaseRequest.build(
+                key,
+                ttl,
+                wait,
+                holder,
+                renew,
+                leasing.max_hold if max_hold is None else max_hold,
+                run_id,
+                refuse_finished,
+                delivery,
+                markers,
+                limit,
+            )
+        )
 
     def restore(
         self,
@@ -212,8 +225,9 @@ class Locks:
 
         Raises ConfigError for an empty key or token, or a bad ``ttl``.
         """
-        return self.leasing.restore(key, owner_token, ttl=ttl, expires_at=expires_at, fencing_token=fencing_token,
-                                   renew=renew)
+        return self.leasing.restore(
+            key, owner_token, ttl=ttl, expires_at=expires_at, fencing_token=fencing_token, renew=renew
+        )
 
     def claim(
         self,
@@ -241,8 +255,9 @@ class Locks:
 
         Raises ConfigError for bad arguments, LeaseBackendError when Redis fails.
         """
-        return self.leasing.claim(key, owner_token, ttl=ttl, holder=holder, renew=renew, max_hold=max_hold,
-                                 run_id=run_id, delivery=delivery)
+        return self.leasing.claim(
+            key, owner_token, ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id, delivery=delivery
+        )
 
     def release_run(self, key: str, run_id: str) -> bool:
         """Release ``key`` on behalf of the run ``run_id`` (given at acquire/claim), without its
@@ -299,8 +314,18 @@ class Locks:
 
         Raises ConfigError for bad arguments, LeaseBackendError when Redis fails at acquire.
         """
-        run = GuardedRun(self, key, ttl=ttl, wait=wait, renew=renew, holder=holder, max_hold=max_hold,
-                         on_lost=on_lost, task=task, limit=limit)
+        run = GuardedRun(
+            self,
+            key,
+            ttl=ttl,
+            wait=wait,
+            renew=renew,
+            holder=holder,
+            max_hold=max_hold,
+            on_lost=on_lost,
+            task=task,
+            limit=limit,
+        )
         result: T | Skipped = run.call(fn)  # (GuardedRun.call is untyped in fn's value)
         return result
 
@@ -380,8 +405,9 @@ class Locks:
         self.queue_marks.report_suppressed(key, task, existing, shadow)
 
     # -- records (small values kept for callers under a lease key's hash tag) -----------------
-    def put_record(self, key: str, name: str, value: str, *, ttl: float, if_absent: bool = False,
-                   if_value: str | None = None) -> bool:
+    def put_record(
+        self, key: str, name: str, value: str, *, ttl: float, if_absent: bool = False, if_value: str | None = None
+    ) -> bool:
         """Keep ``value`` (``str``) as the record ``name`` of lease key ``key`` for ``ttl`` seconds.
 
         Records live beside the lease (one Redis Cluster slot with it) and are what the adapters
@@ -419,8 +445,17 @@ class Locks:
         return self.records.get_lease_record(key, name)
 
     # -- rates -------------------------------------------------------------------------------
-    def throttle(self, key: str, *, rate: Any, burst: int | None = None, cost: int = 1, book_within: float = 0.0,
-                 consume: bool = True, shadow: bool = False) -> Throttle:
+    def throttle(
+        self,
+        key: str,
+        *,
+        rate: Any,
+        burst: int | None = None,
+        cost: int = 1,
+        book_within: float = 0.0,
+        consume: bool = True,
+        shadow: bool = False,
+    ) -> Throttle:
         """One call under a cluster-wide rate for ``key``: ``rate`` is ``"N/s"``, ``"N/m"``,
         ``"N/h"``, ``"N/d"`` or ``(count, seconds)`` — N *cost units* per period; the call costs
         ``cost`` units (``int`` >= 1, default 1: every call counts 1; e.g. an LLM request's
@@ -444,8 +479,9 @@ class Locks:
         Returns a :class:`~taskguard.throttle.Throttle`. Raises ConfigError for a bad rate,
         burst, cost or key, and for a ``cost`` above ``burst`` (such a call could never pass);
         LeaseBackendError when Redis fails."""
-        return self.rates.throttle(key, rate=rate, burst=burst, cost=cost, book_within=book_within, consume=consume,
-                                   shadow=shadow)
+        return self.rates.throttle(
+            key, rate=rate, burst=burst, cost=cost, book_within=book_within, consume=consume, shadow=shadow
+        )
 
     def settle_cost(self, key: str, *, rate: Any, by: int, shadow: bool = False) -> None:
         """Correct the rate state of ``key`` after a call whose actual cost differed from the cost
@@ -472,6 +508,7 @@ class Locks:
         ``shadow=True`` for a skip a guard in shadow mode would have made (the run went ahead)."""
         if self._emitter.active:
             self._emitter.emit(LeaseEvent("skip", skipped.key, skipped.reason, task=skipped.task, shadow=shadow))
+
     def check_health(self) -> Health:
         """Probe the backend once (Redis: one PING). Returns :class:`Health`; never raises.
 

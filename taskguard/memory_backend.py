@@ -40,8 +40,11 @@ class _Entry:
 
 
 def _refused(cond: RecordCondition, cur: str | None, expect: str) -> bool:
-    return ((cond is RecordCondition.ABSENT and cur is not None) or (cond is RecordCondition.EQ and cur != expect)
-            or (cond is RecordCondition.ABSENT_OR_EQ and cur is not None and cur != expect))
+    return (
+        (cond is RecordCondition.ABSENT and cur is not None)
+        or (cond is RecordCondition.EQ and cur != expect)
+        or (cond is RecordCondition.ABSENT_OR_EQ and cur is not None and cur != expect)
+    )
 
 
 class MemoryBackend:
@@ -85,8 +88,9 @@ class MemoryBackend:
         with self._cond:
             self._seen.releases = self._releases
             if request.refuse_finished and finished_id is not None:
-                if (request.markers and self._done.get((key, finished_id), 0) > self._clock()) or \
-                        self._last_finished.get(key) == finished_id:
+                if (
+                    request.markers and self._done.get((key, finished_id), 0) > self._clock()
+                ) or self._last_finished.get(key) == finished_id:
                     return AcquireReply(AcquireStatus.FINISHED)
             slots = self._slots.get(key, 1)
             live: list[tuple[int, _Entry]] = []
@@ -110,8 +114,9 @@ class MemoryBackend:
             if finished_id is not None and not request.refuse_finished and request.markers:
                 self._done.pop((key, finished_id), None)
             now = self._clock()
-            self._leases[(key, free)] = _Entry(owner + slot_suffix(free), fence, request.holder_json, now,
-                                               now + request.ttl, run_id)
+            self._leases[(key, free)] = _Entry(
+                owner + slot_suffix(free), fence, request.holder_json, now, now + request.ttl, run_id
+            )
             m = max([limit, free + 1] + [i + 1 for i, _ in live])
             if m > 1:
                 self._slots[key] = m
@@ -135,8 +140,7 @@ class MemoryBackend:
     def renew_many(self, items: Sequence[RenewItem]) -> list[Any]:
         return [self.renew(key, owner, ttl) for key, owner, ttl in items]
 
-    def release(self, key: str, owner: str, finished_run: str | None = None,
-                finished_ttl: float | None = None) -> bool:
+    def release(self, key: str, owner: str, finished_run: str | None = None, finished_ttl: float | None = None) -> bool:
         with self._cond:
             if finished_run is not None and finished_ttl is not None:
                 self._done[(key, finished_run)] = self._clock() + finished_ttl
@@ -150,15 +154,17 @@ class MemoryBackend:
             self._cond.notify_all()
             return True
 
-    def release_storing(self, key: str, owner: str, finished_run: str, finished_ttl: float | None,
-                        record: str, record_ttl: float) -> bool:
+    def release_storing(
+        self, key: str, owner: str, finished_run: str, finished_ttl: float | None, record: str, record_ttl: float
+    ) -> bool:
         with self._cond:
             if self.get_completion(key) is None:  # the first completion stored stays
                 self._completions[key] = (record, self._clock() + record_ttl)
             return self.release(key, owner, finished_run or None, finished_ttl)
 
-    def claim(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
-              run_id: str | None = None) -> ClaimReply:
+    def claim(
+        self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str, run_id: str | None = None
+    ) -> ClaimReply:
         with self._cond:
             e = self._live_entry(key, slot_of(owner))
             if e is None:
@@ -196,9 +202,17 @@ class MemoryBackend:
             for i in range(self._slots.get(key, 1)):
                 e = self._live_entry(key, i)
                 if e is not None:
-                    out.append(HolderInfo(key=key, holder=json.loads(e.holder), fencing_token=e.fence,
-                                          ttl=max(0.0, e.expires - self._clock()), since=e.since, run_id=e.run,
-                                          slot=i))
+                    out.append(
+                        HolderInfo(
+                            key=key,
+                            holder=json.loads(e.holder),
+                            fencing_token=e.fence,
+                            ttl=max(0.0, e.expires - self._clock()),
+                            since=e.since,
+                            run_id=e.run,
+                            slot=i,
+                        )
+                    )
             return out
 
     def owns(self, key: str, owner: str) -> bool:
@@ -214,8 +228,9 @@ class MemoryBackend:
             return None
         return value
 
-    def put_lease_record(self, key: str, owner: str, name: str, value: str, cond: RecordCondition,
-                         expect: str) -> LeaseWrite:
+    def put_lease_record(
+        self, key: str, owner: str, name: str, value: str, cond: RecordCondition, expect: str
+    ) -> LeaseWrite:
         with self._cond:
             e = self._live_entry(key, slot_of(owner))
             if e is None or e.owner != owner:
@@ -259,7 +274,7 @@ class MemoryBackend:
                 total = int(cur or 0) + by
             except ValueError:
                 raise not_a_counter(key, name) from None
-            if not -2**63 <= total < 2**63:
+            if not -(2**63) <= total < 2**63:
                 raise not_a_counter(key, name)
             self._records[(key, name)] = (str(total), self._clock() + ttl if ttl is not None else until)
             return total
@@ -296,14 +311,24 @@ class MemoryBackend:
                 return True
             return False
 
-    def throttle(self, key: str, interval_us: int, tau_us: int, book_us: int, consume: bool,
-                 shadow: bool, cost: int = 1, mode: RateMode = RateMode.CALL) -> RateReply:
+    def throttle(
+        self,
+        key: str,
+        interval_us: int,
+        tau_us: int,
+        book_us: int,
+        consume: bool,
+        shadow: bool,
+        cost: int = 1,
+        mode: RateMode = RateMode.CALL,
+    ) -> RateReply:
         states = self._shadow_tats if shadow else self._tats
         with self._cond:
             now_us = int(self._clock() * 1e6)
             tat, pause = states.get(key, (0, 0))
-            code, wait, remaining, paused, keep = gcra(tat, pause, now_us, interval_us, tau_us, book_us,
-                                                       mode if consume else RateMode.PEEK, cost)
+            code, wait, remaining, paused, keep = gcra(
+                tat, pause, now_us, interval_us, tau_us, book_us, mode if consume else RateMode.PEEK, cost
+            )
             if keep is not None:
                 states[key] = keep
             return RateReply(_RATE_VERDICT[code], wait, remaining, paused)

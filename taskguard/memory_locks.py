@@ -41,8 +41,14 @@ class MemoryLocks(Locks):
         shutdown_timeout: float = 5.0,
         listeners: Iterable[Listener] = (),
     ) -> None:
-        super().__init__(MemoryBackend(clock), prefix=prefix, renew_fraction=renew_fraction, max_hold=max_hold,
-                         shutdown_timeout=shutdown_timeout, listeners=listeners)
+        super().__init__(
+            MemoryBackend(clock),
+            prefix=prefix,
+            renew_fraction=renew_fraction,
+            max_hold=max_hold,
+            shutdown_timeout=shutdown_timeout,
+            listeners=listeners,
+        )
         self.clock = LOCAL if clock is time.time else FixedClock(clock)
 
     def __repr__(self) -> str:

@@ -50,26 +50,42 @@ class Metrics:
         from prometheus_client import REGISTRY, Counter, Histogram
 
         registry = REGISTRY if registry is None else registry
-        self.skips = Counter("taskguard_skips_total",
-                             "Runs skipped by their guard (shadow=\"true\": would have been, in shadow mode)",
-                             ["task", "reason", "shadow"], registry=registry)
-        self.suppressed = Counter("taskguard_publishes_suppressed_total",
-                                  "Publishes not made because a run of the key was queued or running (unique=True)",
-                                  ["task"], registry=registry)
-        self.restored = Counter("taskguard_leases_restored_total",
-                                "Leases claimed by a retry of the run that held them (same fencing token)", ["task"],
-                                registry=registry)
-        self.acquired = Counter("taskguard_leases_acquired_total", "Leases acquired afresh (a new fencing token)",
-                                ["task"], registry=registry)
-        self.lost = Counter("taskguard_leases_lost_total", "Leases found lost while held", ["task"],
-                            registry=registry)
-        self.renewals_failed = Counter("taskguard_lease_renewals_failed_total",
-                                       "Renewals that failed (Redis error, or another owner)", registry=registry)
-        self.acquire_duration = Histogram("taskguard_acquire_duration_seconds",
-                                          "Time to get an answer to an acquire, waiting included",
-                                          registry=registry,
-                                          buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5,
-                                                   5, 10, 30, 60))
+        self.skips = Counter(
+            "taskguard_skips_total",
+            'Runs skipped by their guard (shadow="true": would have been, in shadow mode)',
+            ["task", "reason", "shadow"],
+            registry=registry,
+        )
+        self.suppressed = Counter(
+            "taskguard_publishes_suppressed_total",
+            "Publishes not made because a run of the key was queued or running (unique=True)",
+            ["task"],
+            registry=registry,
+        )
+        self.restored = Counter(
+            "taskguard_leases_restored_total",
+            "Leases claimed by a retry of the run that held them (same fencing token)",
+            ["task"],
+            registry=registry,
+        )
+        self.acquired = Counter(
+            "taskguard_leases_acquired_total",
+            "Leases acquired afresh (a new fencing token)",
+            ["task"],
+            registry=registry,
+        )
+        self.lost = Counter("taskguard_leases_lost_total", "Leases found lost while held", ["task"], registry=registry)
+        self.renewals_failed = Counter(
+            "taskguard_lease_renewals_failed_total",
+            "Renewals that failed (Redis error, or another owner)",
+            registry=registry,
+        )
+        self.acquire_duration = Histogram(
+            "taskguard_acquire_duration_seconds",
+            "Time to get an answer to an acquire, waiting included",
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
 
     def __call__(self, event: LeaseEvent) -> None:
         task = event.task or "-"
@@ -104,7 +120,8 @@ def install(registry: Any = None) -> Metrics:
                 metrics = Metrics(registry)
             except ImportError as e:
                 raise ImportError(
-                    'taskguard metrics need prometheus_client: pip install "taskguard[prometheus]"') from e
+                    'taskguard metrics need prometheus_client: pip install "taskguard[prometheus]"'
+                ) from e
             add_listener(metrics)
             _installed = metrics
         return _installed

@@ -31,8 +31,15 @@ from typing import Any
 from .errors import ConfigError
 from .keys import same_kind
 
-__all__ = ["Fingerprint", "OncePolicy", "fingerprint_of", "encode_record", "decode_record", "DEFAULT_ONCE_TTL",
-           "DEFAULT_ONCE_MAX_BYTES"]
+__all__ = [
+    "Fingerprint",
+    "OncePolicy",
+    "fingerprint_of",
+    "encode_record",
+    "decode_record",
+    "DEFAULT_ONCE_TTL",
+    "DEFAULT_ONCE_MAX_BYTES",
+]
 
 #: How long a completion record is kept by default, seconds (1 day).
 DEFAULT_ONCE_TTL = 86400.0
@@ -48,8 +55,11 @@ def fingerprint_of(values: Any) -> str:
     try:
         text = json.dumps(values, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise same_kind(e, "cannot fingerprint the call's arguments for once=True; pass fingerprint= "
-                           "(argument names, or a callable returning a str)") from None
+        raise same_kind(
+            e,
+            "cannot fingerprint the call's arguments for once=True; pass fingerprint= "
+            "(argument names, or a callable returning a str)",
+        ) from None
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -66,15 +76,22 @@ class Fingerprint:
         self.spec = spec
         if spec is None or callable(spec):
             return
-        if isinstance(spec, str) or not isinstance(spec, Sequence) or not spec or \
-                not all(isinstance(n, str) and n for n in spec):
+        if (
+            isinstance(spec, str)
+            or not isinstance(spec, Sequence)
+            or not spec
+            or not all(isinstance(n, str) and n for n in spec)
+        ):
             raise ConfigError("fingerprint must be None, a non-empty sequence of argument names, or a callable")
-        names = {p.name for p in template.signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL,
-                                                                                          p.VAR_KEYWORD)}
+        names = {
+            p.name for p in template.signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        }
         unknown = [n for n in spec if n not in names]
         if unknown and not template._has_var_kw:
-            raise ConfigError(f"fingerprint names {', '.join(map(repr, unknown))}, which "
-                              f"{template.fn_name}{template.signature} has no parameter for")
+            raise ConfigError(
+                f"fingerprint names {', '.join(map(repr, unknown))}, which "
+                f"{template.fn_name}{template.signature} has no parameter for"
+            )
         self.spec = tuple(spec)
 
     def of(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
@@ -87,8 +104,9 @@ class Fingerprint:
         if callable(self.spec):
             out = self.spec(**values)
             if not isinstance(out, str) or not out:
-                raise ConfigError(f"fingerprint callable {self.spec!r} must return a non-empty str, "
-                                  f"got {type(out).__name__}")
+                raise ConfigError(
+                    f"fingerprint callable {self.spec!r} must return a non-empty str, got {type(out).__name__}"
+                )
             return hashlib.sha256(out.encode()).hexdigest()
         if self.spec is not None:
             missing = [n for n in self.spec if n not in values]
@@ -135,8 +153,10 @@ def encode_record(policy: OncePolicy, value: Any, key: str) -> str:
     content_type, encoding, data = (policy.dumps or _json_dumps)(value)
     raw = data if isinstance(data, bytes) else data.encode("utf-8")
     if len(raw) > policy.max_bytes:
-        raise ConfigError(f"once=True: the value of {key!r} is {len(raw)} bytes serialised, over the "
-                          f"{policy.max_bytes}-byte bound (once_max_bytes); nothing was stored")
+        raise ConfigError(
+            f"once=True: the value of {key!r} is {len(raw)} bytes serialised, over the "
+            f"{policy.max_bytes}-byte bound (once_max_bytes); nothing was stored"
+        )
     record = {"fp": policy.fingerprint, "ct": content_type, "enc": encoding, "at": round(time.time(), 3)}
     if isinstance(data, bytes):
         record["b64"] = base64.b64encode(data).decode()

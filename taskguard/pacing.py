@@ -35,8 +35,7 @@ from .errors import LeaseBackendError
 from .locks import Locks
 from .skipped import Skipped
 
-__all__ = ["Pace", "pace", "back_off", "charging", "settle_cost", "parse_state", "shadow_check",
-           "shadow_reason"]
+__all__ = ["Pace", "pace", "back_off", "charging", "settle_cost", "parse_state", "shadow_check", "shadow_reason"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +85,20 @@ def parse_state(value: Any) -> dict[str, Any] | None:
     return {"since": float(since), "turn": None if turn is None else float(turn)}
 
 
-def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, max_wait: float | None,
-         max_countdown: float, state: Mapping[str, Any] | None = None, now: float | None = None,
-         consume: bool = True, shadow: bool = False, cost: int = 1) -> Pace:
+def pace(
+    locks: Locks,
+    key: str,
+    *,
+    rate: tuple[int, float],
+    burst: int | None,
+    max_wait: float | None,
+    max_countdown: float,
+    state: Mapping[str, Any] | None = None,
+    now: float | None = None,
+    consume: bool = True,
+    shadow: bool = False,
+    cost: int = 1,
+) -> Pace:
     """Decide whether a run under ``rate`` for the rate key ``key`` goes now (see the module doc).
 
     Args:
@@ -126,27 +136,40 @@ def pace(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, 
     # (horizon 0: the run may not wait any longer, e.g. rate_max_wait=0: it goes when the rate has
     # room now and is skipped when not; nothing is booked)
     if turn:  # a booked turn: goes unless a back-off pause is on (then paced like a fresh call)
-        answer = locks.rates.throttle(key, rate=rate, burst=burst, cost=cost, book_within=horizon, consume=consume,
-                                      shadow=shadow, turn=True)
+        answer = locks.rates.throttle(
+            key, rate=rate, burst=burst, cost=cost, book_within=horizon, consume=consume, shadow=shadow, turn=True
+        )
     else:
-        answer = locks.throttle(key, rate=rate, burst=burst, cost=cost, book_within=horizon, consume=consume,
-                                shadow=shadow)
+        answer = locks.throttle(
+            key, rate=rate, burst=burst, cost=cost, book_within=horizon, consume=consume, shadow=shadow
+        )
     if answer.allowed:
         return GO
     reason = "backoff" if answer.paused else "rate_limited"
     if horizon <= 0:
         return Pace(False, skip=True, reason=reason)
     if answer.booked or (not consume and answer.retry_after <= horizon):
-        return Pace(False, countdown=answer.retry_after, state={"since": since, "turn": now + answer.retry_after},
-                    reason=reason)
+        return Pace(
+            False, countdown=answer.retry_after, state={"since": since, "turn": now + answer.retry_after}, reason=reason
+        )
     if max_wait is not None and waited + answer.retry_after > max_wait:
         return Pace(False, skip=True, reason=reason)
-    return Pace(False, countdown=min(answer.retry_after, max_countdown), state={"since": since, "turn": None},
-                reason=reason)
+    return Pace(
+        False, countdown=min(answer.retry_after, max_countdown), state={"since": since, "turn": None}, reason=reason
+    )
 
 
-def back_off(locks: Locks, key: str, retry_after: Any, *, max_wait: float | None, max_countdown: float,
-             state: Mapping[str, Any] | None = None, now: float | None = None, shadow: bool = False) -> Pace:
+def back_off(
+    locks: Locks,
+    key: str,
+    retry_after: Any,
+    *,
+    max_wait: float | None,
+    max_countdown: float,
+    state: Mapping[str, Any] | None = None,
+    now: float | None = None,
+    shadow: bool = False,
+) -> Pace:
     """A run's body raised :class:`~taskguard.RateLimited` (an upstream's 429): pause the rate
     key ``key`` cluster-wide for ``retry_after`` seconds (:meth:`Locks.back_off`) and decide what
     becomes of the run: deferred past the pause (it asks the rate again then; ``state`` carries
@@ -205,8 +228,10 @@ def settle_cost(actual: int) -> int:
 
     charges = _charges.get()
     if not charges:
-        raise ConfigError("settle_cost() is called from the body of a guarded task with rate= (or inside "
-                          "taskguard.pacing.charging); use Locks.settle_cost elsewhere")
+        raise ConfigError(
+            "settle_cost() is called from the body of a guarded task with rate= (or inside "
+            "taskguard.pacing.charging); use Locks.settle_cost elsewhere"
+        )
     if isinstance(actual, bool) or not isinstance(actual, int) or not 0 <= actual <= MAX_COST:
         raise ConfigError(f"settle_cost: the actual cost must be an int from 0 to {MAX_COST}, got {actual!r}")
     c = charges[-1]
@@ -217,15 +242,37 @@ def settle_cost(actual: int) -> int:
     return by
 
 
-def shadow_check(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, max_wait: float | None,
-                 max_countdown: float, task: str | None, cost: int = 1) -> bool:
+def shadow_check(
+    locks: Locks,
+    key: str,
+    *,
+    rate: tuple[int, float],
+    burst: int | None,
+    max_wait: float | None,
+    max_countdown: float,
+    task: str | None,
+    cost: int = 1,
+) -> bool:
     """:func:`shadow_reason` as a ``bool``: ``True`` when a would-be deferral or skip was reported."""
-    return shadow_reason(locks, key, rate=rate, burst=burst, max_wait=max_wait, max_countdown=max_countdown,
-                         task=task, cost=cost) is not None
+    return (
+        shadow_reason(
+            locks, key, rate=rate, burst=burst, max_wait=max_wait, max_countdown=max_countdown, task=task, cost=cost
+        )
+        is not None
+    )
 
 
-def shadow_reason(locks: Locks, key: str, *, rate: tuple[int, float], burst: int | None, max_wait: float | None,
-                  max_countdown: float, task: str | None, cost: int = 1) -> str | None:
+def shadow_reason(
+    locks: Locks,
+    key: str,
+    *,
+    rate: tuple[int, float],
+    burst: int | None,
+    max_wait: float | None,
+    max_countdown: float,
+    task: str | None,
+    cost: int = 1,
+) -> str | None:
     """Shadow mode (``enforce=False``): would a run under ``rate`` for the rate key ``key`` have been
     deferred or skipped now? Decided by :func:`pace` exactly as for an enforced run, but counted in
     the rate's *shadow state* (a separate key: ``throttle(..., shadow=True)``), so that for a given
@@ -242,11 +289,13 @@ def shadow_reason(locks: Locks, key: str, *, rate: tuple[int, float], burst: int
     from .errors import ConfigError
 
     try:
-        answer = pace(locks, key, rate=rate, burst=burst, max_wait=max_wait, max_countdown=max_countdown,
-                      shadow=True, cost=cost)
+        answer = pace(
+            locks, key, rate=rate, burst=burst, max_wait=max_wait, max_countdown=max_countdown, shadow=True, cost=cost
+        )
     except LeaseBackendError as e:
-        logging.getLogger("taskguard").warning("%s: shadow mode: the rate %r could not be checked (%s)",
-                                               task or "run", key, e)
+        logging.getLogger("taskguard").warning(
+            "%s: shadow mode: the rate %r could not be checked (%s)", task or "run", key, e
+        )
         return None
     except ConfigError as e:  # a cost that could never pass: enforcement would fail the run
         logging.getLogger("taskguard").warning("%s: shadow mode: %s", task or "run", e)

@@ -195,8 +195,15 @@ class Duplicate:
 Decision = Run | Skip | Defer | Stored | Duplicate
 
 
-def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], ex: Execution, hooks: Hooks,
-           locks: Locks) -> Decision:
+def decide(
+    opts: GuardOptions,
+    key: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ex: Execution,
+    hooks: Hooks,
+    locks: Locks,
+) -> Decision:
     """Decide one execution (see the module's table). Raises what the call's arguments cause
     (``TypeError``...), LeaseBackendError when Redis fails before the body could run,
     :class:`~taskguard.IdempotencyConflict`; the queued mark is cleared first."""
@@ -221,16 +228,37 @@ def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str
             # has: a slot published again after a hand-over runs once
             run_id, stamp = ex.slot[0], None
             finished_ttl = max(finished_ttl or 0.0, ex.slot[1])
-        run = GuardedRun(locks, RunRequest(key, opts.ttl, opts.wait, opts.renew, ex.holder, opts.max_hold,
-                                           opts.limit_of(args, kwargs),
-                                           run_id, ex.task, opts.on_lost, finished_ttl, stamp, once, opts.enforce),
-                         on_lost_report=hooks.lost, tag=ex.tag)
+        run = GuardedRun(
+            locks,
+            RunRequest(
+                key,
+                opts.ttl,
+                opts.wait,
+                opts.renew,
+                ex.holder,
+                opts.max_hold,
+                opts.limit_of(args, kwargs),
+                run_id,
+                ex.task,
+                opts.on_lost,
+                finished_ttl,
+                stamp,
+                once,
+                opts.enforce,
+            ),
+            on_lost_report=hooks.lost,
+            tag=ex.tag,
+        )
         # with a publish stamp, finished runs are known per delivery: no copy of a delivery whose
         # run finished runs again, whichever copy the broker hands out first (an ETA message held
         # past the visibility timeout runs on two workers at once); unstamped (a client without
         # taskguard), only a redelivered copy is checked
-        began = run.begin(handle=handle, refuse_finished=ex.redelivered or stamp is not None or ex.slot is not None,
-                          same_run=ex.same_run, same_run_wait=ex.same_run_wait)
+        began = run.begin(
+            handle=handle,
+            refuse_finished=ex.redelivered or stamp is not None or ex.slot is not None,
+            same_run=ex.same_run,
+            same_run_wait=ex.same_run_wait,
+        )
     except BaseException:
         hooks.clear_mark()  # it will not run: no longer queued
         raise
@@ -252,8 +280,15 @@ def decide(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str
     return Run(run, charge)
 
 
-def _pace(opts: GuardOptions, args: tuple[Any, ...], kwargs: dict[str, Any], ex: Execution, hooks: Hooks, locks: Locks,
-          handle: Mapping[str, Any] | None) -> Skip | Defer | charging:
+def _pace(
+    opts: GuardOptions,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ex: Execution,
+    hooks: Hooks,
+    locks: Locks,
+    handle: Mapping[str, Any] | None,
+) -> Skip | Defer | charging:
     """The rate (:func:`taskguard.pacing.pace`), the run costing ``opts.cost_of`` the call: its
     :class:`~taskguard.pacing.charging` when the run goes on now (a local call waits for its
     turn here; a run back a moment before its booked turn waits for it, then re-checks it
@@ -266,14 +301,30 @@ def _pace(opts: GuardOptions, args: tuple[Any, ...], kwargs: dict[str, Any], ex:
     cost = opts.cost_of(args, kwargs)
     bound = hooks.rate_bound()
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the run goes ahead
-        reason = shadow_reason(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                               max_countdown=bound, task=ex.task, cost=cost)
+        reason = shadow_reason(
+            locks,
+            rate_key,
+            rate=rate,
+            burst=opts.rate_burst,
+            max_wait=opts.rate_max_wait,
+            max_countdown=bound,
+            task=ex.task,
+            cost=cost,
+        )
         if reason is not None:
             hooks.shadow(rate_key, reason, None, False, True)
         return charging(locks, rate_key, rate, cost, shadow=True)
     while True:
-        p = pace(locks, rate_key, rate=rate, burst=opts.rate_burst, max_wait=opts.rate_max_wait,
-                 max_countdown=bound, state=state, cost=cost)
+        p = pace(
+            locks,
+            rate_key,
+            rate=rate,
+            burst=opts.rate_burst,
+            max_wait=opts.rate_max_wait,
+            max_countdown=bound,
+            state=state,
+            cost=cost,
+        )
         if p.go:
             if p.countdown > 0:
                 time.sleep(p.countdown)  # back a moment before its booked turn: re-checked at it
@@ -295,8 +346,16 @@ def _pace(opts: GuardOptions, args: tuple[Any, ...], kwargs: dict[str, Any], ex:
         state = p.state
 
 
-def backed_off(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], ex: Execution,
-               hooks: Hooks, locks: Locks, exc: RateLimited) -> Skip | Defer | None:
+def backed_off(
+    opts: GuardOptions,
+    key: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ex: Execution,
+    hooks: Hooks,
+    locks: Locks,
+    exc: RateLimited,
+) -> Skip | Defer | None:
     """The body of a :class:`Run` raised :class:`~taskguard.RateLimited` (an upstream's 429;
     the adapter handed the run back, or in shadow mode failed it). Pauses the rate key
     cluster-wide for ``exc.retry_after`` seconds (:func:`taskguard.pacing.back_off`; ``exc.key``,
@@ -311,10 +370,20 @@ def backed_off(opts: GuardOptions, key: str, args: tuple[Any, ...], kwargs: dict
 
     Raises ConfigError for a ``retry_after`` that is not a positive number of seconds,
     LeaseBackendError when Redis fails."""
-    rate_key = exc.key if exc.key is not None else (
-        cast(KeyTemplate, opts.rate_key).render(args, kwargs) if opts.rate is not None else key)
-    p = back_off(locks, rate_key, exc.retry_after, max_wait=opts.rate_max_wait, max_countdown=hooks.rate_bound(),
-                 state=hooks.rate_state(), shadow=not opts.enforce)
+    rate_key = (
+        exc.key
+        if exc.key is not None
+        else (cast(KeyTemplate, opts.rate_key).render(args, kwargs) if opts.rate is not None else key)
+    )
+    p = back_off(
+        locks,
+        rate_key,
+        exc.retry_after,
+        max_wait=opts.rate_max_wait,
+        max_countdown=hooks.rate_bound(),
+        state=hooks.rate_state(),
+        shadow=not opts.enforce,
+    )
     skipped = Skipped(key=rate_key, reason=Reason.BACKOFF, task=ex.task, holder_ttl=None)
     if not opts.enforce:
         locks.report_skip(skipped, shadow=True)

@@ -13,8 +13,16 @@ from .once import Fingerprint
 from .validate import check_burst, check_cost, check_limit, check_rate, check_seconds, check_ttl
 from .values import OnLost, OnSkip
 
-__all__ = ["GuardOptions", "PerCall", "ON_SKIP", "ON_LOST", "DEFAULT_TTL", "OPTION_NAMES", "OPTION_DEFAULTS",
-           "check_option_names"]
+__all__ = [
+    "GuardOptions",
+    "PerCall",
+    "ON_SKIP",
+    "ON_LOST",
+    "DEFAULT_TTL",
+    "OPTION_NAMES",
+    "OPTION_DEFAULTS",
+    "check_option_names",
+]
 
 #: What a run that cannot get its lease does.
 #: ``result``: finish successfully with a ``Skipped`` value; ``ignore``: record nothing (Celery:
@@ -159,6 +167,7 @@ class GuardOptions:
         Raises:
             ConfigError: naming the task and the bad option.
         """
+
         def bad(msg: str) -> ConfigError:
             return ConfigError(f"task {name!r}: {msg}")
 
@@ -168,14 +177,16 @@ class GuardOptions:
             wait = check_seconds("wait", wait, allow_zero=True)
             max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
             skip_retry_delay = None if skip_retry_delay is None else check_seconds("skip_retry_delay", skip_retry_delay)
-            limit_fn = PerCall("limit", limit, fn, check_limit, skip_self=skip_self, task=name) \
-                if callable(limit) else None
+            limit_fn = (
+                PerCall("limit", limit, fn, check_limit, skip_self=skip_self, task=name) if callable(limit) else None
+            )
             limit = 1 if limit_fn is not None else check_limit(limit)
             rate = None if rate is None else check_rate(rate)
             if rate is None and (rate_key is not None or rate_burst is not None or rate_max_wait is not None):
                 raise ConfigError("rate_key, rate_burst and rate_max_wait need rate= (e.g. rate='100/m')")
-            rate_template = None if rate is None else KeyTemplate(name if rate_key is None else rate_key, fn,
-                                                                  skip_self=skip_self)
+            rate_template = (
+                None if rate is None else KeyTemplate(name if rate_key is None else rate_key, fn, skip_self=skip_self)
+            )
             rate_burst = None if rate_burst is None else check_burst(rate_burst)
             if rate is None and not (type(cost) is int and cost == 1):
                 raise ConfigError("cost needs rate= (e.g. rate='90000/m', cost=lambda prompt, **_: len(prompt))")
@@ -187,10 +198,13 @@ class GuardOptions:
             else:
                 run_cost = check_cost(cost)
                 if rate_burst is not None and run_cost > rate_burst:
-                    raise ConfigError(f"cost {run_cost} exceeds rate_burst {rate_burst}: such a run could never pass; "
-                                      f"raise rate_burst to at least {run_cost}")
-            rate_max_wait = None if rate_max_wait is None else check_seconds("rate_max_wait", rate_max_wait,
-                                                                             allow_zero=True)
+                    raise ConfigError(
+                        f"cost {run_cost} exceeds rate_burst {rate_burst}: such a run could never pass; "
+                        f"raise rate_burst to at least {run_cost}"
+                    )
+            rate_max_wait = (
+                None if rate_max_wait is None else check_seconds("rate_max_wait", rate_max_wait, allow_zero=True)
+            )
             once_ttl = check_seconds("once_ttl", once_ttl)
             unique_ttl = None if unique_ttl is None else check_seconds("unique_ttl", unique_ttl)
             if once and key is None:
@@ -203,23 +217,54 @@ class GuardOptions:
         except ConfigError as e:
             raise bad(str(e)) from None
         if wait > 0 and not blocking_wait:
-            retry_hint = (", or use on_skip='retry' to try again later without blocking"
-                          if "retry" in allowed_on_skip else "")
-            raise bad(f"wait={wait} blocks a worker slot while it waits; pass blocking_wait=True to accept "
-                      f"that{retry_hint}")
+            retry_hint = (
+                ", or use on_skip='retry' to try again later without blocking" if "retry" in allowed_on_skip else ""
+            )
+            raise bad(
+                f"wait={wait} blocks a worker slot while it waits; pass blocking_wait=True to accept that{retry_hint}"
+            )
         if on_skip not in allowed_on_skip:
             raise bad(f"on_skip must be one of {allowed_on_skip}, got {on_skip!r}")
         if on_lost not in ON_LOST:
             raise bad(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
-        for flag, value in (("renew", renew), ("continue_on_skip", continue_on_skip), ("blocking_wait", blocking_wait),
-                            ("once", once), ("enforce", enforce), ("unique", unique)):
+        for flag, value in (
+            ("renew", renew),
+            ("continue_on_skip", continue_on_skip),
+            ("blocking_wait", blocking_wait),
+            ("once", once),
+            ("enforce", enforce),
+            ("unique", unique),
+        ):
             if not isinstance(value, bool):
                 raise bad(f"{flag} must be True or False, got {value!r}")
         if isinstance(skip_max_retries, bool) or not isinstance(skip_max_retries, int) or skip_max_retries < 0:
             raise bad(f"skip_max_retries must be an int >= 0, got {skip_max_retries!r}")
-        return cls(template, ttl, wait, renew, OnSkip(on_skip), OnLost(on_lost), skip_retry_delay, skip_max_retries,
-                   max_hold, continue_on_skip, limit, rate, rate_template, rate_burst, rate_max_wait, once, once_ttl,
-                   fingerprint, once_max_bytes, enforce, unique, unique_ttl, run_cost, limit_fn)
+        return cls(
+            template,
+            ttl,
+            wait,
+            renew,
+            OnSkip(on_skip),
+            OnLost(on_lost),
+            skip_retry_delay,
+            skip_max_retries,
+            max_hold,
+            continue_on_skip,
+            limit,
+            rate,
+            rate_template,
+            rate_burst,
+            rate_max_wait,
+            once,
+            once_ttl,
+            fingerprint,
+            once_max_bytes,
+            enforce,
+            unique,
+            unique_ttl,
+            run_cost,
+            limit_fn,
+        )
 
     def once_policy(self, args: tuple[Any, ...], kwargs: dict[str, Any], dumps: Any = None, loads: Any = None) -> Any:
         """The :class:`~taskguard.once.OncePolicy` of one call (``None`` without ``once``), its
@@ -261,8 +306,16 @@ class PerCall:
 
     __slots__ = ("option", "fn", "template", "check", "task")
 
-    def __init__(self, option: str, fn: Callable[..., Any], task_fn: Callable[..., Any],
-                 check: Callable[[Any, str], int], *, skip_self: bool = False, task: str = "") -> None:
+    def __init__(
+        self,
+        option: str,
+        fn: Callable[..., Any],
+        task_fn: Callable[..., Any],
+        check: Callable[[Any, str], int],
+        *,
+        skip_self: bool = False,
+        task: str = "",
+    ) -> None:
         import inspect
 
         self.option, self.fn, self.check, self.task = option, fn, check, task
@@ -273,17 +326,19 @@ class PerCall:
         try:
             inspect.signature(fn).bind(**{p.name: None for p in params})
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"{option} callable {getattr(fn, '__name__', fn)!r} is called with the task's arguments "
-                              f"as keywords ({', '.join(p.name for p in params)}), which it does not take: {e}") \
-                from None
+            raise ConfigError(
+                f"{option} callable {getattr(fn, '__name__', fn)!r} is called with the task's arguments "
+                f"as keywords ({', '.join(p.name for p in params)}), which it does not take: {e}"
+            ) from None
 
     def of(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
         """The value for one call. Raises ConfigError for a value out of range, TypeError when the
         arguments do not bind, and whatever the callable raises."""
         value = self.fn(**self.template.bind(tuple(args), kwargs))
         try:
-            return self.check(value, f"the {self.option} callable's value "
-                                     f"({getattr(self.fn, '__name__', self.option)})")
+            return self.check(
+                value, f"the {self.option} callable's value ({getattr(self.fn, '__name__', self.option)})"
+            )
         except ConfigError as e:
             raise ConfigError(f"task {self.task!r}: {e}") from None
 
@@ -302,9 +357,14 @@ OPTION_DEFAULTS: dict[str, Any] = _defaults()
 OPTION_NAMES = tuple(OPTION_DEFAULTS)
 
 
-def check_option_names(task: str, given: Iterable[str], *, supported: Collection[str] = OPTION_NAMES,
-                       elsewhere: Mapping[str, str] | None = None,
-                       known: Callable[[str], bool] | None = None) -> None:
+def check_option_names(
+    task: str,
+    given: Iterable[str],
+    *,
+    supported: Collection[str] = OPTION_NAMES,
+    elsewhere: Mapping[str, str] | None = None,
+    known: Callable[[str], bool] | None = None,
+) -> None:
     """Refuse, at declaration, option names a task adapter would otherwise drop or misread.
 
     Args:

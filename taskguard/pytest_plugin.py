@@ -29,8 +29,11 @@ from .testing import CapturedEvents
 
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("taskguard")
-    group.addoption("--taskguard-redis-url", default=None,
-                    help="taskguard_locks fixture: use this Redis instead of in-memory MemoryLocks")
+    group.addoption(
+        "--taskguard-redis-url",
+        default=None,
+        help="taskguard_locks fixture: use this Redis instead of in-memory MemoryLocks",
+    )
     parser.addini("taskguard_redis_url", "taskguard_locks fixture: a Redis URL (default: in-memory)", default="")
 
 
@@ -49,8 +52,7 @@ def taskguard_locks(request: Any) -> Iterator[Locks]:
     from .urls import check_url
 
     try:
-        redis_locks = RedisLocks.from_url(check_url(url, "--taskguard-redis-url / taskguard_redis_url"),
-                                          prefix=prefix)
+        redis_locks = RedisLocks.from_url(check_url(url, "--taskguard-redis-url / taskguard_redis_url"), prefix=prefix)
     except ConfigError as e:  # no traceback: its frames would show the URL, password included
         pytest.fail(str(e), pytrace=False)
     try:

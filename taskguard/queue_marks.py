@@ -45,8 +45,7 @@ class QueueMarks:
             try:
                 self.backend.clear_queued(key, run_id, task)
             except LeaseBackendError as e:
-                log.warning("could not clear the queued mark of %r after a failed mark (its TTL bounds it): %s",
-                            key, e)
+                log.warning("could not clear the queued mark of %r after a failed mark (its TTL bounds it): %s", key, e)
             raise
 
     def clear(self, key: str, run_id: str, task: str, shadow: bool = False) -> bool:

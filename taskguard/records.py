@@ -17,13 +17,19 @@ class Records:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
-    def put(self, key: str, name: str, value: str, *, ttl: float, if_absent: bool = False,
-            if_value: str | None = None) -> bool:
+    def put(
+        self, key: str, name: str, value: str, *, ttl: float, if_absent: bool = False, if_value: str | None = None
+    ) -> bool:
         if if_value is not None and not isinstance(if_value, str):
             raise ConfigError("if_value must be a str or None")
-        return self.backend.put_record(check_key(key), check_name(name), check_value(value),
-                                       check_seconds("ttl", ttl), RecordCondition.of(if_absent, if_value),
-                                       if_value or "")
+        return self.backend.put_record(
+            check_key(key),
+            check_name(name),
+            check_value(value),
+            check_seconds("ttl", ttl),
+            RecordCondition.of(if_absent, if_value),
+            if_value or "",
+        )
 
     def get(self, key: str, name: str) -> str | None:
         return self.backend.get_record(check_key(key), check_name(name))
@@ -34,8 +40,9 @@ class Records:
     def count(self, key: str, name: str, *, by: int = 1, ttl: float | None = None) -> int:
         if isinstance(by, bool) or not isinstance(by, int):
             raise ConfigError("by must be an int")
-        return self.backend.count_record(check_key(key), check_name(name), by,
-                                         None if ttl is None else check_seconds("ttl", ttl))
+        return self.backend.count_record(
+            check_key(key), check_name(name), by, None if ttl is None else check_seconds("ttl", ttl)
+        )
 
     def get_lease_record(self, key: str, name: str) -> str | None:
         return self.backend.get_lease_record(check_key(key), check_name(name))

@@ -62,8 +62,10 @@ def _detail(err: BaseException) -> str:
     if isinstance(err, OutOfMemoryError):
         # what refuses at maxmemory (noeviction): every first write that may grow memory -- a new
         # acquisition, a record, a rate -- while the holders' scripts go on (see taskguard.scripts)
-        return ("Redis is at maxmemory (OOM) and refuses new writes: no new lease can be taken until memory "
-                f"is freed or maxmemory raised; leases already held keep renewing ({text})")
+        return (
+            "Redis is at maxmemory (OOM) and refuses new writes: no new lease can be taken until memory "
+            f"is freed or maxmemory raised; leases already held keep renewing ({text})"
+        )
     return text
 
 
@@ -191,10 +193,23 @@ class RedisBackend:
         if finished_id is not None and request.markers and request.refuse_finished:
             keys += (self.done_key(request.key, finished_id),)
         wait_ms = ms(wait + 1.0) if wait > 0 else 0  # the waiting mark outlives the wait by a second
-        res = self._run("acquire", request.key, scripts.ACQUIRE, keys,
-                        (request.owner, ms(request.ttl), request.holder_json, self._idle_ms, wait_ms,
-                         request.run_id or "", "1" if request.refuse_finished else "0", finished_id or "",
-                         request.limit))
+        res = self._run(
+            "acquire",
+            request.key,
+            scripts.ACQUIRE,
+            keys,
+            (
+                request.owner,
+                ms(request.ttl),
+                request.holder_json,
+                self._idle_ms,
+                wait_ms,
+                request.run_id or "",
+                "1" if request.refuse_finished else "0",
+                finished_id or "",
+                request.limit,
+            ),
+        )
         status = _ACQUIRE_STATUS[int(res[0])]
         if status is AcquireStatus.ACQUIRED:  # (a retried acquire that ran: its expiry may be older)
             return AcquireReply(status, int(res[1]), slot=int(res[3]))
@@ -216,7 +231,7 @@ class RedisBackend:
         if len(items) > RENEW_BATCH and not self.cluster:
             out: list[Any] = []
             for i in range(0, len(items), RENEW_BATCH):
-                out.extend(self.renew_many(items[i:i + RENEW_BATCH]))
+                out.extend(self.renew_many(items[i : i + RENEW_BATCH]))
             return out
         if not items:
             return []
@@ -266,7 +281,7 @@ class RedisBackend:
             if conn is None:
                 conn = client.get_redis_connection(node)
             for start in range(0, len(node_idx), RENEW_BATCH):
-                idx = node_idx[start:start + RENEW_BATCH]
+                idx = node_idx[start : start + RENEW_BATCH]
                 pipe = conn.pipeline(transaction=False)
                 for i in idx:
                     key, owner, ttl = items[i]
@@ -286,16 +301,16 @@ class RedisBackend:
                     results[i] = e
         return results
 
-    def release(self, key: str, owner: str, finished_run: str | None = None,
-                finished_ttl: float | None = None) -> bool:
+    def release(self, key: str, owner: str, finished_run: str | None = None, finished_ttl: float | None = None) -> bool:
         keys: tuple[str, ...] = (self.lease_key(key),)
         if finished_run is not None and finished_ttl is not None:
             keys += (self.done_key(key, finished_run),)
         args = (owner, self._idle_ms, ms(finished_ttl or 1.0), _nonce(), finished_run or "")
         return self._signalled(key, int(self._run("release", key, scripts.RELEASE, keys, args)))
 
-    def release_storing(self, key: str, owner: str, finished_run: str, finished_ttl: float | None,
-                        record: str, record_ttl: float) -> bool:
+    def release_storing(
+        self, key: str, owner: str, finished_run: str, finished_ttl: float | None, record: str, record_ttl: float
+    ) -> bool:
         keys: tuple[str, ...] = (self.lease_key(key), self.completion_key(key))
         if finished_run and finished_ttl is not None:
             keys += (self.done_key(key, finished_run),)
@@ -311,10 +326,16 @@ class RedisBackend:
                 log.warning("could not signal the waiters of %r: %s", key, e)
         return code >= 1
 
-    def claim(self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str,
-              run_id: str | None = None) -> ClaimReply:
-        res = self._run("claim", key, scripts.CLAIM, (self.lease_key(key),),
-                        (owner, new_owner, ms(ttl), holder_json, run_id or "", self._idle_ms))
+    def claim(
+        self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str, run_id: str | None = None
+    ) -> ClaimReply:
+        res = self._run(
+            "claim",
+            key,
+            scripts.CLAIM,
+            (self.lease_key(key),),
+            (owner, new_owner, ms(ttl), holder_json, run_id or "", self._idle_ms),
+        )
         if int(res[0]) == 1:
             return ClaimReply(True, int(res[1]) if res[1] is not None else None)
         pttl = int(res[1])
@@ -327,28 +348,31 @@ class RedisBackend:
         return self._signalled(key, code)
 
     def force_release(self, key: str) -> bool:
-        return self._signalled(key, int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN,
-                                                  (self.lease_key(key),), ("", _nonce()))))
+        return self._signalled(
+            key, int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (self.lease_key(key),), ("", _nonce())))
+        )
 
     def holders(self, key: str) -> list[HolderInfo]:
         flat = self._run("holder", key, scripts.HOLDERS, (self.lease_key(key),), ())
         out = []
         for i in range(0, len(flat), 6):
-            slot, holder_raw, fence, pttl, since, run = flat[i:i + 6]
+            slot, holder_raw, fence, pttl, since, run = flat[i : i + 6]
             holder_raw = _text(holder_raw)
             try:
                 holder = json.loads(holder_raw) if holder_raw else {}
             except ValueError:
                 holder = {}
-            out.append(HolderInfo(
-                key=key,
-                holder=holder,
-                fencing_token=int(fence) if fence else None,
-                ttl=int(pttl) / 1000.0,
-                since=int(since) / 1000.0 if since else None,
-                run_id=_text(run) or None,
-                slot=int(slot),
-            ))
+            out.append(
+                HolderInfo(
+                    key=key,
+                    holder=holder,
+                    fencing_token=int(fence) if fence else None,
+                    ttl=int(pttl) / 1000.0,
+                    since=int(since) / 1000.0 if since else None,
+                    run_id=_text(run) or None,
+                    slot=int(slot),
+                )
+            )
         return out
 
     def scan_holders(self, pattern: str, count: int) -> list[HolderInfo]:
@@ -358,7 +382,7 @@ class RedisBackend:
         def scan() -> list[HolderInfo]:
             out: list[HolderInfo] = []
             for raw in self.client.scan_iter(match=match, _type="hash", count=500):
-                out.extend(self.holders(_text(raw)[len(self.prefix) + 2:-1]))
+                out.extend(self.holders(_text(raw)[len(self.prefix) + 2 : -1]))
                 if len(out) >= count:
                     break
             return out
@@ -369,17 +393,37 @@ class RedisBackend:
         return int(self._run("renew", key, scripts.OWNS, (self.lease_key(key),), (owner,))) != -2
 
     # -- records ---------------------------------------------------------------------------------
-    def put_lease_record(self, key: str, owner: str, name: str, value: str, cond: RecordCondition,
-                         expect: str) -> LeaseWrite:
-        return _LEASE_WRITE[int(self._run("record", key, scripts.PUT_LEASE_RECORD, (self.lease_key(key),),
-                                          (owner, "d:" + name, value, cond.value, expect)))]
+    def put_lease_record(
+        self, key: str, owner: str, name: str, value: str, cond: RecordCondition, expect: str
+    ) -> LeaseWrite:
+        return _LEASE_WRITE[
+            int(
+                self._run(
+                    "record",
+                    key,
+                    scripts.PUT_LEASE_RECORD,
+                    (self.lease_key(key),),
+                    (owner, "d:" + name, value, cond.value, expect),
+                )
+            )
+        ]
 
     def get_lease_record(self, key: str, name: str) -> str | None:
         return _text_or_none(self._call("record", key, self.client.hget, self.lease_key(key), "d:" + name))
 
     def put_record(self, key: str, name: str, value: str, ttl: float, cond: RecordCondition, expect: str) -> bool:
-        return int(self._run("record", key, scripts.PUT_RECORD, (self.record_key(key, name),),
-                             (value, ms(ttl), cond.value, expect))) == 1
+        return (
+            int(
+                self._run(
+                    "record",
+                    key,
+                    scripts.PUT_RECORD,
+                    (self.record_key(key, name),),
+                    (value, ms(ttl), cond.value, expect),
+                )
+            )
+            == 1
+        )
 
     def get_record(self, key: str, name: str) -> str | None:
         return _text_or_none(self._call("record", key, self.client.get, self.record_key(key, name)))
@@ -410,19 +454,30 @@ class RedisBackend:
         return _text_or_none(self._call("once", key, self.client.get, self.completion_key(key)))
 
     def mark_queued(self, key: str, run_id: str, ttl: float, task: str) -> QueueReply:
-        res = self._run("queue", key, scripts.QUEUE, (self.lease_key(key),),
-                        (run_id, ms(ttl), self._idle_ms, task, _nonce()))
+        res = self._run(
+            "queue", key, scripts.QUEUE, (self.lease_key(key),), (run_id, ms(ttl), self._idle_ms, task, _nonce())
+        )
         return QueueReply(int(res[0]) == 1, _text(res[1]))
 
     def clear_queued(self, key: str, run_id: str, task: str) -> bool:
         return int(self._run("queue", key, scripts.UNQUEUE, (self.lease_key(key),), (run_id, task, _nonce()))) == 1
 
-    def throttle(self, key: str, interval_us: int, tau_us: int, book_us: int, consume: bool,
-                 shadow: bool, cost: int = 1, mode: RateMode = RateMode.CALL) -> RateReply:
+    def throttle(
+        self,
+        key: str,
+        interval_us: int,
+        tau_us: int,
+        book_us: int,
+        consume: bool,
+        shadow: bool,
+        cost: int = 1,
+        mode: RateMode = RateMode.CALL,
+    ) -> RateReply:
         # the shadow state (shadow mode's calls) is a key of its own, beside the enforced one
         code = RateMode.PEEK.value if not consume else mode.value
-        args: tuple[Any, ...] = (interval_us, tau_us, book_us, code) if cost == 1 else \
-            (interval_us, tau_us, book_us, code, cost)
+        args: tuple[Any, ...] = (
+            (interval_us, tau_us, book_us, code) if cost == 1 else (interval_us, tau_us, book_us, code, cost)
+        )
         res = self._run("throttle", key, scripts.THROTTLE, (self.lease_key(key) + (":ts" if shadow else ":t"),), args)
         return RateReply(_RATE_VERDICT[int(res[0])], int(res[1]), int(res[2]), len(res) > 3 and int(res[3]) == 1)
 

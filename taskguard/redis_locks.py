@@ -57,9 +57,14 @@ class RedisLocks(Locks):
             raise ConfigError("client must be a redis-py client (redis.Redis or redis.cluster.RedisCluster)")
         self.poll_interval = check_seconds("poll_interval", poll_interval)
         self.fence_idle_ttl = check_seconds("fence_idle_ttl", fence_idle_ttl)
-        super().__init__(RedisBackend(client, prefix, self.poll_interval, self.fence_idle_ttl), prefix=prefix,
-                         renew_fraction=renew_fraction, max_hold=max_hold, shutdown_timeout=shutdown_timeout,
-                         listeners=listeners)
+        super().__init__(
+            RedisBackend(client, prefix, self.poll_interval, self.fence_idle_ttl),
+            prefix=prefix,
+            renew_fraction=renew_fraction,
+            max_hold=max_hold,
+            shutdown_timeout=shutdown_timeout,
+            listeners=listeners,
+        )
         self.client = client
         self._owns_client = False
         self._server_clock: ServerClock | None = None
@@ -86,8 +91,9 @@ class RedisLocks(Locks):
 
         Raises ConfigError (the URL is shown with its password masked) for an invalid URL or option.
         """
-        client = client_from_url(url, db=db, connect_timeout=connect_timeout, socket_timeout=socket_timeout,
-                                 retries=retries, cluster=cluster)
+        client = client_from_url(
+            url, db=db, connect_timeout=connect_timeout, socket_timeout=socket_timeout, retries=retries, cluster=cluster
+        )
         locks = cls(client, prefix=prefix, **opts)
         locks._owns_client = True
         return locks

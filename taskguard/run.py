@@ -128,13 +128,42 @@ class GuardedRun:
     :class:`~taskguard.Locks`.
     """
 
-    __slots__ = ("locks", "request", "key", "ttl", "wait", "renew", "holder", "max_hold", "run_id", "task", "on_lost",
-                 "finished_ttl", "on_lost_report", "lease", "reason", "holder_ttl", "state", "tag", "_ctx", "delivery",
-                 "limit", "once", "enforce", "_record")
+    __slots__ = (
+        "locks",
+        "request",
+        "key",
+        "ttl",
+        "wait",
+        "renew",
+        "holder",
+        "max_hold",
+        "run_id",
+        "task",
+        "on_lost",
+        "finished_ttl",
+        "on_lost_report",
+        "lease",
+        "reason",
+        "holder_ttl",
+        "state",
+        "tag",
+        "_ctx",
+        "delivery",
+        "limit",
+        "once",
+        "enforce",
+        "_record",
+    )
 
-    def __init__(self, locks: Locks, request: RunRequest | str, *,
-                 on_lost_report: Callable[[GuardedRun, str], None] | None = None, tag: Any = None,
-                 **fields: Any) -> None:
+    def __init__(
+        self,
+        locks: Locks,
+        request: RunRequest | str,
+        *,
+        on_lost_report: Callable[[GuardedRun, str], None] | None = None,
+        tag: Any = None,
+        **fields: Any,
+    ) -> None:
         if not isinstance(request, RunRequest):  # the keyword form: GuardedRun(locks, key, ttl=..., ...)
             request = RunRequest(request, **fields)
         elif fields:
@@ -146,8 +175,12 @@ class GuardedRun:
         self._record: dict[str, Any] | None = None
         self.locks, self.key, self.ttl, self.wait, self.renew = locks, r.key, r.ttl, r.wait, r.renew
         self.holder, self.max_hold, self.run_id, self.task = r.holder, r.max_hold, r.run_id, r.task
-        self.on_lost, self.finished_ttl, self.on_lost_report, self.tag = OnLost(r.on_lost), r.finished_ttl, \
-            on_lost_report, tag
+        self.on_lost, self.finished_ttl, self.on_lost_report, self.tag = (
+            OnLost(r.on_lost),
+            r.finished_ttl,
+            on_lost_report,
+            tag,
+        )
         self.delivery = r.delivery
         self.lease: Lease | None = None
         self.reason: str | None = None
@@ -159,8 +192,14 @@ class GuardedRun:
         return f"<GuardedRun key={self.key!r} run_id={self.run_id!r} state={self.state}>"
 
     # -- begin -----------------------------------------------------------------------------------
-    def begin(self, *, handle: Mapping[str, Any] | None = None, refuse_finished: bool = False,
-              same_run: str = "report", same_run_wait: float = 0.0) -> bool:
+    def begin(
+        self,
+        *,
+        handle: Mapping[str, Any] | None = None,
+        refuse_finished: bool = False,
+        same_run: str = "report",
+        same_run_wait: float = 0.0,
+    ) -> bool:
         """Take the lease for this run. Returns ``True`` when the body may run (:attr:`lease` is
         held), else ``False`` with :attr:`reason` and :attr:`holder_ttl` set.
 
@@ -187,17 +226,33 @@ class GuardedRun:
         acq = None
         if handle is not None:
             try:
-                acq = resume(self.locks, handle, key=self.key, ttl=self.ttl, holder=self.holder, renew=self.renew,
-                             max_hold=self.max_hold, run_id=self.run_id, refuse_finished=refuse_finished,
-                             delivery=self.delivery, markers=self.finished_ttl is not None, limit=self.limit)
+                acq = resume(
+                    self.locks,
+                    handle,
+                    key=self.key,
+                    ttl=self.ttl,
+                    holder=self.holder,
+                    renew=self.renew,
+                    max_hold=self.max_hold,
+                    run_id=self.run_id,
+                    refuse_finished=refuse_finished,
+                    delivery=self.delivery,
+                    markers=self.finished_ttl is not None,
+                    limit=self.limit,
+                )
             except ConfigError as e:
                 log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
         if acq is None:
             # with a run id, look first without waiting: never wait inside acquire behind an
             # execution of this very run (that is the same-run path below)
             acq = self._acquire(0.0 if self.run_id is not None else self.wait, refuse_finished)
-            if not acq.acquired and self.wait > 0 and self.run_id is not None and acq.reason in ("held", "limit") \
-                    and acq.holder_run != self.run_id:
+            if (
+                not acq.acquired
+                and self.wait > 0
+                and self.run_id is not None
+                and acq.reason in ("held", "limit")
+                and acq.holder_run != self.run_id
+            ):
                 acq = self._acquire(self.wait, refuse_finished)
         if not acq.acquired and self.run_id is not None and acq.holder_run == self.run_id:
             acq = self._same_run(acq, same_run, same_run_wait, refuse_finished)
@@ -265,16 +320,27 @@ class GuardedRun:
             acq = None
             if handle is not None:
                 try:
-                    acq = resume(self.locks, handle, key=self.key, ttl=self.ttl, holder=self.holder, renew=self.renew,
-                                 max_hold=self.max_hold, run_id=self.run_id, delivery=self.delivery,
-                                 markers=self.finished_ttl is not None, limit=self.limit)
+                    acq = resume(
+                        self.locks,
+                        handle,
+                        key=self.key,
+                        ttl=self.ttl,
+                        holder=self.holder,
+                        renew=self.renew,
+                        max_hold=self.max_hold,
+                        run_id=self.run_id,
+                        delivery=self.delivery,
+                        markers=self.finished_ttl is not None,
+                        limit=self.limit,
+                    )
                 except ConfigError as e:
                     log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
             if acq is None:
                 acq = self._acquire(0.0)
         except LeaseBackendError as e:
-            log.warning("%s: shadow mode: the guard could not be evaluated (%s); running without a lease",
-                        self._who(), e)
+            log.warning(
+                "%s: shadow mode: the guard could not be evaluated (%s); running without a lease", self._who(), e
+            )
             self.reason, self.state = "error", RunState.RUNNING
             return True
         if acq.acquired:
@@ -284,8 +350,9 @@ class GuardedRun:
         self.reason = would
         self.state = RunState.RUNNING
         if would is not None:
-            self.locks.report_skip(Skipped(key=self.key, reason=would, task=self.task, holder_ttl=self.holder_ttl),
-                                   shadow=True)
+            self.locks.report_skip(
+                Skipped(key=self.key, reason=would, task=self.task, holder_ttl=self.holder_ttl), shadow=True
+            )
         return True
 
     def _shadow_digest(self) -> str:
@@ -302,19 +369,36 @@ class GuardedRun:
             log.warning("%s: shadow mode: could not record the completion of %r: %s", self._who(), self.key, e)
 
     def _acquire(self, wait: float, refuse_finished: bool = False) -> Acquisition:
-        return self.locks.acquire(self.key, ttl=self.ttl, wait=wait, holder=self.holder, renew=self.renew,
-                                  max_hold=self.max_hold, run_id=self.run_id, refuse_finished=refuse_finished,
-                                  delivery=self.delivery, markers=self.finished_ttl is not None, limit=self.limit)
+        return self.locks.acquire(
+            self.key,
+            ttl=self.ttl,
+            wait=wait,
+            holder=self.holder,
+            renew=self.renew,
+            max_hold=self.max_hold,
+            run_id=self.run_id,
+            refuse_finished=refuse_finished,
+            delivery=self.delivery,
+            markers=self.finished_ttl is not None,
+            limit=self.limit,
+        )
 
     def _same_run(self, acq: Acquisition, mode: str, bound: float, refuse_finished: bool) -> Acquisition:
         """The lease is held by another execution of this run id (a redelivered copy, a retry
         published while the body still runs, an abandoned RQ job re-queued)."""
         info = next((i for i in self.locks.holders(self.key) if i.run_id == self.run_id), None)
         # (a holder of this run id found: self.run_id is a str below)
-        if (info is not None and holder_is_dead(info.holder)
-                and self.locks.release_run(self.key, cast(str, self.run_id))):
-            log.warning("%s: the previous holder of %r (pid %s) is dead; lease released", self._who(), self.key,
-                        info.holder.get("pid"))
+        if (
+            info is not None
+            and holder_is_dead(info.holder)
+            and self.locks.release_run(self.key, cast(str, self.run_id))
+        ):
+            log.warning(
+                "%s: the previous holder of %r (pid %s) is dead; lease released",
+                self._who(),
+                self.key,
+                info.holder.get("pid"),
+            )
             acq = self._acquire(0.0, refuse_finished)
             if acq.acquired or acq.holder_run != self.run_id:
                 return acq
@@ -366,8 +450,13 @@ class GuardedRun:
         :class:`~taskguard.LeaseLost`. A Redis error while releasing is logged (the TTL bounds
         the lease), never raised; a once value that cannot be stored raises ConfigError (the
         lease is released, nothing stored)."""
-        if self.once is not None and not self.enforce and self.state == RunState.RUNNING and self.lease is not None \
-                and self.reason is None:
+        if (
+            self.once is not None
+            and not self.enforce
+            and self.state == RunState.RUNNING
+            and self.lease is not None
+            and self.reason is None
+        ):
             self._store_shadow_completion()  # before the release: the next holder sees it
         lease = self._end(RunState.FINISHED)
         if lease is None:
@@ -383,8 +472,10 @@ class GuardedRun:
                 self._release_quietly(lease, finished=True)
                 if isinstance(e, ConfigError) or not isinstance(e, Exception):
                     raise
-                raise ConfigError(f"once=True: the value of {self.key!r} cannot be stored "
-                                  f"({type(e).__name__}: {e}); nothing was stored") from None
+                raise ConfigError(
+                    f"once=True: the value of {self.key!r} cannot be stored "
+                    f"({type(e).__name__}: {e}); nothing was stored"
+                ) from None
         try:
             released = self.locks.leasing.release(lease, finished=True, finished_ttl=self.finished_ttl, store=store)
         except LeaseBackendError as e:
@@ -451,8 +542,9 @@ class GuardedRun:
         try:
             lease.release(finished=finished, finished_ttl=self.finished_ttl if finished else None)
         except LeaseBackendError as e:
-            log.warning("%s: could not release lease %r after the body ended (its TTL bounds it): %s", self._who(),
-                        self.key, e)
+            log.warning(
+                "%s: could not release lease %r after the body ended (its TTL bounds it): %s", self._who(), self.key, e
+            )
 
     def _who(self) -> str:
         name = self.task or "run"

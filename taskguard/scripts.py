@@ -80,8 +80,24 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-__all__ = ["Script", "ACQUIRE", "RENEW", "RELEASE", "RELEASE_WITHOUT_TOKEN", "CLAIM", "HOLDERS", "OWNS", "SIGNAL",
-           "PUT_RECORD", "DELETE_RECORD", "PUT_LEASE_RECORD", "THROTTLE", "RELEASE_STORING", "QUEUE", "UNQUEUE"]
+__all__ = [
+    "Script",
+    "ACQUIRE",
+    "RENEW",
+    "RELEASE",
+    "RELEASE_WITHOUT_TOKEN",
+    "CLAIM",
+    "HOLDERS",
+    "OWNS",
+    "SIGNAL",
+    "PUT_RECORD",
+    "DELETE_RECORD",
+    "PUT_LEASE_RECORD",
+    "THROTTLE",
+    "RELEASE_STORING",
+    "QUEUE",
+    "UNQUEUE",
+]
 
 
 class Script:
@@ -136,7 +152,8 @@ local now = math.floor(now_us / 1000)
 # Idempotent: re-sent by a client retry after it ran, it finds its own owner token and says so.
 ACQUIRE = Script(
     "acquire",
-    _NOW + """
+    _NOW
+    + """
 local v = redis.call('HMGET', KEYS[1], 'o', 'x', 'f', 'r', 'l', 'w', 'm')
 if ARGV[7] == '1' and ARGV[8] ~= '' then
   if v[5] == ARGV[8] then
@@ -273,7 +290,10 @@ end
 # held the lease for longer than the idle TTL and then died. Works at maxmemory (see ``_KEEP_TTL``).
 RENEW = Script(
     "renew",
-    _NOW + _SLOT + _KEEP_TTL + """
+    _NOW
+    + _SLOT
+    + _KEEP_TTL
+    + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s)
 local exp = tonumber(v[2])
 if v[1] ~= ARGV[1] or not exp or exp <= now then
@@ -302,12 +322,17 @@ return 1
 # the release and its marker go through.
 RELEASE = Script(
     "release",
-    _NOW + _SLOT + _KEEP_TTL + """
+    _NOW
+    + _SLOT
+    + _KEEP_TTL
+    + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w', 'n' .. s)
 local exp = tonumber(v[2])
 -- this very call's mark: its nonce and 8 hex digits of the owner token's SHA1 (never the token)
 local tomb = '~' .. ARGV[4] .. string.sub(redis.sha1hex(ARGV[1]), 1, 8)
-""" + _RELEASED + """
+"""
+    + _RELEASED
+    + """
 if v[1] == ARGV[1] and exp and exp > now then
   local code = 1
   if (tonumber(v[3]) or 0) > now then
@@ -345,11 +370,16 @@ return 0
 #    write never grows memory, as for RELEASE): its size is bounded by ``once_max_bytes``.
 RELEASE_STORING = Script(
     "release_storing",
-    _NOW + _SLOT + _KEEP_TTL + """
+    _NOW
+    + _SLOT
+    + _KEEP_TTL
+    + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w', 'n' .. s)
 local exp = tonumber(v[2])
 local tomb = '~' .. ARGV[4] .. string.sub(redis.sha1hex(ARGV[1]), 1, 8)
-""" + _RELEASED + """
+"""
+    + _RELEASED
+    + """
 if v[1] == ARGV[1] and exp and exp > now then
   local code = 1
   if (tonumber(v[3]) or 0) > now then
@@ -398,7 +428,9 @@ end
 # again (a new call with the same run id answers {0, run id}: that run is queued).
 QUEUE = Script(
     "queue",
-    _NOW + _MARK + """
+    _NOW
+    + _MARK
+    + """
 local v = redis.call('HMGET', KEYS[1], 'q:' .. ARGV[4], 'm')
 if v[1] then
   local id, exp, nonce = mark(v[1])
@@ -443,7 +475,8 @@ return {1, ARGV[1]}
 # gone with the key), so a client re-send of this very call answers 1 again.
 UNQUEUE = Script(
     "unqueue",
-    _MARK + """
+    _MARK
+    + """
 local q = redis.call('HGET', KEYS[1], 'q:' .. ARGV[2])
 if q == '~' .. ARGV[3] then
   return 1
@@ -476,7 +509,10 @@ return 1
 # maxmemory (``_KEEP_TTL``).
 CLAIM = Script(
     "claim",
-    _NOW + _SLOT + _KEEP_TTL + """
+    _NOW
+    + _SLOT
+    + _KEEP_TTL
+    + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'f' .. s)
 local exp = tonumber(v[2])
 if not exp or exp <= now then
@@ -504,7 +540,8 @@ return {0, exp - now}
 # as RELEASE), so a client re-send of this very call answers as it did.
 RELEASE_WITHOUT_TOKEN = Script(
     "release_without_token",
-    _NOW + """
+    _NOW
+    + """
 local n = tonumber(redis.call('HGET', KEYS[1], 'm')) or 1
 local tomb = '~' .. ARGV[2] .. ':'
 local freed = {}
@@ -543,7 +580,8 @@ return code
 # (empty when none). Never returns an owner token.
 HOLDERS = Script(
     "holders",
-    _NOW + """
+    _NOW
+    + """
 local n = tonumber(redis.call('HGET', KEYS[1], 'm')) or 1
 local out = {}
 for i = 0, n - 1 do
@@ -564,7 +602,9 @@ return out
 # KEYS[1] lease; ARGV[1] owner token -> ms left when owned, -2 when not owned.
 OWNS = Script(
     "owns",
-    _NOW + _SLOT + """
+    _NOW
+    + _SLOT
+    + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s)
 local exp = tonumber(v[2])
 if v[1] == ARGV[1] and exp and exp > now then
@@ -618,7 +658,10 @@ return redis.call('DEL', KEYS[1])
 #    maxmemory (``_KEEP_TTL``): a holder's records (beat's slot claims) go on being written.
 PUT_LEASE_RECORD = Script(
     "put_lease_record",
-    _NOW + _SLOT + _KEEP_TTL + """
+    _NOW
+    + _SLOT
+    + _KEEP_TTL
+    + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, ARGV[2])
 local exp = tonumber(v[2])
 if v[1] ~= ARGV[1] or not exp or exp <= now then
@@ -658,7 +701,8 @@ return 1
 # Not idempotent under a client retry (a re-sent call counts twice, erring on the strict side).
 THROTTLE = Script(
     "throttle",
-    _NOW + """
+    _NOW
+    + """
 local interval = tonumber(ARGV[1])
 local tau = tonumber(ARGV[2])
 local mode = ARGV[4] or '0'

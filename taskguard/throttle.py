@@ -55,8 +55,16 @@ class Throttle:
         return self.allowed
 
 
-def gcra(stored: int | None, pause: int | None, now_us: int, interval_us: int, tau_us: int, book_us: int,
-         mode: RateMode = RateMode.CALL, cost: int = 1) -> tuple[int, int, int, bool, tuple[int, int] | None]:
+def gcra(
+    stored: int | None,
+    pause: int | None,
+    now_us: int,
+    interval_us: int,
+    tau_us: int,
+    book_us: int,
+    mode: RateMode = RateMode.CALL,
+    cost: int = 1,
+) -> tuple[int, int, int, bool, tuple[int, int] | None]:
     """One weighted GCRA decision, as the Redis script makes it (the memory backend's copy).
 
     ``stored`` the TAT kept for the key (µs or ``None``), ``pause`` when its back-off pause ends
@@ -91,37 +99,64 @@ class Rates:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
-    def throttle(self, key: str, *, rate: Any, burst: int | None = None, cost: int = 1, book_within: float = 0.0,
-                 consume: bool = True, shadow: bool = False, turn: bool = False) -> Throttle:
+    def throttle(
+        self,
+        key: str,
+        *,
+        rate: Any,
+        burst: int | None = None,
+        cost: int = 1,
+        book_within: float = 0.0,
+        consume: bool = True,
+        shadow: bool = False,
+        turn: bool = False,
+    ) -> Throttle:
         """See :meth:`taskguard.Locks.throttle`; ``turn=True`` re-checks a booked turn (it passes,
         counting nothing, unless a back-off pause is on: then it is a call like any other)."""
         count, period = check_rate(rate)
         cost = check_cost(cost)
         burst = cost if burst is None else check_burst(burst)
         if cost > burst:
-            raise ConfigError(f"a call of cost {cost} can never pass a rate whose burst is {burst} (cost units): "
-                              f"raise burst to at least {cost} or split the call")
+            raise ConfigError(
+                f"a call of cost {cost} can never pass a rate whose burst is {burst} (cost units): "
+                f"raise burst to at least {cost} or split the call"
+            )
         book = check_seconds("book_within", book_within, allow_zero=True)
         interval_us = max(int(round(period / count * 1e6)), 1)
-        reply = self.backend.throttle(check_key(key), interval_us, (burst - cost) * interval_us,
-                                      int(book * 1e6) if consume else 0, consume, bool(shadow), cost,
-                                      RateMode.TURN if turn else RateMode.CALL)
-        return Throttle(allowed=reply.verdict is RateVerdict.ALLOWED, retry_after=reply.wait_us / 1e6,
-                        remaining=reply.remaining, booked=reply.verdict is RateVerdict.BOOKED, paused=reply.paused)
+        reply = self.backend.throttle(
+            check_key(key),
+            interval_us,
+            (burst - cost) * interval_us,
+            int(book * 1e6) if consume else 0,
+            consume,
+            bool(shadow),
+            cost,
+            RateMode.TURN if turn else RateMode.CALL,
+        )
+        return Throttle(
+            allowed=reply.verdict is RateVerdict.ALLOWED,
+            retry_after=reply.wait_us / 1e6,
+            remaining=reply.remaining,
+            booked=reply.verdict is RateVerdict.BOOKED,
+            paused=reply.paused,
+        )
 
     def settle(self, key: str, *, rate: Any, by: int, shadow: bool = False) -> None:
         """See :meth:`taskguard.Locks.settle_cost`."""
         count, period = check_rate(rate)
         if isinstance(by, bool) or not isinstance(by, int) or abs(by) > MAX_COST:
-            raise ConfigError(f"settle_cost's by must be an int from -{MAX_COST} to {MAX_COST} (cost units), "
-                              f"got {by!r}")
+            raise ConfigError(
+                f"settle_cost's by must be an int from -{MAX_COST} to {MAX_COST} (cost units), got {by!r}"
+            )
         if by:
-            self.backend.throttle(check_key(key), max(int(round(period / count * 1e6)), 1), 0, 0, True, bool(shadow),
-                                  by, RateMode.SETTLE)
+            self.backend.throttle(
+                check_key(key), max(int(round(period / count * 1e6)), 1), 0, 0, True, bool(shadow), by, RateMode.SETTLE
+            )
 
     def back_off(self, key: str, seconds: Any, *, shadow: bool = False) -> float:
         """See :meth:`taskguard.Locks.back_off`."""
         pause = check_seconds("retry_after", seconds)
-        reply = self.backend.throttle(check_key(key), 1, 0, max(int(pause * 1e6), 1), True, bool(shadow), 1,
-                                      RateMode.PAUSE)
+        reply = self.backend.throttle(
+            check_key(key), 1, 0, max(int(pause * 1e6), 1), True, bool(shadow), 1, RateMode.PAUSE
+        )
         return reply.wait_us / 1e6

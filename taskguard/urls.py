@@ -50,8 +50,13 @@ def redacted(url: str) -> str:
     if parts.password is None and "@" not in parts.netloc:
         return parts.geturl()
     user = parts.username or ""
-    netloc = (f"{user}:***@{host}{port}" if user
-              else f":***@{host}{port}" if parts.password is not None else f"***@{host}{port}")
+    netloc = (
+        f"{user}:***@{host}{port}"
+        if user
+        else f":***@{host}{port}"
+        if parts.password is not None
+        else f"***@{host}{port}"
+    )
     return parts._replace(netloc=netloc).geturl()
 
 
@@ -143,5 +148,6 @@ def _parse_as_redis_py_does(url: str, name: str, shown: str) -> None:
     try:
         parse_url(url)  # type: ignore[no-untyped-call]  # (redis-py does not annotate parse_url)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"{name} must be a Redis URL ({ACCEPTED}) that redis-py accepts: {scrub(str(e), url)}, "
-                          f"got {shown}") from None
+        raise ConfigError(
+            f"{name} must be a Redis URL ({ACCEPTED}) that redis-py accepts: {scrub(str(e), url)}, got {shown}"
+        ) from None

@@ -16,9 +16,26 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["MAX_SECONDS", "MIN_TTL", "check_seconds", "check_ttl", "check_fraction", "check_key", "check_token",
-           "check_name", "check_value", "check_run_id", "check_rate", "check_burst", "check_cost", "MAX_COST",
-           "check_prefix", "check_callback", "check_setting_names", "encodable"]
+__all__ = [
+    "MAX_SECONDS",
+    "MIN_TTL",
+    "check_seconds",
+    "check_ttl",
+    "check_fraction",
+    "check_key",
+    "check_token",
+    "check_name",
+    "check_value",
+    "check_run_id",
+    "check_rate",
+    "check_burst",
+    "check_cost",
+    "MAX_COST",
+    "check_prefix",
+    "check_callback",
+    "check_setting_names",
+    "encodable",
+]
 
 #: Longest duration accepted anywhere, seconds (about 31 years; far inside Redis's PEXPIRE range).
 MAX_SECONDS = 1e9
@@ -42,8 +59,9 @@ def check_seconds(name: str, value: Any, *, allow_zero: bool = False, minimum: f
         v = math.inf
     if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero) or v > MAX_SECONDS or (0 < v < minimum):
         bound = f">= {minimum:g}" if minimum else (">= 0" if allow_zero else "> 0")
-        raise ConfigError(f"{name} must be a finite number of seconds {bound} and at most {MAX_SECONDS:.0e}, "
-                          f"got {value!r}")
+        raise ConfigError(
+            f"{name} must be a finite number of seconds {bound} and at most {MAX_SECONDS:.0e}, got {value!r}"
+        )
     return v
 
 
@@ -78,8 +96,11 @@ def check_prefix(prefix: Any, name: str = "prefix") -> str:
     CLI's ``--prefix``, so leases taken anywhere can be listed and released with the CLI. Raises
     ConfigError naming ``name`` and showing the value (cut at 40 characters)."""
     if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
-        shown = repr(prefix if len(prefix) <= 40 else prefix[:37] + "...") if isinstance(prefix, str) \
+        shown = (
+            repr(prefix if len(prefix) <= 40 else prefix[:37] + "...")
+            if isinstance(prefix, str)
             else f"a value of type {type(prefix).__name__}"
+        )
         raise ConfigError(f"{name} must be 1-64 characters of A-Z a-z 0-9 _ - . :, got {shown}")
     return prefix
 
@@ -97,9 +118,11 @@ def check_callback(name: str, callback: Any, *args: Any) -> Any:
     try:
         sig.bind(*args)
     except TypeError as e:
-        raise ConfigError(f"{name} is called with {len(args)} positional arguments "
-                          f"({', '.join(type(a).__name__ for a in args)}), but its signature {sig} does not "
-                          f"take them: {e}") from None
+        raise ConfigError(
+            f"{name} is called with {len(args)} positional arguments "
+            f"({', '.join(type(a).__name__ for a in args)}), but its signature {sig} does not "
+            f"take them: {e}"
+        ) from None
     return callback
 
 
@@ -172,11 +195,21 @@ def check_rate(rate: Any) -> tuple[int, float]:
             count, period = int(n), _PERIODS[unit.strip()]
     elif isinstance(rate, (tuple, list)) and len(rate) == 2:
         count, period = rate
-    if (isinstance(count, bool) or not isinstance(count, int) or count < 1
-            or isinstance(period, bool) or not isinstance(period, (int, float))
-            or not math.isfinite(period) or period <= 0 or period > MAX_SECONDS or period / count < 1e-6):
-        raise ConfigError(f"rate must be 'N/s', 'N/m', 'N/h', 'N/d' or (count, seconds) with count >= 1 and at "
-                          f"most one event per microsecond, got {shown}")
+    if (
+        isinstance(count, bool)
+        or not isinstance(count, int)
+        or count < 1
+        or isinstance(period, bool)
+        or not isinstance(period, (int, float))
+        or not math.isfinite(period)
+        or period <= 0
+        or period > MAX_SECONDS
+        or period / count < 1e-6
+    ):
+        raise ConfigError(
+            f"rate must be 'N/s', 'N/m', 'N/h', 'N/d' or (count, seconds) with count >= 1 and at "
+            f"most one event per microsecond, got {shown}"
+        )
     return count, float(period)
 
 

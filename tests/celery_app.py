@@ -67,14 +67,24 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
 
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.retrying", ttl=2, key="retry:{job}", max_retries=5)
     def retrying(self, job, fail_times=2, countdown=0.5):
-        note(f"retrying:{job}:{self.request.retries}:{self.lease.fencing_token}:"
-             f"{sorted(k for k in (self.request.headers or {}) if k != 'taskguard')}")
+        note(
+            f"retrying:{job}:{self.request.retries}:{self.lease.fencing_token}:"
+            f"{sorted(k for k in (self.request.headers or {}) if k != 'taskguard')}"
+        )
         if self.request.retries < fail_times:
             raise self.retry(countdown=countdown, headers={"attempt_note": self.request.retries})
         return self.lease.fencing_token
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.autoretry", ttl=2, key="auto",
-              autoretry_for=(Flaky,), retry_kwargs={"countdown": 0.3, "max_retries": 3})
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.autoretry",
+        ttl=2,
+        key="auto",
+        autoretry_for=(Flaky,),
+        retry_kwargs={"countdown": 0.3, "max_retries": 3},
+    )
     def autoretry(self):
         note(f"auto:{self.request.retries}:{self.lease.fencing_token}")
         if self.request.retries < 2:
@@ -104,16 +114,28 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         return "finished"
 
     for mode in ("ignore", "raise", "retry"):
+
         def body(self, n=0, seconds=0.0, _mode=mode):
             note(f"{_mode}:{n}:ran")
             time.sleep(seconds)
             return f"{_mode} ran"
 
-        app.task(base=GuardedTask, bind=True, shared=False, name=f"tg.on_skip_{mode}", ttl=5, key="modes", on_skip=mode,
-                 skip_retry_delay=0.4, skip_max_retries=2, max_retries=0)(body)
+        app.task(
+            base=GuardedTask,
+            bind=True,
+            shared=False,
+            name=f"tg.on_skip_{mode}",
+            ttl=5,
+            key="modes",
+            on_skip=mode,
+            skip_retry_delay=0.4,
+            skip_max_retries=2,
+            max_retries=0,
+        )(body)
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.continuing", ttl=5, key="slow:{n}",
-              continue_on_skip=True)
+    @app.task(
+        base=GuardedTask, bind=True, shared=False, name="tg.continuing", ttl=5, key="slow:{n}", continue_on_skip=True
+    )
     def continuing(self, n, seconds=0.0):
         return n
 
@@ -148,19 +170,30 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         note(f"nothrow:{self.request.retries}:end:{time.time():.3f}")
         return self.request.retries
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.retry_odd_times", ttl=3, key="odd:{how}",
-              max_retries=2)
+    @app.task(
+        base=GuardedTask, bind=True, shared=False, name="tg.retry_odd_times", ttl=3, key="odd:{how}", max_retries=2
+    )
     def retry_odd_times(self, how):
         note(f"odd:{how}:{self.request.retries}")
         if self.request.retries == 0:
             if how == "negative":
                 raise self.retry(countdown=-10)
             from datetime import datetime, timedelta, timezone
+
             raise self.retry(eta=(datetime.now(timezone.utc) + timedelta(seconds=0.3)).isoformat())
         return "ok"
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.hung_then_retry", ttl=0.4, key="hung",
-              max_hold=0.5, max_retries=1, on_lost="warn")
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.hung_then_retry",
+        ttl=0.4,
+        key="hung",
+        max_hold=0.5,
+        max_retries=1,
+        on_lost="warn",
+    )
     def hung_then_retry(self):
         note(f"hung:{self.request.retries}")
         if self.request.retries == 0:
@@ -168,8 +201,16 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
             raise self.retry(countdown=0.2)
         return "second run"
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.sleeper", ttl=3, key="sleeper:{name}",
-              acks_late=True, reject_on_worker_lost=True)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.sleeper",
+        ttl=3,
+        key="sleeper:{name}",
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
     def sleeper(self, name, seconds=4.0, fenced=True):
         fence = self.lease.fencing_token
         note(f"sleeper:{name}:start:{fence}:{os.getpid()}")
@@ -180,8 +221,7 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         note(f"sleeper:{name}:end:{fence}")
         return fence
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.limited", ttl=30, key="limited",
-              time_limit=1)
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.limited", ttl=30, key="limited", time_limit=1)
     def limited(self):
         note(f"limited:start:{os.getpid()}")
         time.sleep(10)
@@ -215,46 +255,103 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         time.sleep(seconds)
         return {"fence": fence, "lost": self.lease.lost, "pool_patched": _gevent_patched()}
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.lease_autoretry", ttl=3, key="lar:{name}",
-              autoretry_for=(LeaseBackendError,), retry_backoff=1, retry_backoff_max=2, retry_jitter=False,
-              max_retries=6)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.lease_autoretry",
+        ttl=3,
+        key="lar:{name}",
+        autoretry_for=(LeaseBackendError,),
+        retry_backoff=1,
+        retry_backoff_max=2,
+        retry_jitter=False,
+        max_retries=6,
+    )
     def lease_autoretry(self, name):
         """Retried by autoretry_for while the lease store is down (backoff 1, 2, 2... s)."""
         note(f"lar:{name}:{self.request.retries}:{self.lease.fencing_token}")
         return self.request.retries
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.lease_autoretry_short", ttl=3, key="lars:{name}",
-              autoretry_for=(LeaseBackendError,), retry_kwargs={"countdown": 0.2, "max_retries": 2})
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.lease_autoretry_short",
+        ttl=3,
+        key="lars:{name}",
+        autoretry_for=(LeaseBackendError,),
+        retry_kwargs={"countdown": 0.2, "max_retries": 2},
+    )
     def lease_autoretry_short(self, name):
         note(f"lars:{name}:{self.request.retries}")
         return self.request.retries
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.any_autoretry", ttl=3,
-              key=lambda name, amount=0: "" if name == "bad" else f"aar:{name}", once=True,
-              fingerprint=("name", "amount"), on_skip="raise", autoretry_for=(Exception,),
-              retry_kwargs={"countdown": 0.2}, max_retries=3)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.any_autoretry",
+        ttl=3,
+        key=lambda name, amount=0: "" if name == "bad" else f"aar:{name}",
+        once=True,
+        fingerprint=("name", "amount"),
+        on_skip="raise",
+        autoretry_for=(Exception,),
+        retry_kwargs={"countdown": 0.2},
+        max_retries=3,
+    )
     def any_autoretry(self, name, amount=0):
         """autoretry_for=(Exception,): only a LeaseBackendError before the body is retried."""
         note(f"aar:{name}:{self.request.retries}")
         return {"name": name, "amount": amount, "retries": self.request.retries}
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.rated_autoretry", ttl=3, key="rar:{name}",
-              rate=(100, 1.0), rate_key="rar", autoretry_for=(LeaseBackendError,), retry_kwargs={"countdown": 0.3},
-              max_retries=30)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.rated_autoretry",
+        ttl=3,
+        key="rar:{name}",
+        rate=(100, 1.0),
+        rate_key="rar",
+        autoretry_for=(LeaseBackendError,),
+        retry_kwargs={"countdown": 0.3},
+        max_retries=30,
+    )
     def rated_autoretry(self, name):
         note(f"rar:{name}:{self.request.retries}")
         return self.request.retries
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.retry_then_claim", ttl=5, key="rtc:{name}",
-              autoretry_for=(LeaseBackendError,), retry_kwargs={"countdown": 0.3}, max_retries=30)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.retry_then_claim",
+        ttl=5,
+        key="rtc:{name}",
+        autoretry_for=(LeaseBackendError,),
+        retry_kwargs={"countdown": 0.3},
+        max_retries=30,
+    )
     def retry_then_claim(self, name):
         note(f"rtc:{name}:{self.request.retries}:{self.lease.fencing_token}")
         if self.request.retries == 0:
             raise self.retry(countdown=1.0)  # keeps the lease; its retry claims it
         return self.lease.fencing_token
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.late_lease", ttl=3, key="ll:{name}", acks_late=True,
-              autoretry_for=(LeaseBackendError,), retry_kwargs={"countdown": 0.5}, max_retries=10)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.late_lease",
+        ttl=3,
+        key="ll:{name}",
+        acks_late=True,
+        autoretry_for=(LeaseBackendError,),
+        retry_kwargs={"countdown": 0.5},
+        max_retries=10,
+    )
     def late_lease(self, name):
         """acks_late, its broker the lease Redis (the acks_late fallback test)."""
         note(f"ll:{name}:{self.request.retries}:{self.lease.fencing_token}")
@@ -275,8 +372,16 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         note(f"hold3:{name}:end:{fence}:{time.time():.3f}")
         return {"fence": fence, "lost": self.lease.lost}
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.hold3_wait", ttl=3, key="hold3", wait=1.5,
-              blocking_wait=True)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.hold3_wait",
+        ttl=3,
+        key="hold3",
+        wait=1.5,
+        blocking_wait=True,
+    )
     def hold3_wait(self, name, seconds=0.0):
         note(f"hold3:{name}:start:{self.lease.fencing_token}:{time.time():.3f}")
         time.sleep(seconds)
@@ -296,8 +401,19 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         time.sleep(seconds)
         return self.lease.key
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.unit", ttl=2, key="unit:{key}", acks_late=True,
-              reject_on_worker_lost=True, on_skip="retry", skip_retry_delay=0.3, skip_max_retries=10000)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.unit",
+        ttl=2,
+        key="unit:{key}",
+        acks_late=True,
+        reject_on_worker_lost=True,
+        on_skip="retry",
+        skip_retry_delay=0.3,
+        skip_max_retries=10000,
+    )
     def unit(self, unit_id, key, seconds=0.5):
         """One unit of work of the soak: checks nobody else entered the key while it ran."""
         fence = self.lease.fencing_token
@@ -326,8 +442,9 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         note(f"late:{name}:end")
         return f"body of {name}"
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.rejecting", ttl=5, key="reject:{name}",
-              acks_late=True)
+    @app.task(
+        base=GuardedTask, bind=True, shared=False, name="tg.rejecting", ttl=5, key="reject:{name}", acks_late=True
+    )
     def rejecting(self, name):
         n = attempt(name)
         note(f"reject:{name}:{n}:{self.lease.fencing_token}")
@@ -335,8 +452,17 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
             raise Reject("handed back", requeue=True)
         return n
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.timed_out", ttl=20, key="timed:{name}",
-              acks_late=True, acks_on_timeout=False, time_limit=1)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.timed_out",
+        ttl=20,
+        key="timed:{name}",
+        acks_late=True,
+        acks_on_timeout=False,
+        time_limit=1,
+    )
     def timed_out(self, name):
         n = attempt(name)
         note(f"timed:{name}:{n}:{self.lease.fencing_token}")
@@ -344,8 +470,18 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
             time.sleep(10)  # killed by the hard time limit; the message is handed back
         return n
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.lost_retried", ttl=20, key="lostr:{name}",
-              acks_late=True, retry_on_worker_lost=True, max_retries=3, default_retry_delay=0)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.lost_retried",
+        ttl=20,
+        key="lostr:{name}",
+        acks_late=True,
+        retry_on_worker_lost=True,
+        max_retries=3,
+        default_retry_delay=0,
+    )
     def lost_retried(self, name):
         n = attempt(name)
         note(f"lostr:{name}:{n}:{self.lease.fencing_token}")
@@ -396,20 +532,49 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         ledger("out", f"export:{tenant}", lease)
         return lease.slot
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.export_retrying", ttl=5, key="export:{tenant}",
-              limit=2, on_skip="retry", skip_retry_delay=0.3, skip_max_retries=50)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.export_retrying",
+        ttl=5,
+        key="export:{tenant}",
+        limit=2,
+        on_skip="retry",
+        skip_retry_delay=0.3,
+        skip_max_retries=50,
+    )
     def export_retrying(self, tenant, seconds=0.3):
         return export_body(self.lease, tenant, seconds)
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.export_tiered", ttl=5, key="export:{tenant}",
-              limit=lambda tenant, **_: int(r.get(f"{prefix}:limit:{tenant}") or 1), on_skip="retry",
-              skip_retry_delay=0.2, skip_max_retries=200)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.export_tiered",
+        ttl=5,
+        key="export:{tenant}",
+        limit=lambda tenant, **_: int(r.get(f"{prefix}:limit:{tenant}") or 1),
+        on_skip="retry",
+        skip_retry_delay=0.2,
+        skip_max_retries=200,
+    )
     def export_tiered(self, tenant, seconds=0.4):
         # the tenant's limit is read per run (a plan change applies to the next run)
         return export_body(self.lease, tenant, seconds)
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.api_call", ttl=5, key="api:{n}", rate=(6, 1.0),
-              rate_key="api", rate_burst=2, max_retries=0)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.api_call",
+        ttl=5,
+        key="api:{n}",
+        rate=(6, 1.0),
+        rate_key="api",
+        rate_burst=2,
+        max_retries=0,
+    )
     def api_call(self, n):
         # when the call passed the rate: now, or the turn it booked (it may start a little later)
         turn = (self.request.headers or {}).get("taskguard_rate") or getattr(self.request, "taskguard_rate", None)
@@ -421,8 +586,19 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         secs, micros = r.time()
         return secs + micros / 1e6
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.llm", ttl=5, key="llm:{n}", rate=(400, 1.0),
-              rate_key="llm", cost=lambda tokens, **_: tokens, rate_burst=100, max_retries=0)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.llm",
+        ttl=5,
+        key="llm:{n}",
+        rate=(400, 1.0),
+        rate_key="llm",
+        cost=lambda tokens, **_: tokens,
+        rate_burst=100,
+        max_retries=0,
+    )
     def llm(self, n, tokens, actual=None):
         # admitted: now, or the turn it booked (server clock); cost: what it was admitted at
         turn = (self.request.headers or {}).get("taskguard_rate") or getattr(self.request, "taskguard_rate", None)
@@ -432,8 +608,19 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
             settle_cost(actual)
         return n
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.upstream", ttl=5, key="up:{n}", rate=(10, 1.0),
-              rate_key="up", rate_burst=2, autoretry_for=(Exception,), max_retries=0)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.upstream",
+        ttl=5,
+        key="up:{n}",
+        rate=(10, 1.0),
+        rate_key="up",
+        rate_burst=2,
+        autoretry_for=(Exception,),
+        max_retries=0,
+    )
     def upstream(self, n, fail_on=None, pause=2.0):
         now = server_now()
         r.rpush(f"{prefix}:up", f"{now:.6f} {n} {self.request.retries}")
@@ -442,51 +629,120 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
             raise RateLimited(retry_after=pause)
         return n
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.upstream_shadow", ttl=5, key="ups:{n}",
-              rate=(100, 1.0), rate_key="ups", cost=lambda n, **_: 60, enforce=False)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.upstream_shadow",
+        ttl=5,
+        key="ups:{n}",
+        rate=(100, 1.0),
+        rate_key="ups",
+        cost=lambda n, **_: 60,
+        enforce=False,
+    )
     def upstream_shadow(self, n, pause=None):
         if pause is not None:
             raise RateLimited(retry_after=pause)
         return n
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.api_hourly", ttl=5, key="apih:{n}", rate="1/h",
-              rate_key="apih")
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.api_hourly",
+        ttl=5,
+        key="apih:{n}",
+        rate="1/h",
+        rate_key="apih",
+    )
     def api_hourly(self, n):
         r.rpush(f"{prefix}:hourly", n)
         return n
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.api_bounded", ttl=5, key="apib:{n}", rate="1/m",
-              rate_key="apib", rate_max_wait=2)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.api_bounded",
+        ttl=5,
+        key="apib:{n}",
+        rate="1/m",
+        rate_key="apib",
+        rate_max_wait=2,
+    )
     def api_bounded(self, n):
         return n
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.rated_retry", ttl=5, key="rr:{i}", rate=(1, 1.0),
-              rate_key="rr", max_retries=3)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.rated_retry",
+        ttl=5,
+        key="rr:{i}",
+        rate=(1, 1.0),
+        rate_key="rr",
+        max_retries=3,
+    )
     def rated_retry(self, i, retry_first=False):
         r.rpush(f"{prefix}:rr", f"{time.time():.6f} {i} {self.request.retries}")
         if retry_first and self.request.retries == 0:
             raise self.retry(countdown=0.05)
         return i
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.unique_slow", ttl=2, key="u:{name}", unique=True,
-              unique_ttl=60)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.unique_slow",
+        ttl=2,
+        key="u:{name}",
+        unique=True,
+        unique_ttl=60,
+    )
     def unique_slow(self, name, seconds=0.5):
         note(f"unique:{name}:{self.request.id}")
         time.sleep(seconds)
         return self.request.id
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.unique_short", ttl=5, key="us:{name}", unique=True,
-              unique_ttl=1)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.unique_short",
+        ttl=5,
+        key="us:{name}",
+        unique=True,
+        unique_ttl=1,
+    )
     def unique_short(self, name):
         return name
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.ucharge", ttl=5, key="uc:{invoice_id}", once=True,
-              unique=True, unique_ttl=60)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.ucharge",
+        ttl=5,
+        key="uc:{invoice_id}",
+        once=True,
+        unique=True,
+        unique_ttl=60,
+    )
     def ucharge(self, invoice_id, amount):
         return {"invoice": invoice_id, "amount": amount}
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.shadow_retry", ttl=5, key="sr:{name}", enforce=False,
-              max_retries=2)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.shadow_retry",
+        ttl=5,
+        key="sr:{name}",
+        enforce=False,
+        max_retries=2,
+    )
     def shadow_retry(self, name):
         note(f"sr:{name}:{self.request.retries}:{self.lease.fencing_token if self.lease else None}")
         if self.request.retries == 0:
@@ -497,8 +753,16 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     def setvalue(self, name):
         return {"s": {1, 2}}
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.charge", ttl=5, key="charge:{invoice_id}", once=True,
-              fingerprint=("invoice_id", "amount"))
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.charge",
+        ttl=5,
+        key="charge:{invoice_id}",
+        once=True,
+        fingerprint=("invoice_id", "amount"),
+    )
     def charge(self, invoice_id, amount, fail=False, seconds=0.0):
         n = attempt(f"charge:{invoice_id}")
         time.sleep(seconds)
@@ -506,27 +770,55 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
             raise Flaky(f"declined {invoice_id}")
         return {"invoice": invoice_id, "amount": amount, "n": n, "fence": self.lease.fencing_token}
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.shadowed", ttl=5, key="shadow:{name}", enforce=False,
-              limit=2)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.shadowed",
+        ttl=5,
+        key="shadow:{name}",
+        enforce=False,
+        limit=2,
+    )
     def shadowed(self, name, seconds=0.5):
         time.sleep(seconds)
         return {"leased": self.lease is not None, "slot": self.lease.slot if self.lease else None}
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.shadow_rated", ttl=5, key="srate:{n}", enforce=False,
-              rate=(1, 2.0), rate_key="srate")
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.shadow_rated",
+        ttl=5,
+        key="srate:{n}",
+        enforce=False,
+        rate=(1, 2.0),
+        rate_key="srate",
+    )
     def shadow_rated(self, n):
         return {"n": n, "leased": self.lease is not None}
 
-    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.shadow_unique", ttl=5, key="su:{name}", enforce=False,
-              unique=True, unique_ttl=60)
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.shadow_unique",
+        ttl=5,
+        key="su:{name}",
+        enforce=False,
+        unique=True,
+        unique_ttl=60,
+    )
     def shadow_unique(self, name, seconds=0.0):
         time.sleep(seconds)
         return {"name": name, "leased": self.lease is not None}
 
     if os.environ.get("TG_TEST_BEAT"):
         app.conf.beat_schedule = {
-            "tick": {"task": os.environ.get("TG_TEST_BEAT_TASK", "tg.tick"),
-                     "schedule": float(os.environ["TG_TEST_BEAT"])},
+            "tick": {
+                "task": os.environ.get("TG_TEST_BEAT_TASK", "tg.tick"),
+                "schedule": float(os.environ["TG_TEST_BEAT"]),
+            },
         }
 
     app.tg_log = log
@@ -539,5 +831,9 @@ from examples.fencing import FENCED_SET_SCRIPT as FENCED_SET  # noqa: E402
 if os.environ.get("TG_TEST_QUEUE"):
     import json
 
-    app = make_app(os.environ["TG_TEST_QUEUE"], os.environ["TG_TEST_PREFIX"],
-                   broker=os.environ.get("TG_TEST_BROKER"), **json.loads(os.environ.get("TG_TEST_CONF", "{}")))
+    app = make_app(
+        os.environ["TG_TEST_QUEUE"],
+        os.environ["TG_TEST_PREFIX"],
+        broker=os.environ.get("TG_TEST_BROKER"),
+        **json.loads(os.environ.get("TG_TEST_CONF", "{}")),
+    )

@@ -20,8 +20,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @contextlib.contextmanager
 def embedded_worker(app, pool: str = "threads", concurrency: int = 4, **kwargs):
-    with start_worker(app, pool=pool, concurrency=concurrency, perform_ping_check=False, loglevel="WARNING",
-                      shutdown_timeout=15, **kwargs) as w:
+    with start_worker(
+        app,
+        pool=pool,
+        concurrency=concurrency,
+        perform_ping_check=False,
+        loglevel="WARNING",
+        shutdown_timeout=15,
+        **kwargs,
+    ) as w:
         yield w
 
 
@@ -85,21 +92,51 @@ def delete_amqp_queue(app, queue: str) -> None:
 
 
 def body_log(app) -> list[str]:
-    r = redis.Redis.from_url(app.conf.broker_url if app.conf.broker_url.startswith("redis") else
-                             os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r = redis.Redis.from_url(
+        app.conf.broker_url
+        if app.conf.broker_url.startswith("redis")
+        else os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
     return [x.decode() for x in r.lrange(app.tg_log, 0, -1)]
 
 
 class WorkerProcess:
     """A real ``celery -A tests.celery_app worker`` subprocess for one test's queue and prefix."""
 
-    def __init__(self, queue: str, prefix: str, *, pool: str = "prefork", concurrency: int = 2,
-                 broker: str | None = None, extra: tuple[str, ...] = (), env: dict | None = None,
-                 conf: dict | None = None):
+    def __init__(
+        self,
+        queue: str,
+        prefix: str,
+        *,
+        pool: str = "prefork",
+        concurrency: int = 2,
+        broker: str | None = None,
+        extra: tuple[str, ...] = (),
+        env: dict | None = None,
+        conf: dict | None = None,
+    ):
         self.queue, self.prefix = queue, prefix
-        self.args = [sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker", "-P", pool,
-                     "-c", str(concurrency), "-Q", queue, "-n", f"w-{queue}-{os.getpid()}-{time.time_ns()}@%h",
-                     "--loglevel", "INFO", "--without-gossip", "--without-mingle", *extra]
+        self.args = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.celery_app",
+            "worker",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-Q",
+            queue,
+            "-n",
+            f"w-{queue}-{os.getpid()}-{time.time_ns()}@%h",
+            "--loglevel",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            *extra,
+        ]
         self.env = {**os.environ, "TG_TEST_QUEUE": queue, "TG_TEST_PREFIX": prefix, **(env or {})}
         if broker:
             self.env["TG_TEST_BROKER"] = broker
@@ -112,8 +149,9 @@ class WorkerProcess:
 
     def start(self, wait_ready: bool = True) -> WorkerProcess:
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         if wait_ready:
             deadline = time.monotonic() + 60
             while b" ready." not in self.log_path.read_bytes():
@@ -155,20 +193,46 @@ class WorkerProcess:
 class BeatProcess:
     """A real ``celery -A tests.celery_app beat -S taskguard`` with its own schedule file."""
 
-    def __init__(self, queue: str, prefix: str, schedule_dir: Path, name: str, every: float = 1.0,
-                 env: dict | None = None, scheduler: str = "taskguard"):
+    def __init__(
+        self,
+        queue: str,
+        prefix: str,
+        schedule_dir: Path,
+        name: str,
+        every: float = 1.0,
+        env: dict | None = None,
+        scheduler: str = "taskguard",
+    ):
         self.name = name
         self.log_path = Path(tempfile.gettempdir()) / f"tg-beat-{queue}-{name}-{time.time_ns()}.log"
-        self.args = [sys.executable, "-m", "celery", "-A", "tests.celery_app", "beat", "-S", scheduler,
-                     "-s", str(schedule_dir / f"schedule-{name}"), "--loglevel", "INFO"]
-        self.env = {**os.environ, "TG_TEST_QUEUE": queue, "TG_TEST_PREFIX": prefix, "TG_TEST_BEAT": str(every),
-                    **(env or {})}
+        self.args = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.celery_app",
+            "beat",
+            "-S",
+            scheduler,
+            "-s",
+            str(schedule_dir / f"schedule-{name}"),
+            "--loglevel",
+            "INFO",
+        ]
+        self.env = {
+            **os.environ,
+            "TG_TEST_QUEUE": queue,
+            "TG_TEST_PREFIX": prefix,
+            "TG_TEST_BEAT": str(every),
+            **(env or {}),
+        }
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> BeatProcess:
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         return self
 
     def output(self) -> str:

@@ -20,8 +20,18 @@ SHARED_URL = os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
 #: Keys the suite's Celery and RQ runs create outside the tests' prefixes, without a TTL (kombu's
 #: bindings and unacked bookkeeping, RQ's registries of queues and workers): deleted at the end
 #: when the suite created them (they did not exist when it started).
-SHARED_BOOKKEEPING = ("_kombu.binding.*", "unacked*", "rq:queues", "rq:workers", "rq:workers:*",
-                      "rq:scheduler*", "rq:cron*", "rq:wip*", "rq:*:intermediate", "celery*")
+SHARED_BOOKKEEPING = (
+    "_kombu.binding.*",
+    "unacked*",
+    "rq:queues",
+    "rq:workers",
+    "rq:workers:*",
+    "rq:scheduler*",
+    "rq:cron*",
+    "rq:wip*",
+    "rq:*:intermediate",
+    "celery*",
+)
 
 
 #: The key prefixes handed out in this session (the ``prefix`` fixture): the session sweeps only
@@ -67,8 +77,11 @@ def redis_url() -> str:
     try:
         c.ping()
     except redis.RedisError as e:
-        pytest.fail(f"Redis at TASKGUARD_REDIS_URL / 127.0.0.1:6379 is not answering ({e}); "
-                    "start one or run the suite through ./run test", pytrace=False)
+        pytest.fail(
+            f"Redis at TASKGUARD_REDIS_URL / 127.0.0.1:6379 is not answering ({e}); "
+            "start one or run the suite through ./run test",
+            pytrace=False,
+        )
     finally:
         c.close()
     return SHARED_URL
@@ -163,8 +176,14 @@ def rq_env(redis_url, prefix, monkeypatch):
     yield queue
     # the jobs RQ keeps in its registries (finished, failed, ...) and their results have no TTL
     # of their own for a long while (failure_ttl: a year): they go with the test
-    registries = (queue.finished_job_registry, queue.failed_job_registry, queue.started_job_registry,
-                  queue.deferred_job_registry, queue.scheduled_job_registry, queue.canceled_job_registry)
+    registries = (
+        queue.finished_job_registry,
+        queue.failed_job_registry,
+        queue.started_job_registry,
+        queue.deferred_job_registry,
+        queue.scheduled_job_registry,
+        queue.canceled_job_registry,
+    )
     for registry in registries:
         for job_id in registry.get_job_ids():
             try:

@@ -17,8 +17,12 @@ from pathlib import Path
 import pytest
 
 SITE = str(Path(__file__).resolve().parent / "faketime_site")
-PATTERNS = ("/usr/lib/*/faketime/libfaketime.so.1", "/usr/lib/faketime/libfaketime.so.1",
-            "/usr/local/lib/faketime/libfaketime.so.1", "/usr/lib64/faketime/libfaketime.so.1")
+PATTERNS = (
+    "/usr/lib/*/faketime/libfaketime.so.1",
+    "/usr/lib/faketime/libfaketime.so.1",
+    "/usr/local/lib/faketime/libfaketime.so.1",
+    "/usr/lib64/faketime/libfaketime.so.1",
+)
 
 
 def libfaketime() -> str:
@@ -30,9 +34,11 @@ def libfaketime() -> str:
         found = sorted(glob.glob(pattern))
         if found:
             return found[0]
-    pytest.fail("libfaketime is not installed: the clock-step tests need it (Debian/Ubuntu: apt-get install "
-                "faketime; ./run test installs it where apt-get is available; or set TASKGUARD_LIBFAKETIME "
-                "to the path of libfaketime.so.1)")
+    pytest.fail(
+        "libfaketime is not installed: the clock-step tests need it (Debian/Ubuntu: apt-get install "
+        "faketime; ./run test installs it where apt-get is available; or set TASKGUARD_LIBFAKETIME "
+        "to the path of libfaketime.so.1)"
+    )
 
 
 class SteppedClock:

@@ -21,8 +21,9 @@ def _attempt(name: str) -> int:
 
 def _log(entry: str) -> None:
     # TG_TEST_LOG_URL: a log kept apart from the leases (a test that fills the lease store)
-    r = redis.Redis.from_url(os.environ.get("TG_TEST_LOG_URL") or
-                             os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r = redis.Redis.from_url(
+        os.environ.get("TG_TEST_LOG_URL") or os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
     key = "{" + os.environ["TASKGUARD_PREFIX"] + ":log}"
     # with a TTL: another pytest session ending on the shared Redis deletes untimed tgtest- keys
     r.pipeline().rpush(key, entry).expire(key, 600).execute()
@@ -114,8 +115,10 @@ def long_running(name, seconds=20.0):
 
 def _ledger(kind: str, key: str, lease) -> None:
     r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":ledger:" + key + "}",
-            f"{kind} {time.time():.6f} {os.getpid()} {lease.slot} {lease.fencing_token}")
+    r.rpush(
+        "{" + os.environ["TASKGUARD_PREFIX"] + ":ledger:" + key + "}",
+        f"{kind} {time.time():.6f} {os.getpid()} {lease.slot} {lease.fencing_token}",
+    )
 
 
 @guarded_job(ttl=5, key="export:{tenant}", limit=2)

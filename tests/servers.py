@@ -16,8 +16,10 @@ import redis
 REDIS_SERVER = os.environ.get("TASKGUARD_REDIS_SERVER", "redis-server")
 #: The command-line client beside the server (``redis-cli``; ``valkey-cli`` beside a valkey-server).
 REDIS_CLI = os.environ.get("TASKGUARD_REDIS_CLI") or (
-    os.path.join(os.path.dirname(REDIS_SERVER), "valkey-cli") if os.path.basename(REDIS_SERVER) == "valkey-server"
-    else "redis-cli")
+    os.path.join(os.path.dirname(REDIS_SERVER), "valkey-cli")
+    if os.path.basename(REDIS_SERVER) == "valkey-server"
+    else "redis-cli"
+)
 
 
 def redis_server_binary() -> str:
@@ -81,8 +83,21 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--save", "", "--daemonize", "no", "--logfile", str(self.dir / "redis.log")]
+        args = [
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.dir / "redis.log"),
+        ]
         if self.appendonly:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
         else:
@@ -129,11 +144,33 @@ class RedisCluster:
         for port in self.ports:
             d = self.dir / str(port)
             d.mkdir()
-            self.procs.append(subprocess.Popen(
-                [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "",
-                 "--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                 "--cluster-node-timeout", "5000", "--logfile", str(d / "redis.log")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        binary,
+                        "--port",
+                        str(port),
+                        "--bind",
+                        "127.0.0.1",
+                        "--dir",
+                        str(d),
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        "5000",
+                        "--logfile",
+                        str(d / "redis.log"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         for port in self.ports:
             wait_ping(port)
         clients = [redis.Redis(port=p) for p in self.ports]

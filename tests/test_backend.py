@@ -64,8 +64,10 @@ def test_replies_are_typed_values(backend):
     assert backend.put_lease_record("k", "owner-3", "n", "w", RecordCondition.ABSENT, "") is LeaseWrite.REFUSED
     assert backend.put_lease_record("k", "owner-1", "n", "w", RecordCondition.ANY, "") is LeaseWrite.NOT_HELD
     assert backend.release("k", "owner-3", "r1")
-    assert backend.acquire(AcquireRequest("k", "o5", 5.0, "{}", "r1", refuse_finished=True), 0.0).status \
+    assert (
+        backend.acquire(AcquireRequest("k", "o5", 5.0, "{}", "r1", refuse_finished=True), 0.0).status
         is AcquireStatus.FINISHED
+    )
     gone = backend.claim("k", "owner-3", "owner-6", 5.0, "{}")
     assert not gone.claimed and gone.expired and gone.holder_ttl is None
 
@@ -86,8 +88,10 @@ def _closed_port() -> int:
 
 
 def test_an_unreachable_redis_is_a_lease_backend_error_on_every_path(prefix):
-    backend = RedisLocks(client_from_url(f"redis://127.0.0.1:{_closed_port()}/0", connect_timeout=0.2,
-                                         socket_timeout=0.2, retries=0), prefix=prefix).backend
+    backend = RedisLocks(
+        client_from_url(f"redis://127.0.0.1:{_closed_port()}/0", connect_timeout=0.2, socket_timeout=0.2, retries=0),
+        prefix=prefix,
+    ).backend
     calls = [
         lambda: backend.acquire(AcquireRequest("k", "o", 5.0, "{}"), 0.0),
         lambda: backend.wait_signal("k", 0.05),

@@ -71,11 +71,11 @@ def fmt(instants):
 
 # The transitions of 2026: (zone, label, start, end) with the change inside the window.
 TRANSITIONS = [
-    ("Europe/Paris", "fall", utc(2026, 10, 24, 23, 50), utc(2026, 10, 25, 3, 10)),     # 03:00 CEST -> 02:00 CET
-    ("Europe/Paris", "spring", utc(2026, 3, 28, 23, 50), utc(2026, 3, 29, 3, 10)),     # 02:00 CET -> 03:00 CEST
-    ("America/New_York", "fall", utc(2026, 11, 1, 4, 50), utc(2026, 11, 1, 8, 10)),    # 02:00 EDT -> 01:00 EST
-    ("America/New_York", "spring", utc(2026, 3, 8, 5, 50), utc(2026, 3, 8, 9, 10)),    # 02:00 EST -> 03:00 EDT
-    ("Australia/Lord_Howe", "fall", utc(2026, 4, 4, 13, 20), utc(2026, 4, 4, 16, 40)),   # 02:00 +11 -> 01:30 +10:30
+    ("Europe/Paris", "fall", utc(2026, 10, 24, 23, 50), utc(2026, 10, 25, 3, 10)),  # 03:00 CEST -> 02:00 CET
+    ("Europe/Paris", "spring", utc(2026, 3, 28, 23, 50), utc(2026, 3, 29, 3, 10)),  # 02:00 CET -> 03:00 CEST
+    ("America/New_York", "fall", utc(2026, 11, 1, 4, 50), utc(2026, 11, 1, 8, 10)),  # 02:00 EDT -> 01:00 EST
+    ("America/New_York", "spring", utc(2026, 3, 8, 5, 50), utc(2026, 3, 8, 9, 10)),  # 02:00 EST -> 03:00 EDT
+    ("Australia/Lord_Howe", "fall", utc(2026, 4, 4, 13, 20), utc(2026, 4, 4, 16, 40)),  # 02:00 +11 -> 01:30 +10:30
     ("Australia/Lord_Howe", "spring", utc(2026, 10, 3, 13, 50), utc(2026, 10, 3, 17, 10)),  # 02:00 +10:30 -> 02:30 +11
 ]
 
@@ -131,8 +131,11 @@ def run_beat(tmp_path, redis_url, prefix, zone, entries, start, end, loop=5.0):
     signals.after_task_publish.connect(on_publish, weak=False)
     # the scheduler's own clock (slot instants, lateness; by default the Redis server's) runs on
     # the same simulated time
-    s = TaskguardScheduler(app, schedule_filename=str(tmp_path / f"beat-{zone.replace('/', '_')}"),
-                           taskguard_clock=FixedClock(lambda: clock.t.timestamp()))
+    s = TaskguardScheduler(
+        app,
+        schedule_filename=str(tmp_path / f"beat-{zone.replace('/', '_')}"),
+        taskguard_clock=FixedClock(lambda: clock.t.timestamp()),
+    )
     ticks = 0
     try:
         while clock.t < end + timedelta(seconds=loop + 1):
@@ -181,8 +184,9 @@ def test_an_every_minute_crontab_runs_every_real_minute_through_the_paris_fall_b
 
 
 @pytest.mark.parametrize("zone,label,start,end", TRANSITIONS, ids=[f"{z}-{lb}" for z, lb, _, _ in TRANSITIONS])
-def test_crontab_entries_across_dst_changes_run_at_vixie_crons_instants(tmp_path, redis_url, prefix, zone, label,
-                                                                         start, end):
+def test_crontab_entries_across_dst_changes_run_at_vixie_crons_instants(
+    tmp_path, redis_url, prefix, zone, label, start, end
+):
     """Wildcard-hour and fixed-hour entries across both 2026 changes of zones with 1 h and 30 min
     shifts, each published exactly at the instants of the independently derived table, once each."""
     entries = {name: crontab(**fields) for name, fields, _, _ in ENTRIES}
@@ -214,14 +218,18 @@ def solar_events(event, lat, lon, start, end):
         t = nxt + timedelta(seconds=1)
 
 
-@pytest.mark.parametrize("zone,lat,lon,start", [
-    ("Europe/Paris", 48.85, 2.35, utc(2026, 10, 23, 12)),
-    ("Europe/Paris", 48.85, 2.35, utc(2026, 3, 27, 12)),
-    ("America/New_York", 40.71, -74.0, utc(2026, 10, 30, 12)),
-    ("America/New_York", 40.71, -74.0, utc(2026, 3, 6, 12)),
-    ("Australia/Lord_Howe", -31.55, 159.08, utc(2026, 4, 2, 12)),
-    ("Australia/Lord_Howe", -31.55, 159.08, utc(2026, 10, 1, 12)),
-], ids=["paris-fall", "paris-spring", "ny-fall", "ny-spring", "lord-howe-fall", "lord-howe-spring"])
+@pytest.mark.parametrize(
+    "zone,lat,lon,start",
+    [
+        ("Europe/Paris", 48.85, 2.35, utc(2026, 10, 23, 12)),
+        ("Europe/Paris", 48.85, 2.35, utc(2026, 3, 27, 12)),
+        ("America/New_York", 40.71, -74.0, utc(2026, 10, 30, 12)),
+        ("America/New_York", 40.71, -74.0, utc(2026, 3, 6, 12)),
+        ("Australia/Lord_Howe", -31.55, 159.08, utc(2026, 4, 2, 12)),
+        ("Australia/Lord_Howe", -31.55, 159.08, utc(2026, 10, 1, 12)),
+    ],
+    ids=["paris-fall", "paris-spring", "ny-fall", "ny-spring", "lord-howe-fall", "lord-howe-spring"],
+)
 def test_solar_entries_across_dst_changes_run_at_each_event_once(tmp_path, redis_url, prefix, zone, lat, lon, start):
     """Sunrise and sunset entries over four days around each change: each event published once,
     at its UTC instant (solar events do not move with the local clock)."""
@@ -232,26 +240,58 @@ def test_solar_entries_across_dst_changes_run_at_each_event_once(tmp_path, redis
         expected = solar_events(ev, lat, lon, start, end)
         say(f"{ev}: {[f'{t:%m-%d %H:%M:%S}' for t in got[ev]]}")
         assert len(got[ev]) == len(expected) == 4
-        assert all(abs((g - e).total_seconds()) <= 1
-                   for g, e in zip(got[ev], expected, strict=True)), (got[ev], expected)
+        assert all(abs((g - e).total_seconds()) <= 1 for g, e in zip(got[ev], expected, strict=True)), (
+            got[ev],
+            expected,
+        )
 
 
 # Public reports turned into tests: (zone, crontab fields, minutes, hours, start, end)
 REPORTS = {
     # celery#10107: an hourly crontab skips the second 1 AM of the US/Pacific fall-back
-    "celery-10107-hourly-fall-back": ("US/Pacific", {"minute": "0"}, {0}, None,
-                                      utc(2026, 11, 1, 6, 30), utc(2026, 11, 1, 11, 30)),
+    "celery-10107-hourly-fall-back": (
+        "US/Pacific",
+        {"minute": "0"},
+        {0},
+        None,
+        utc(2026, 11, 1, 6, 30),
+        utc(2026, 11, 1, 11, 30),
+    ),
     # django-celery-beat#134, celery#9653: a daily 16:04 New York entry ran an hour late on the DST day
-    "celery-9653-daily-after-spring-forward": ("America/New_York", {"minute": "4", "hour": "16"}, {4}, {16},
-                                               utc(2026, 3, 7, 20, 30), utc(2026, 3, 8, 20, 30)),
+    "celery-9653-daily-after-spring-forward": (
+        "America/New_York",
+        {"minute": "4", "hour": "16"},
+        {4},
+        {16},
+        utc(2026, 3, 7, 20, 30),
+        utc(2026, 3, 8, 20, 30),
+    ),
     # celery PR #10608 review: a 2-hour change (Antarctica/Troll) and a 45-minute zone (Pacific/Chatham)
-    "celery-10608-troll-2h-fall-back": ("Antarctica/Troll", {"minute": "0", "hour": "23"}, {0}, {23},
-                                        utc(2026, 10, 24, 20, 0), utc(2026, 10, 25, 23, 30)),
-    "celery-10608-chatham-spring-forward": ("Pacific/Chatham", {"minute": "50", "hour": "3"}, {50}, {3},
-                                            utc(2026, 9, 26, 12, 0), utc(2026, 9, 27, 16, 0)),
+    "celery-10608-troll-2h-fall-back": (
+        "Antarctica/Troll",
+        {"minute": "0", "hour": "23"},
+        {0},
+        {23},
+        utc(2026, 10, 24, 20, 0),
+        utc(2026, 10, 25, 23, 30),
+    ),
+    "celery-10608-chatham-spring-forward": (
+        "Pacific/Chatham",
+        {"minute": "50", "hour": "3"},
+        {50},
+        {3},
+        utc(2026, 9, 26, 12, 0),
+        utc(2026, 9, 27, 16, 0),
+    ),
     # a gap at midnight (America/Santiago, first Sunday of September): 00:30 does not exist
-    "santiago-midnight-gap": ("America/Santiago", {"minute": "30", "hour": "0"}, {30}, {0},
-                              utc(2026, 9, 5, 20, 0), utc(2026, 9, 6, 8, 0)),
+    "santiago-midnight-gap": (
+        "America/Santiago",
+        {"minute": "30", "hour": "0"},
+        {30},
+        {0},
+        utc(2026, 9, 5, 20, 0),
+        utc(2026, 9, 6, 8, 0),
+    ),
 }
 
 

@@ -177,8 +177,12 @@ def test_acks_late_when_the_broker_is_the_lease_redis_that_is_down(redis_url, pr
 
     server = RedisServer(appendonly=True).start()
     queue = f"q-{prefix}"
-    conf = {"taskguard_locks": None, "taskguard_redis_url": server.url, "taskguard_prefix": prefix,
-            "broker_transport_options": REDIS_REDELIVERY}
+    conf = {
+        "taskguard_locks": None,
+        "taskguard_redis_url": server.url,
+        "taskguard_prefix": prefix,
+        "broker_transport_options": REDIS_REDELIVERY,
+    }
     app = make_app(queue, prefix, broker=server.url, **conf)
     shared = redis.Redis.from_url(redis_url)
     shared.rpush(app.tg_log, "begin")

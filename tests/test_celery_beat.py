@@ -80,12 +80,16 @@ def test_redbeat_with_the_mixin_publishes_each_slot_once(beat_env, redis_url):
     ``apply_entry``); its own lock is turned off so that only taskguard's checks keep the beats
     from publishing twice."""
     app, queue, prefix, tmp = beat_env
-    conf = {"TG_TEST_CONF": json.dumps({"redbeat_redis_url": redis_url, "redbeat_key_prefix": f"{prefix}:redbeat",
-                                        "redbeat_lock_key": None})}
+    conf = {
+        "TG_TEST_CONF": json.dumps(
+            {"redbeat_redis_url": redis_url, "redbeat_key_prefix": f"{prefix}:redbeat", "redbeat_lock_key": None}
+        )
+    }
     with WorkerProcess(queue, prefix, pool="threads", concurrency=4):
-        beats = [BeatProcess(queue, prefix, tmp, n, env=conf,
-                             scheduler="tests.beat_schedulers:SingletonRedBeat").start()
-                 for n in ("a", "b")]
+        beats = [
+            BeatProcess(queue, prefix, tmp, n, env=conf, scheduler="tests.beat_schedulers:SingletonRedBeat").start()
+            for n in ("a", "b")
+        ]
         time.sleep(4.0)
         started = time.time()
         time.sleep(8.0)
@@ -135,16 +139,23 @@ def test_a_message_from_an_older_leader_runs_and_a_slot_runs_once(beat_env):
     app, queue, prefix, tmp = beat_env
     locks = app.conf.taskguard_locks
     leader = locks.acquire("beat-leader:" + app.main, ttl=30).lease
-    header = {"leader_key": "beat-leader:" + app.main, "leader_fence": leader.fencing_token - 1,
-              "entry": "gtick", "slot": "every1s:1", "keep": 60}
+    header = {
+        "leader_key": "beat-leader:" + app.main,
+        "leader_fence": leader.fencing_token - 1,
+        "entry": "gtick",
+        "slot": "every1s:1",
+        "keep": 60,
+    }
     task = app.tasks["tg.guarded_tick"]
     with embedded_worker(app):
         older = task.apply_async(headers={"taskguard_beat": header}).get(timeout=5)
         again = task.apply_async(headers={"taskguard_beat": dict(header, leader_fence=leader.fencing_token)})
         time.sleep(1.0)
         other_slot = task.apply_async(headers={"taskguard_beat": dict(header, slot="every1s:2")}).get(timeout=5)
-    say(f"injected: a slot's message from an older leader (fence {leader.fencing_token - 1}), the same slot "
-        f"again from the current one, then the next slot; got {older!r}, {again.state}, {other_slot!r}")
+    say(
+        f"injected: a slot's message from an older leader (fence {leader.fencing_token - 1}), the same slot "
+        f"again from the current one, then the next slot; got {older!r}, {again.state}, {other_slot!r}"
+    )
     assert older == "gtick" and other_slot == "gtick"
     assert again.state == "PENDING"  # acked without a result: a duplicate of a finished slot
     assert len([e for e in body_log(app) if e.startswith("gtick:")]) == 2
@@ -174,8 +185,11 @@ def test_entry_options_set_the_runs_key_and_ttl(beat_env):
 def test_beat_survives_a_redis_restart_without_duplicates(beat_env, redis_url):
     app, queue, prefix, tmp = beat_env
     server = RedisServer().start()
-    env = {"TG_TEST_CONF": json.dumps({"taskguard_redis_url": server.url, "taskguard_locks": None,
-                                       "taskguard_beat_leader_ttl": 3})}
+    env = {
+        "TG_TEST_CONF": json.dumps(
+            {"taskguard_redis_url": server.url, "taskguard_locks": None, "taskguard_beat_leader_ttl": 3}
+        )
+    }
     try:
         with WorkerProcess(queue, prefix, pool="threads", concurrency=4):
             beat = BeatProcess(queue, prefix, tmp, "a", env=env).start()
@@ -204,15 +218,27 @@ def test_crontab_across_daylight_saving_changes_each_utc_instant_once():
     ``last_run_at`` differ, which must not matter); every due instant goes through the slot claims."""
     app = Celery("dst", set_as_current=False)
     app.conf.timezone = "Europe/Berlin"
-    for start in (datetime(2026, 3, 28, 22, 0, tzinfo=timezone.utc),
-                  datetime(2026, 10, 24, 22, 0, tzinfo=timezone.utc)):
+    for start in (
+        datetime(2026, 3, 28, 22, 0, tzinfo=timezone.utc),
+        datetime(2026, 10, 24, 22, 0, tzinfo=timezone.utc),
+    ):
         locks = MemoryLocks()
         now = [start]
         beats = []
         for offset in (0, 7):
             sched = crontab(minute="*/30", nowfun=lambda now=now: now[0], app=app)
-            beats.append([offset, ScheduleEntry(name="half-hourly", task="t", schedule=sched, app=app,
-                                                last_run_at=start + timedelta(minutes=offset))])
+            beats.append(
+                [
+                    offset,
+                    ScheduleEntry(
+                        name="half-hourly",
+                        task="t",
+                        schedule=sched,
+                        app=app,
+                        last_run_at=start + timedelta(minutes=offset),
+                    ),
+                ]
+            )
         published, fired = [], []
         for minute in range(1, 6 * 60 + 1):  # six hours, one tick a minute
             now[0] = start + timedelta(minutes=minute)
@@ -227,11 +253,13 @@ def test_crontab_across_daylight_saving_changes_each_utc_instant_once():
                     if locks.put_record(f"slot:{slot}", "slot", "1", ttl=90000, if_absent=True):
                         published.append(int(slot.split(":")[1]))
         instants = [datetime.fromtimestamp(t, timezone.utc) for t in published]
-        say(f"{start:%Y-%m-%d}: {len(fired)} due evaluations, {len(published)} published, "
-            f"UTC {[f'{i:%H:%M}' for i in instants]}")
-        assert len(published) == len(set(published))           # each UTC instant at most once
-        assert all(t % 1800 == 0 for t in published)             # all on the crontab's half hours
-        assert len(fired) > len(published)                       # both beats fired; claims deduplicated
+        say(
+            f"{start:%Y-%m-%d}: {len(fired)} due evaluations, {len(published)} published, "
+            f"UTC {[f'{i:%H:%M}' for i in instants]}"
+        )
+        assert len(published) == len(set(published))  # each UTC instant at most once
+        assert all(t % 1800 == 0 for t in published)  # all on the crontab's half hours
+        assert len(fired) > len(published)  # both beats fired; claims deduplicated
         # a wildcard-hour entry runs at every real half hour, through a repeated local hour too
         # (Vixie cron's rule; fixed-hour entries: tests/test_beat_dst.py)
         assert len(published) == 12
@@ -272,8 +300,9 @@ def beat_conf(**conf):
     return {"TG_TEST_CONF": json.dumps({"taskguard_beat_leader_ttl": 3, **conf}), "TG_TEST_BEAT_TASK": "tg.slot_tick"}
 
 
-@pytest.mark.parametrize("every,leader_ttl,offsets", [(4.0, 3, (-1.5, 0.0, 0.3)), (10.0, 6, (-2.0,))],
-                         ids=["every4s-ttl3", "every10s-ttl6"])
+@pytest.mark.parametrize(
+    "every,leader_ttl,offsets", [(4.0, 3, (-1.5, 0.0, 0.3)), (10.0, 6, (-2.0,))], ids=["every4s-ttl3", "every10s-ttl6"]
+)
 def test_killing_the_leader_around_window_starts_loses_no_window(beat_env, every, leader_ttl, offsets):
     """Two beats; the leader is SIGKILLed before a window starts, at its start and just after it (a
     replacement standby started each time). Every window runs exactly once, each late by at most
@@ -322,8 +351,12 @@ def test_a_leader_dying_between_claim_publish_and_confirm_loses_and_doubles_noth
     flag = tmp / "crash-once"
     env = {**beat_conf(), "TG_TEST_CRASH_FLAG": str(flag), "TG_TEST_CRASH_MODE": mode}
     with WorkerProcess(queue, prefix, pool="threads", concurrency=4):
-        beats = [BeatProcess(queue, prefix, tmp, n, every=EVERY, env=env,
-                             scheduler="tests.beat_schedulers:CrashingScheduler").start() for n in ("a", "b")]
+        beats = [
+            BeatProcess(
+                queue, prefix, tmp, n, every=EVERY, env=env, scheduler="tests.beat_schedulers:CrashingScheduler"
+            ).start()
+            for n in ("a", "b")
+        ]
         leader_pid(app)
         time.sleep(EVERY)
         first = math.floor(time.time() / EVERY) + 1

@@ -65,9 +65,15 @@ def test_wrong_arguments_raise_type_error_everywhere_and_lock_nothing(app, prefi
     def add_unique(x, y):
         return x + y
 
-    for call in (lambda: add(5), lambda: add(5, 5, wrong_arg=5), lambda: add(1, 2, 3, 4),
-                 lambda: add.apply((5,)).get(), lambda: add_not_typed.apply((5,), {"wrong_arg": 5}).get(),
-                 lambda: add_unique.delay(5), lambda: add_unique.delay(5, 5, wrong_arg=5)):
+    for call in (
+        lambda: add(5),
+        lambda: add(5, 5, wrong_arg=5),
+        lambda: add(1, 2, 3, 4),
+        lambda: add.apply((5,)).get(),
+        lambda: add_not_typed.apply((5,), {"wrong_arg": 5}).get(),
+        lambda: add_unique.delay(5),
+        lambda: add_unique.delay(5, 5, wrong_arg=5),
+    ):
         with pytest.raises(TypeError) as info:
             call()
         assert not isinstance(info.value, ConfigError), info.value
@@ -128,19 +134,30 @@ def test_what_a_key_or_fingerprint_makes_of_bad_input_keeps_its_type(app):
     def charge(invoice, amount):
         return amount
 
-    @app.task(base=GuardedTask, shared=False, name="tg.oncefn", key="charge:{invoice}", once=True,
-              fingerprint=lambda amount, **_: f"{amount['cents']}")
+    @app.task(
+        base=GuardedTask,
+        shared=False,
+        name="tg.oncefn",
+        key="charge:{invoice}",
+        once=True,
+        fingerprint=lambda amount, **_: f"{amount['cents']}",
+    )
     def charge_fn(invoice, amount):
         return amount
 
     assert by_attr(Order()) == "order:7" and by_index([3, 4]) == "first:3" and by_extra(region="eu") == "extra:eu"
     assert by_callable({"id": 1}) == "o:1"
     cases = [
-        (lambda: by_attr(None), AttributeError), (lambda: by_index([]), IndexError),
-        (lambda: by_extra(), KeyError), (lambda: by_callable(None), TypeError),
-        (lambda: by_callable({}), KeyError), (lambda: charge(1, object()), TypeError),
-        (lambda: charge(1, float("nan")), ValueError), (lambda: charge_fn(1, 5), TypeError),
-        (lambda: charge.apply((1, object())).get(), TypeError), (lambda: by_attr.apply((None,)).get(), AttributeError),
+        (lambda: by_attr(None), AttributeError),
+        (lambda: by_index([]), IndexError),
+        (lambda: by_extra(), KeyError),
+        (lambda: by_callable(None), TypeError),
+        (lambda: by_callable({}), KeyError),
+        (lambda: charge(1, object()), TypeError),
+        (lambda: charge(1, float("nan")), ValueError),
+        (lambda: charge_fn(1, 5), TypeError),
+        (lambda: charge.apply((1, object())).get(), TypeError),
+        (lambda: by_attr.apply((None,)).get(), AttributeError),
     ]
     for call, kind in cases:
         with pytest.raises(kind) as info:
@@ -157,6 +174,7 @@ def test_what_a_key_or_fingerprint_makes_of_bad_input_keeps_its_type(app):
 
 
 # -- 2. a direct call inside a run is judged by its own call ------------------------------------------
+
 
 def test_a_task_as_its_own_errback_runs_both_bodies(app):
     """``fail.si(1).on_error(fail.si(2))``: Celery calls a new-style errback (one taking the
@@ -244,4 +262,3 @@ def test_direct_calls_inside_a_worker_run_are_judged_by_their_own_call(app):
     assert [e for e in log if e.startswith("applies:")] == ["applies:2", "applies:1", "applies:0"]
     locks = app.conf.taskguard_locks
     assert all(locks.holder(k) is None for k in ("down:3", "down:0", "same:t", "ping:3", "pong:0", "applies:2"))
-

@@ -46,8 +46,10 @@ def require_rabbitmq() -> str:
         pass
     if os.environ.get("TASKGUARD_REQUIRE_RABBITMQ") == "1":
         pytest.fail(f"RabbitMQ is required (TASKGUARD_REQUIRE_RABBITMQ=1) but {where} is not answering")
-    pytest.skip(f"RabbitMQ not answering at {where} (TASKGUARD_AMQP_URL; set TASKGUARD_REQUIRE_RABBITMQ=1 "
-                "to make this a failure)")
+    pytest.skip(
+        f"RabbitMQ not answering at {where} (TASKGUARD_AMQP_URL; set TASKGUARD_REQUIRE_RABBITMQ=1 "
+        "to make this a failure)"
+    )
 
 
 @pytest.fixture(params=["redis", "rabbitmq"])
@@ -85,6 +87,7 @@ def entries(app, prefix_):
 
 # 1. the same task id published again while it runs: it runs after the first, never beside it ---------
 
+
 def test_same_task_id_published_while_running_runs_after_it(env):
     """A message that was not redelivered is a publish (``apply_async`` with an existing id):
     it waits (deferred) until the run holding its task id's lease ends, then runs. It writes
@@ -113,8 +116,10 @@ def test_redis_visibility_timeout_redelivery_does_not_run_twice(redis_url, prefi
     conf = {"broker_transport_options": {**REDIS_REDELIVERY, "visibility_timeout": 2}}
     app = make_app(queue, prefix, **conf)
     try:
-        with WorkerProcess(queue, prefix, concurrency=1, conf=conf), \
-                WorkerProcess(queue, prefix, concurrency=1, conf=conf):
+        with (
+            WorkerProcess(queue, prefix, concurrency=1, conf=conf),
+            WorkerProcess(queue, prefix, concurrency=1, conf=conf),
+        ):
             res = app.tasks["tg.sleeper"].delay("vis", seconds=5.0)
             fence = res.get(timeout=30)
             time.sleep(4.0)
@@ -126,6 +131,7 @@ def test_redis_visibility_timeout_redelivery_does_not_run_twice(redis_url, prefi
 
 
 # 2. a whole worker killed mid-body ------------------------------------------------------------------
+
 
 def test_whole_worker_sigkilled_mid_body(env):
     app, queue, prefix, broker, conf = env
@@ -151,6 +157,7 @@ def test_whole_worker_sigkilled_mid_body(env):
 
 
 # 3. hard time limit, terminate, lost child: the main process releases ------------------------------
+
 
 def test_hard_time_limit_is_released_by_the_main_process(env):
     app, queue, prefix, broker, conf = env
@@ -210,6 +217,7 @@ def test_lost_child_with_requeue_runs_again_with_a_larger_fence(env):
 
 # 4. a retry message that is revoked releases its kept lease ----------------------------------------
 
+
 def test_revoked_retry_releases_its_kept_lease(env):
     app, queue, prefix, broker, conf = env
     locks = app.conf.taskguard_locks
@@ -226,6 +234,7 @@ def test_revoked_retry_releases_its_kept_lease(env):
 
 
 # 5. Redis (the lease store) unreachable ------------------------------------------------------------
+
 
 def test_lease_store_outage_fails_tasks_never_runs_them_unguarded(redis_url, prefix):
     server = RedisServer(appendonly=True).start()
@@ -260,6 +269,7 @@ def test_lease_store_outage_fails_tasks_never_runs_them_unguarded(redis_url, pre
 
 # 6. the broker connection drops while a guarded task runs -------------------------------------------
 
+
 def test_rabbitmq_connection_drop_mid_body(redis_url, prefix):
     require_rabbitmq()
     import subprocess
@@ -270,8 +280,9 @@ def test_rabbitmq_connection_drop_mid_body(redis_url, prefix):
         with WorkerProcess(queue, prefix, broker=AMQP_URL, concurrency=2) as worker:
             res = app.tasks["tg.sleeper"].delay("drop", seconds=3.0)
             assert wait_for(lambda: entries(app, "sleeper:drop:start"))
-            out = subprocess.run(["rabbitmqctl", "close_all_connections", "taskguard test"],
-                                 capture_output=True, text=True, timeout=30)
+            out = subprocess.run(
+                ["rabbitmqctl", "close_all_connections", "taskguard test"], capture_output=True, text=True, timeout=30
+            )
             say(f"injected: rabbitmqctl close_all_connections (rc {out.returncode})")
             assert out.returncode == 0, out.stderr
             fence = res.get(timeout=40)
@@ -292,6 +303,7 @@ def test_rabbitmq_connection_drop_mid_body(redis_url, prefix):
 
 
 # 7. a paused worker comes back after its TTL ----------------------------------------------------------
+
 
 def test_paused_worker_resumes_after_ttl_its_fenced_write_is_rejected(env):
     app, queue, prefix, broker, conf = env

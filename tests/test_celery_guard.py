@@ -42,6 +42,7 @@ def concurrent(task, *args, **kwargs):
 
 # -- 1. one runs, the other is an explicit Skipped ----------------------------------------------
 
+
 def test_two_concurrent_runs_one_skipped_json(app):
     with embedded_worker(app):
         first, second = concurrent(app.tasks["tg.slow"], 1)
@@ -74,8 +75,9 @@ assert not any(m.startswith("taskguard") for m in sys.modules), "the client impo
 print(json.dumps(out))
 """
     with embedded_worker(app):
-        proc = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=60,
-                              cwd=tempfile.gettempdir())
+        proc = subprocess.run(
+            [sys.executable, "-c", client], capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir()
+        )
     assert proc.returncode == 0, proc.stderr[:3000]
     skipped, skipped_state, ran, ran_state = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"    observed: a client without taskguard got {skipped!r} ({skipped_state}) and {ran!r} ({ran_state})")
@@ -86,8 +88,14 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("serializer", ["pickle", "msgpack"])
 def test_skipped_through_other_result_serializers(redis_url, prefix, serializer):
-    app = make_app(f"q-{prefix}", prefix, result_serializer=serializer, task_serializer=serializer,
-                   accept_content=["json", "pickle", "msgpack"], result_accept_content=["json", "pickle", "msgpack"])
+    app = make_app(
+        f"q-{prefix}",
+        prefix,
+        result_serializer=serializer,
+        task_serializer=serializer,
+        accept_content=["json", "pickle", "msgpack"],
+        result_accept_content=["json", "pickle", "msgpack"],
+    )
     with embedded_worker(app):
         first, second = concurrent(app.tasks["tg.slow"], 2)
         out = second.get(timeout=5)
@@ -125,6 +133,7 @@ def test_different_keys_run_in_parallel_on_threads_pool(app):
 
 # -- 2. task-skipped events, also without -E -----------------------------------------------------
 
+
 def test_skip_sends_task_skipped_event_with_events_otherwise_off(app):
     app.conf.worker_send_task_events = False
     with EventLog(app) as events, embedded_worker(app):
@@ -142,12 +151,14 @@ def test_skip_sends_task_skipped_event_with_events_otherwise_off(app):
 
 # -- 3. on_skip modes ----------------------------------------------------------------------------
 
+
 def test_chord_with_skipped_member_completes(app):
     with embedded_worker(app):
         holder = app.tasks["tg.slow"].delay(9, seconds=2.0)
         time.sleep(0.2)
-        c = chord([app.tasks["tg.slow"].s(9, seconds=0), app.tasks["tg.slow"].s(10, seconds=0)],
-                  app.tasks["tg.collect"].s())()
+        c = chord(
+            [app.tasks["tg.slow"].s(9, seconds=0), app.tasks["tg.slow"].s(10, seconds=0)], app.tasks["tg.collect"].s()
+        )()
         values = c.get(timeout=10)
         holder.get(timeout=5)
     assert len(values) == 2
@@ -228,6 +239,7 @@ def test_on_skip_retry_runs_once_the_holder_is_done(app):
 
 # -- 4. held for the whole body, released on every exit ------------------------------------------
 
+
 def lease_holder(app, key):
     return app.conf.taskguard_locks.holder(key)
 
@@ -267,6 +279,7 @@ def test_lease_lost_mid_body_is_reported(app):
 
 
 # -- 5. retries restore their lease --------------------------------------------------------------
+
 
 def test_retry_keeps_lease_same_fence_and_merges_headers(app):
     with embedded_worker(app):
@@ -352,6 +365,7 @@ def test_two_copies_of_one_retry_message_run_one_body(app):
 
 # -- direct calls, eager mode, send_task --------------------------------------------------------------
 
+
 def test_direct_call_eager_and_send_task_are_guarded(app):
     locks = app.conf.taskguard_locks
     held = locks.acquire("slow:5", ttl=10).lease
@@ -375,23 +389,28 @@ def test_eager_retry_restores_lease(app):
 
 # -- declaration-time validation ---------------------------------------------------------------------
 
+
 def test_bad_options_fail_at_declaration():
     with pytest.raises(ConfigError, match="customer_id"):
+
         @guarded_task(key="report:{customer_id}")
         def report(account_id):
             pass
 
     with pytest.raises(ConfigError, match="on_skip"):
+
         @guarded_task(on_skip="sometimes")
         def f():
             pass
 
     with pytest.raises(ConfigError, match="ttl"):
+
         @guarded_task(ttl=0)
         def g():
             pass
 
     with pytest.raises(ConfigError, match="blocking_wait"):
+
         @guarded_task(wait=5)
         def h():
             pass
@@ -400,6 +419,7 @@ def test_bad_options_fail_at_declaration():
 
     app = Celery("decl", set_as_current=False)
     with pytest.raises(ConfigError, match="missing"):
+
         @app.task(base=GuardedTask, key="x:{missing}", shared=False, lazy=False)
         def k(present):
             pass
@@ -409,6 +429,7 @@ def test_key_template_binds_defaults_and_bad_calls_fail_clearly(app):
     @app.task(base=GuardedTask, name="tg.kw", key="kw:{region}:{day}", shared=False)
     def kw(day, region="eu"):
         from taskguard_celery import current_lease
+
         return current_lease().key
 
     assert kw("mon") == "kw:eu:mon"
@@ -443,6 +464,7 @@ def test_retry_outside_worker_raises_like_celery(app):
 
 # -- retry corner cases --------------------------------------------------------------------------------
 
+
 def test_retry_with_throw_false_never_runs_beside_the_original(app):
     with embedded_worker(app, pool="threads", concurrency=4):
         res = app.tasks["tg.retry_nothrow"].delay()
@@ -469,14 +491,17 @@ def test_retry_after_the_lease_was_lost_still_runs(app):
     assert [e for e in body_log(app) if e.startswith("hung:")] == ["hung:0", "hung:1"]
 
 
-@pytest.mark.parametrize("header", [
-    "garbage",
-    {"owner": 123},
-    {"key": "slow:4", "owner": "forged", "fence": "x", "expires": 10**400},
-    {"key": "slow:4", "owner": "forged", "fence": 1, "expires": 1.0},
-    {"skips": "abc"},
-    {"skips": -40},
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        "garbage",
+        {"owner": 123},
+        {"key": "slow:4", "owner": "forged", "fence": "x", "expires": 10**400},
+        {"key": "slow:4", "owner": "forged", "fence": 1, "expires": 1.0},
+        {"skips": "abc"},
+        {"skips": -40},
+    ],
+)
 def test_malformed_taskguard_header_is_ignored_not_fatal(app, header):
     with embedded_worker(app):
         out = app.tasks["tg.slow"].apply_async((4,), {"seconds": 0}, headers={"taskguard": header}).get(timeout=5)

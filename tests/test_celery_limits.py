@@ -48,8 +48,10 @@ def test_limit_admits_n_runs_at_once_and_skips_the_rest_with_reason_limit(app, r
     assert sorted(ran) == [0, 1] and len(skipped) == 3
     assert {s["reason"] for s in skipped} == {"limit"}
     assert {e["reason"] for e in skipped_events} == {"limit"} and len(skipped_events) == 3
-    assert registry.get_sample_value("taskguard_skips_total",
-                                     {"task": "tg.export", "reason": "limit", "shadow": "false"}) == 3
+    assert (
+        registry.get_sample_value("taskguard_skips_total", {"task": "tg.export", "reason": "limit", "shadow": "false"})
+        == 3
+    )
     assert ledger.peak(_ledger(redis_url, prefix, "export:t1"), 2) == 2
     assert app.conf.taskguard_locks.holders("export:t1") == []
 
@@ -57,8 +59,10 @@ def test_limit_admits_n_runs_at_once_and_skips_the_rest_with_reason_limit(app, r
 def test_limit_holds_across_prefork_worker_processes(app, redis_url, prefix):
     """Two prefork workers (3 children each) run 16 exports of one tenant, limit 2, with
     on_skip="retry": every export runs in the end, never more than 2 at once, fences grow per slot."""
-    with WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w1, \
-            WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w2:
+    with (
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w1,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w2,
+    ):
         results = [app.tasks["tg.export_retrying"].delay("t1", seconds=0.2) for _ in range(16)]
         values = [r.get(timeout=60) for r in results]
         output = w1.output() + w2.output()
@@ -75,8 +79,10 @@ def test_a_rate_holds_across_two_worker_processes_and_no_call_is_lost(app, redis
     window of w seconds at most 2 + 6 w calls passed the rate (admitted: at once, or at the turn
     they booked; no body starts before its admission, and bodies started within a call of it)."""
     r = redis.Redis.from_url(redis_url)
-    with WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w1, \
-            WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w2:
+    with (
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w1,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w2,
+    ):
         started = time.time()
         results = [app.tasks["tg.api_call"].delay(n) for n in range(62)]
         values = [res.get(timeout=90) for res in results]
@@ -133,14 +139,23 @@ def test_direct_calls_wait_for_their_turn(app):
     assert time.monotonic() - started >= 0.3
 
 
-@pytest.mark.parametrize("opts, match", [
-    ({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "2"}, "limit"),
-    ({"rate": "10/w"}, "rate"), ({"rate": (0, 1)}, "rate"), ({"rate_key": "x"}, "need rate"),
-    ({"rate": "1/s", "rate_key": "{nope}"}, "nope"), ({"rate": "1/s", "rate_burst": 0}, "burst"),
-    ({"rate": "1/s", "rate_max_wait": -1}, "rate_max_wait"),
-])
+@pytest.mark.parametrize(
+    "opts, match",
+    [
+        ({"limit": 0}, "limit"),
+        ({"limit": 101}, "limit"),
+        ({"limit": "2"}, "limit"),
+        ({"rate": "10/w"}, "rate"),
+        ({"rate": (0, 1)}, "rate"),
+        ({"rate_key": "x"}, "need rate"),
+        ({"rate": "1/s", "rate_key": "{nope}"}, "nope"),
+        ({"rate": "1/s", "rate_burst": 0}, "burst"),
+        ({"rate": "1/s", "rate_max_wait": -1}, "rate_max_wait"),
+    ],
+)
 def test_bad_limit_and_rate_options_fail_at_declaration(opts, match):
     with pytest.raises(ConfigError, match=match):
+
         @guarded_task(**opts)
         def job(tenant):
             return tenant
@@ -230,6 +245,7 @@ def test_a_beat_entry_template_is_bound_to_its_task_at_start_and_a_bad_field_dro
 
 # -- weighted rates (cost=) and back-off on 429 (RateLimited) -----------------------------------
 
+
 def _rows(redis_url, key):
     return [x.decode().split() for x in redis.Redis.from_url(redis_url).lrange(key, 0, -1)]
 
@@ -243,8 +259,10 @@ def test_a_weighted_rate_holds_in_cost_units_across_two_worker_processes(app, re
 
     rnd = random.Random(26)
     tokens = [rnd.randint(5, 60) for _ in range(40)]
-    with WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w1, \
-            WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w2:
+    with (
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w1,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w2,
+    ):
         started = redis.Redis.from_url(redis_url).time()
         started = started[0] + started[1] / 1e6
         results = [app.tasks["tg.llm"].delay(n, t) for n, t in enumerate(tokens)]
@@ -288,9 +306,11 @@ def test_a_429_pauses_the_rate_cluster_wide_and_defers_the_run_without_consuming
     body starts between the 429 (plus 0.3 s for runs already admitted when it was raised) and the
     end of the pause, although booked turns fell inside it; the deferral is reported as
     task-skipped with reason "backoff"."""
-    with EventLog(app, tasks=["tg.upstream"]) as events, \
-            WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w1, \
-            WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w2:
+    with (
+        EventLog(app, tasks=["tg.upstream"]) as events,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w1,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w2,
+    ):
         results = [app.tasks["tg.upstream"].delay(n, fail_on=8) for n in range(30)]
         values = [res.get(timeout=90) for res in results]
         output = w1.output() + w2.output()
@@ -311,6 +331,7 @@ def test_a_429_pauses_the_rate_cluster_wide_and_defers_the_run_without_consuming
 
 # -- a limit that depends on the call (limit= a callable) --------------------------------------
 
+
 def test_a_per_call_limit_applies_per_run_and_lowering_it_admits_nobody_beside_the_holders(app, redis_url, prefix):
     """limit=lambda tenant: the tenant's plan, read per run. 20 exports of one tenant on two
     prefork workers (3 children each) under a limit of 4; after 0.8 s the plan drops to 1: no run
@@ -319,8 +340,10 @@ def test_a_per_call_limit_applies_per_run_and_lowering_it_admits_nobody_beside_t
     r = redis.Redis.from_url(redis_url)
     r.set(f"{prefix}:limit:acme", 4, ex=600)
     r.set(f"{prefix}:limit:broken", 0, ex=600)
-    with WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w1, \
-            WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w2:
+    with (
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w1,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w2,
+    ):
         results = [app.tasks["tg.export_tiered"].delay("acme", seconds=0.4) for _ in range(20)]
         time.sleep(0.8)
         lowered = time.time()

@@ -98,19 +98,28 @@ def test_shadow_mode_runs_every_contended_call_and_reports_the_would_be_skips(ap
         remove()
     assert len(values) == 4 and sorted(v["leased"] for v in values) == [False, False, True, True]
     assert [e["reason"] for e in shadow] == ["limit", "limit"] and not skipped
-    assert registry.get_sample_value("taskguard_skips_total",
-                                     {"task": "tg.shadowed", "reason": "limit", "shadow": "true"}) == 2
+    assert (
+        registry.get_sample_value("taskguard_skips_total", {"task": "tg.shadowed", "reason": "limit", "shadow": "true"})
+        == 2
+    )
     assert all(r.state == "SUCCESS" for r in results)
 
 
-@pytest.mark.parametrize("opts, match", [
-    ({"once": True}, "needs key="), ({"fingerprint": ("a",)}, "needs once=True"),
-    ({"once": True, "key": "k:{a}", "fingerprint": ("b",)}, "'b'"), ({"once": "yes", "key": "k:{a}"}, "once"),
-    ({"once": True, "key": "k:{a}", "once_ttl": 0}, "once_ttl"), ({"enforce": 0}, "enforce"),
-    ({"once": True, "key": "k:{a}", "once_max_bytes": 0}, "once_max_bytes"),
-])
+@pytest.mark.parametrize(
+    "opts, match",
+    [
+        ({"once": True}, "needs key="),
+        ({"fingerprint": ("a",)}, "needs once=True"),
+        ({"once": True, "key": "k:{a}", "fingerprint": ("b",)}, "'b'"),
+        ({"once": "yes", "key": "k:{a}"}, "once"),
+        ({"once": True, "key": "k:{a}", "once_ttl": 0}, "once_ttl"),
+        ({"enforce": 0}, "enforce"),
+        ({"once": True, "key": "k:{a}", "once_max_bytes": 0}, "once_max_bytes"),
+    ],
+)
 def test_bad_once_and_shadow_options_fail_at_declaration(opts, match):
     with pytest.raises(ConfigError, match=match):
+
         @guarded_task(**opts)
         def job(a):
             return a
@@ -150,8 +159,13 @@ def test_shadow_mode_runs_the_body_when_the_lease_redis_is_down(redis_url, prefi
 
     from .servers import free_port
 
-    app = make_app(f"q-{prefix}", prefix, taskguard_locks=RedisLocks.from_url(
-        f"redis://127.0.0.1:{free_port()}/0", prefix=prefix, connect_timeout=0.5, retries=0))
+    app = make_app(
+        f"q-{prefix}",
+        prefix,
+        taskguard_locks=RedisLocks.from_url(
+            f"redis://127.0.0.1:{free_port()}/0", prefix=prefix, connect_timeout=0.5, retries=0
+        ),
+    )
     assert app.tasks["tg.shadowed"]("down", seconds=0) == {"leased": False, "slot": None}
 
 

@@ -55,8 +55,9 @@ def test_solo_pool(app):
 
 def test_eventlet_is_refused_only_for_apps_with_guarded_tasks(app):
     with pytest.raises(SystemExit, match="'eventlet' worker pool is not supported"):
-        app.WorkController(pool_cls="eventlet", concurrency=1, without_heartbeat=True, without_mingle=True,
-                           without_gossip=True)
+        app.WorkController(
+            pool_cls="eventlet", concurrency=1, without_heartbeat=True, without_mingle=True, without_gossip=True
+        )
     # an app without guarded tasks, in a fresh process (this one has shared guarded tasks that
     # every app gets): importing taskguard_celery changes nothing for it
     script = """
@@ -96,8 +97,10 @@ def test_gevent_pool_renews_while_the_body_yields(redis_url, prefix):
             skipped.append(app.tasks["tg.hold4"].delay(seconds=0).get(timeout=10))
         out = long.get(timeout=30)
         output = worker.output()
-    print(f"    observed: -P gevent -c 10, a 12 s body with ttl=4: {out}; calls meanwhile: "
-          f"{[s['reason'] for s in skipped]}")
+    print(
+        f"    observed: -P gevent -c 10, a 12 s body with ttl=4: {out}; calls meanwhile: "
+        f"{[s['reason'] for s in skipped]}"
+    )
     assert out["pool_patched"] is True and out["lost"] is False, output[-3000:]
     assert all(is_skipped(s) and s["reason"] == "held" for s in skipped)
 
@@ -110,27 +113,36 @@ def test_task_protocol_1_reads_headers_from_request_headers(redis_url, prefix):
             time.sleep(0.2)
             assert is_skipped(app.tasks["tg.slow"].delay(3, seconds=0).get(timeout=5))
             first.get(timeout=5)
-            fence = app.tasks["tg.retrying"].apply_async(("v1",), {"fail_times": 2, "countdown": 0.3},
-                                                          headers={"tenant": "acme"}).get(timeout=15)
+            fence = (
+                app.tasks["tg.retrying"]
+                .apply_async(("v1",), {"fail_times": 2, "countdown": 0.3}, headers={"tenant": "acme"})
+                .get(timeout=15)
+            )
         runs = [e for e in body_log(app) if e.startswith("retrying:v1:")]
         assert len(runs) == 3 and {int(e.split(":")[3]) for e in runs} == {fence}
     finally:
         redis.Redis.from_url(redis_url).delete(app.tg_log, f"q-{prefix}")
 
 
-@pytest.mark.parametrize("conf, name", [
-    ({"taskguard_redis_url": "redis//host:6379"}, "app.conf.taskguard_redis_url"),
-    ({"taskguard_redis_url": "redis://:s3cr3t@host:6379/0?bogus=1"}, "app.conf.taskguard_redis_url"),
-    ({"taskguard_redis_url": "redis://127.0.0.1:6379/0", "taskguard_prefix": "bad prefix!"},
-     "app.conf.taskguard_prefix"),
-    ({"taskguard_locks": "not a locks object"}, "app.conf.taskguard_locks"),
-])
+@pytest.mark.parametrize(
+    "conf, name",
+    [
+        ({"taskguard_redis_url": "redis//host:6379"}, "app.conf.taskguard_redis_url"),
+        ({"taskguard_redis_url": "redis://:s3cr3t@host:6379/0?bogus=1"}, "app.conf.taskguard_redis_url"),
+        (
+            {"taskguard_redis_url": "redis://127.0.0.1:6379/0", "taskguard_prefix": "bad prefix!"},
+            "app.conf.taskguard_prefix",
+        ),
+        ({"taskguard_locks": "not a locks object"}, "app.conf.taskguard_locks"),
+    ],
+)
 def test_a_bad_redis_setting_stops_the_worker_at_start_naming_it(redis_url, prefix, conf, name):
     """A bad ``taskguard_redis_url`` (or prefix, or locks object) is reported when the worker
     starts (``worker_init``), naming the setting and never the password; before, the first task run
     failed with an error that did not say which setting."""
     app = make_app(f"q-{prefix}", prefix, **{"taskguard_locks": None, **conf})
     with pytest.raises(SystemExit, match=name) as err:
-        app.WorkController(pool_cls="solo", concurrency=1, without_heartbeat=True, without_mingle=True,
-                           without_gossip=True)
+        app.WorkController(
+            pool_cls="solo", concurrency=1, without_heartbeat=True, without_mingle=True, without_gossip=True
+        )
     assert "s3cr3t" not in str(err.value)

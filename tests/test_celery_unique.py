@@ -58,8 +58,10 @@ def test_ten_concurrent_publishes_of_one_key_make_one_message_and_one_run(app, r
             assert again.id != handles[0].id and again.get(timeout=10) == again.id
     finally:
         remove()
-    assert [e for e in body_log(app) if e.startswith("unique:a:")] == [f"unique:a:{handles[0].id}",
-                                                                       f"unique:a:{again.id}"]
+    assert [e for e in body_log(app) if e.startswith("unique:a:")] == [
+        f"unique:a:{handles[0].id}",
+        f"unique:a:{again.id}",
+    ]
     assert registry.get_sample_value("taskguard_publishes_suppressed_total", {"task": "tg.unique_slow"}) == 9
     assert _queued(app, "u:a") is None
 
@@ -85,8 +87,14 @@ def test_per_call_unique_on_a_task_without_it(app):
 def test_a_publish_that_fails_leaves_no_mark(redis_url, prefix):
     from .servers import free_port
 
-    broken = make_app(f"q-{prefix}", prefix, broker=f"redis://127.0.0.1:{free_port()}/0",
-                      broker_connection_retry=False, broker_connection_max_retries=0, task_publish_retry=False)
+    broken = make_app(
+        f"q-{prefix}",
+        prefix,
+        broker=f"redis://127.0.0.1:{free_port()}/0",
+        broker_connection_retry=False,
+        broker_connection_max_retries=0,
+        task_publish_retry=False,
+    )
     with pytest.raises(OperationalError):  # kombu: the broker refused the connection
         broken.tasks["tg.unique_slow"].delay("c")
     assert _queued(broken, "u:c") is None
@@ -197,8 +205,14 @@ print(REGISTRY.get_sample_value("taskguard_publishes_suppressed_total", {{"task"
 """
     env = {k: v for k, v in os.environ.items() if k != "TASKGUARD_METRICS"}
     try:
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
-                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip().splitlines()[-1] == "1.0"
     finally:

@@ -20,8 +20,9 @@ def taskguard(*args, url=None, prefix=None, input=None):
         env["TASKGUARD_REDIS_URL"] = url
     if prefix:
         env["TASKGUARD_PREFIX"] = prefix
-    return subprocess.run([sys.executable, "-m", "taskguard.cli", *args], env=env, capture_output=True, text=True,
-                          input=input, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "taskguard.cli", *args], env=env, capture_output=True, text=True, input=input, timeout=60
+    )
 
 
 def test_doctor_fails_on_a_redis_without_persistence_or_with_eviction():
@@ -82,8 +83,10 @@ def test_leases_lists_holders_never_owner_tokens(redis_url, prefix):
 
 def test_leases_shows_each_holder_of_a_limited_key_and_release_frees_them_all(redis_url, prefix):
     locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
-    held = [locks.acquire("export:acme", ttl=30, limit=3, holder={"task": "exports.run", "task_id": f"t-{i}"}).lease
-            for i in range(3)]
+    held = [
+        locks.acquire("export:acme", ttl=30, limit=3, holder={"task": "exports.run", "task_id": f"t-{i}"}).lease
+        for i in range(3)
+    ]
     rows = json.loads(taskguard("leases", "export:*", "--json", url=redis_url, prefix=prefix).stdout)
     assert [(r["key"], r["slot"], r["task_id"]) for r in rows] == [("export:acme", i, f"t-{i}") for i in range(3)]
     assert [r["fencing_token"] for r in rows] == [lease.fencing_token for lease in held]

@@ -99,8 +99,7 @@ def test_the_heartbeat_keeps_a_held_lease_through_a_blip_after_a_step_forward(re
         proxy.close()
 
 
-def test_the_heartbeat_gives_up_an_unrenewable_lease_after_its_ttl_despite_a_step_back(redis_url, prefix,
-                                                                                      wall_step):
+def test_the_heartbeat_gives_up_an_unrenewable_lease_after_its_ttl_despite_a_step_back(redis_url, prefix, wall_step):
     """Renewals fail for good (a partition) on a host whose clock just stepped -90 s: the lease
     (ttl 1.5) expires in Redis, and the heartbeat marks it lost within its TTL plus a retry.
     Before, it kept it for 90 s more (``time.time() >= expires_at`` on the stepped clock)."""
@@ -151,8 +150,15 @@ def test_a_deferred_runs_booked_turn_is_read_on_the_server_clock(redis_url, pref
     locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
     turn = _REAL_TIME() + 1.5
     wall_step(offset)
-    p = pace(locks, "api", rate=(1, 10.0), burst=None, max_wait=None, max_countdown=60.0,
-             state={"since": turn - 5.0, "turn": turn})
+    p = pace(
+        locks,
+        "api",
+        rate=(1, 10.0),
+        burst=None,
+        max_wait=None,
+        max_countdown=60.0,
+        state={"since": turn - 5.0, "turn": turn},
+    )
     say(f"observed: go={p.go} countdown={p.countdown:.2f}")
     assert p.go and 1.0 < p.countdown <= 1.6
 
@@ -194,8 +200,10 @@ def test_a_clock_step_on_the_leader_beat_publishes_each_slot_once_on_time(redis_
     keep_log(redis.Redis.from_url(redis_url), app.tg_log)
     try:
         with WorkerProcess(queue, prefix, pool="threads", concurrency=4):
-            beats = {n: BeatProcess(queue, prefix, tmp_path, n, every=EVERY, env={**env, **clocks[n].env}).start()
-                     for n in ("a", "b")}
+            beats = {
+                n: BeatProcess(queue, prefix, tmp_path, n, every=EVERY, env={**env, **clocks[n].env}).start()
+                for n in ("a", "b")
+            }
             pid = leader_pid(app)
             time.sleep(2 * EVERY)  # both up, a window or two run
             name = next(n for n, b in beats.items() if b.proc.pid == pid)
@@ -216,9 +224,11 @@ def test_a_clock_step_on_the_leader_beat_publishes_each_slot_once_on_time(redis_
     missing = [w for w in windows if w not in runs]
     doubled = [w for w, ts in runs.items() if len(ts) > 1]
     delays = {w: round(runs[w][0] - w * EVERY, 2) for w in windows if w in runs}
-    say(f"observed: windows {first}..{last} (step at {stepped_at - first * EVERY:.1f} s into window {first}): "
+    say(
+        f"observed: windows {first}..{last} (step at {stepped_at - first * EVERY:.1f} s into window {first}): "
         f"missing {missing}, run twice {doubled}, delays {delays}, future windows "
-        f"{[w for w in runs if w * EVERY > time.time()]}")
+        f"{[w for w in runs if w * EVERY > time.time()]}"
+    )
     assert not missing and not doubled, {n: o[-3000:] for n, o in outputs.items()}
     assert all(run >= w * EVERY - 0.05 for w, ts in runs.items() for run in ts)  # none early
     assert max(delays.values()) <= LEADER_TTL + 1.0 + 1.5  # none later than TTL + one loop
@@ -304,8 +314,10 @@ def test_a_leader_that_gives_its_lease_up_releases_it_and_leads_again(redis_url,
         now[0] += 31.0  # the handle's clock: past the TTL without a renewal it knows of
         assert first.lost
         again = s.taskguard_leader()
-        say(f"observed: first released={first.released}, leader again={again is not None}, "
-            f"stats {dict(s.taskguard_stats)}")
+        say(
+            f"observed: first released={first.released}, leader again={again is not None}, "
+            f"stats {dict(s.taskguard_stats)}"
+        )
         assert first.released and again is not None and not again.lost
         assert locks.holder("beat-leader:giveup").fencing_token == again.fencing_token
     finally:

@@ -156,9 +156,26 @@ def test_leases_stay_exclusive_and_nothing_is_left_through_a_live_reshard(privat
         t.start()
     try:
         src, dst = cl.ports[0], cl.ports[1]
-        out = subprocess.run([REDIS_CLI, "--cluster", "reshard", f"127.0.0.1:{src}", "--cluster-from", ids[src],
-                              "--cluster-to", ids[dst], "--cluster-slots", "600", "--cluster-yes",
-                              "--cluster-pipeline", "10"], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                REDIS_CLI,
+                "--cluster",
+                "reshard",
+                f"127.0.0.1:{src}",
+                "--cluster-from",
+                ids[src],
+                "--cluster-to",
+                ids[dst],
+                "--cluster-slots",
+                "600",
+                "--cluster-yes",
+                "--cluster-pipeline",
+                "10",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         time.sleep(0.5)
     finally:

@@ -21,16 +21,28 @@ def load():
 def test_services_and_redis_settings():
     compose = load()
     services = compose["services"]
-    assert {"redis", "rabbitmq", "worker-1", "worker-2", "beat-1", "beat-2", "flower", "rq-worker", "metrics",
-            "doctor"} <= set(services)
+    assert {
+        "redis",
+        "rabbitmq",
+        "worker-1",
+        "worker-2",
+        "beat-1",
+        "beat-2",
+        "flower",
+        "rq-worker",
+        "metrics",
+        "doctor",
+    } <= set(services)
     redis_cmd = services["redis"]["command"]
     assert "noeviction" in redis_cmd and redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
     for name in ("worker-1", "worker-2", "beat-1", "beat-2", "flower", "rq-worker", "metrics", "doctor"):
         env = services[name]["environment"]
         assert env["TASKGUARD_REDIS_URL"] == "redis://redis:6379/0", name
         assert services[name]["build"] == "."
-    assert [services[b]["command"][services[b]["command"].index("-S") + 1] for b in ("beat-1", "beat-2")] == \
-        ["taskguard", "taskguard"]
+    assert [services[b]["command"][services[b]["command"].index("-S") + 1] for b in ("beat-1", "beat-2")] == [
+        "taskguard",
+        "taskguard",
+    ]
     schedules = {services[b]["command"][services[b]["command"].index("-s") + 1] for b in ("beat-1", "beat-2")}
     assert len(schedules) == 2  # each beat its own schedule file
 
@@ -61,6 +73,7 @@ def test_every_command_exists_in_the_project(monkeypatch):
             mod, _, cls = worker_class.rpartition(".")
             assert hasattr(importlib.import_module(mod), cls), name
         elif program == "taskguard":
-            out = subprocess.run([sys.executable, "-m", "taskguard.cli", cmd[1], "--help"], capture_output=True,
-                                 text=True, timeout=30)
+            out = subprocess.run(
+                [sys.executable, "-m", "taskguard.cli", cmd[1], "--help"], capture_output=True, text=True, timeout=30
+            )
             assert out.returncode == 0, f"{name}: taskguard {cmd[1]}: {out.stderr}"

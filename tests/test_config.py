@@ -22,8 +22,9 @@ URL_VAR = "TASKGUARD_REDIS_URL"
 ACCEPTED_URL = "redis://[user[:password]@]host[:port][/db], rediss://... or unix:///path/to.sock"
 PASSWORD = "s3cr3tPW"
 
-PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(
+    max_examples=300, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def _error_text(e: BaseException) -> str:
@@ -45,11 +46,15 @@ def _delete_prefix(client: redis.Redis, prefix: str) -> None:
 
 # -- TASKGUARD_REDIS_URL is required -------------------------------------------------------------
 
-@pytest.mark.parametrize("environ", [
-    {},
-    {"TASKGUARD_PREFIX": "jobs", "TASKGUARD_RETRIES": "2"},
-    {"REDIS_URL": "redis://h"},  # another library's variable is not taskguard's
-])
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {},
+        {"TASKGUARD_PREFIX": "jobs", "TASKGUARD_RETRIES": "2"},
+        {"REDIS_URL": "redis://h"},  # another library's variable is not taskguard's
+    ],
+)
 def test_missing_redis_url_names_the_variable(environ):
     with pytest.raises(ConfigError) as info:
         from_env(environ)
@@ -76,8 +81,13 @@ def test_from_env_reads_os_environ_by_default(monkeypatch, redis_url, prefix):
 
 
 def test_a_client_replaces_the_url_and_the_connection_variables(client, prefix):
-    environ = {"TASKGUARD_PREFIX": prefix, "TASKGUARD_DB": "7", "TASKGUARD_RETRIES": "3",
-               "TASKGUARD_CONNECT_TIMEOUT": "1", "TASKGUARD_RENEW_FRACTION": "0.25"}
+    environ = {
+        "TASKGUARD_PREFIX": prefix,
+        "TASKGUARD_DB": "7",
+        "TASKGUARD_RETRIES": "3",
+        "TASKGUARD_CONNECT_TIMEOUT": "1",
+        "TASKGUARD_RENEW_FRACTION": "0.25",
+    }
     locks = from_env(environ, client=client)
     assert locks.client is client
     assert locks.prefix == prefix and locks.renew_fraction == 0.25
@@ -159,8 +169,14 @@ def test_each_malformed_variable_is_a_config_error_naming_it_and_the_accepted_fo
 def test_every_documented_variable_is_checked():
     """The table in taskguard/config.py and the parsers cover the same variables."""
     assert set(ENV_VARS) == {
-        URL_VAR, "TASKGUARD_PREFIX", "TASKGUARD_DB", "TASKGUARD_CONNECT_TIMEOUT", "TASKGUARD_SOCKET_TIMEOUT",
-        "TASKGUARD_RETRIES", "TASKGUARD_SHUTDOWN_TIMEOUT", "TASKGUARD_RENEW_FRACTION",
+        URL_VAR,
+        "TASKGUARD_PREFIX",
+        "TASKGUARD_DB",
+        "TASKGUARD_CONNECT_TIMEOUT",
+        "TASKGUARD_SOCKET_TIMEOUT",
+        "TASKGUARD_RETRIES",
+        "TASKGUARD_SHUTDOWN_TIMEOUT",
+        "TASKGUARD_RENEW_FRACTION",
     }
     covered = {var for var, _, _ in MALFORMED}
     assert covered == set(ENV_VARS)
@@ -220,24 +236,28 @@ def test_a_good_url_with_a_password_keeps_it_for_the_client(redis_url):
 
 # -- from_url options ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("option,value,name", [
-    ("connect_timeout", 0, "connect_timeout"),
-    ("connect_timeout", -1.0, "connect_timeout"),
-    ("socket_timeout", math.nan, "socket_timeout"),
-    ("socket_timeout", math.inf, "socket_timeout"),
-    ("socket_timeout", True, "socket_timeout"),
-    ("connect_timeout", "5", "connect_timeout"),
-    ("retries", -1, "retries"),
-    ("retries", 1.5, "retries"),
-    ("retries", True, "retries"),
-    ("prefix", "has space", "prefix"),
-    ("prefix", "{x}", "prefix"),
-    ("prefix", "", "prefix"),
-    ("poll_interval", 0, "poll_interval"),
-    ("fence_idle_ttl", -5, "fence_idle_ttl"),
-    ("shutdown_timeout", math.nan, "shutdown_timeout"),
-    ("max_hold", 0, "max_hold"),
-])
+
+@pytest.mark.parametrize(
+    "option,value,name",
+    [
+        ("connect_timeout", 0, "connect_timeout"),
+        ("connect_timeout", -1.0, "connect_timeout"),
+        ("socket_timeout", math.nan, "socket_timeout"),
+        ("socket_timeout", math.inf, "socket_timeout"),
+        ("socket_timeout", True, "socket_timeout"),
+        ("connect_timeout", "5", "connect_timeout"),
+        ("retries", -1, "retries"),
+        ("retries", 1.5, "retries"),
+        ("retries", True, "retries"),
+        ("prefix", "has space", "prefix"),
+        ("prefix", "{x}", "prefix"),
+        ("prefix", "", "prefix"),
+        ("poll_interval", 0, "poll_interval"),
+        ("fence_idle_ttl", -5, "fence_idle_ttl"),
+        ("shutdown_timeout", math.nan, "shutdown_timeout"),
+        ("max_hold", 0, "max_hold"),
+    ],
+)
 def test_from_url_rejects_bad_options_naming_them(redis_url, option, value, name):
     with pytest.raises(ConfigError, match=name):
         RedisLocks.from_url(redis_url, **{option: value})
@@ -322,8 +342,25 @@ def test_renew_fraction_bounds_that_are_accepted(client, redis_url):
 
 #: Not positive, not finite, not a number, or longer than the 1e9 s cap (Redis's PEXPIRE range
 #: is far larger, but a TTL Redis refuses would leave a lease without expiry).
-BAD_TTLS = [0, 0.0, -0.0, -1, -0.001, math.nan, math.inf, -math.inf, True, False, "5", None, [5],
-            1e9 + 1, 1e300, 10**400, 2**63]
+BAD_TTLS = [
+    0,
+    0.0,
+    -0.0,
+    -1,
+    -0.001,
+    math.nan,
+    math.inf,
+    -math.inf,
+    True,
+    False,
+    "5",
+    None,
+    [5],
+    1e9 + 1,
+    1e300,
+    10**400,
+    2**63,
+]
 
 
 @pytest.fixture(params=["redis", "memory"])
@@ -366,6 +403,7 @@ def test_small_large_and_integer_ttls_are_accepted(any_locks):
 
 
 # -- a valid environment -----------------------------------------------------------------------------
+
 
 def test_a_valid_environment_builds_working_redis_locks(redis_url, prefix, client):
     environ = {
@@ -470,17 +508,27 @@ ANY_TEXT = st.one_of(
     st.integers(-10, 10**6).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(str),
     st.from_regex(r"[A-Za-z0-9_.:\-]{1,70}", fullmatch=True),
-    st.builds(lambda host, port, db: f"redis://{host}:{port}/{db}",
-              st.from_regex(r"[a-z0-9.]{1,12}", fullmatch=True), st.integers(-1, 70000),
-              st.one_of(st.integers(0, 15).map(str), st.text(max_size=3))),
+    st.builds(
+        lambda host, port, db: f"redis://{host}:{port}/{db}",
+        st.from_regex(r"[a-z0-9.]{1,12}", fullmatch=True),
+        st.integers(-1, 70000),
+        st.one_of(st.integers(0, 15).map(str), st.text(max_size=3)),
+    ),
 )
 
 
 _SECONDS = st.one_of(st.integers(1, 1000).map(str), st.floats(1e-6, 1e6).map(str))
 #: Values each variable accepts, mixed in so that the success branch is exercised too.
 VALID = {
-    URL_VAR: st.sampled_from(["redis://127.0.0.1:6379/0", "rediss://cache.internal:6380/15", "unix:///tmp/r.sock",
-                              "redis://user:pw@10.0.0.1", "redis://[::1]:6379"]),
+    URL_VAR: st.sampled_from(
+        [
+            "redis://127.0.0.1:6379/0",
+            "rediss://cache.internal:6380/15",
+            "unix:///tmp/r.sock",
+            "redis://user:pw@10.0.0.1",
+            "redis://[::1]:6379",
+        ]
+    ),
     "TASKGUARD_PREFIX": st.from_regex(r"[A-Za-z0-9_.:\-]{1,64}", fullmatch=True),
     "TASKGUARD_DB": st.integers(0, 100000).map(str),
     "TASKGUARD_CONNECT_TIMEOUT": _SECONDS,
@@ -606,9 +654,11 @@ def _sig_d(p, /, q=1):
 
 
 @settings(max_examples=400, deadline=None)
-@given(fn=st.sampled_from([_sig_a, _sig_b, _sig_c, _sig_d]),
-       nargs=st.integers(0, 4),
-       names=st.lists(st.sampled_from(["a", "b", "c", "d", "p", "q", "x", "zz"]), unique=True))
+@given(
+    fn=st.sampled_from([_sig_a, _sig_b, _sig_c, _sig_d]),
+    nargs=st.integers(0, 4),
+    names=st.lists(st.sampled_from(["a", "b", "c", "d", "p", "q", "x", "zz"]), unique=True),
+)
 def test_key_template_binds_like_signature_bind(fn, nargs, names):
     """KeyTemplate's fast binding (common signatures) and its Signature.bind fallback agree with
     inspect's own binding on every call: same values with defaults, an error where it errs."""
@@ -633,6 +683,7 @@ def test_key_template_binds_like_signature_bind(fn, nargs, names):
 
 
 # -- the TTL floor: a lease that could expire before its first renewal guards nothing ------------------
+
 
 @pytest.mark.parametrize("ttl", [0.001, 0.05, 0.0999])
 def test_a_ttl_below_the_floor_is_refused_everywhere(any_locks, ttl):
@@ -672,13 +723,16 @@ def test_a_url_redis_py_refuses_is_refused_at_check_time_without_its_password():
     assert "TASKGUARD_REDIS_URL" in text and "socket_timeout" in text and "s3cret-pw" not in text
 
 
-@pytest.mark.parametrize("url, says", [
-    ("redis://127.0.0.1:notaport/0", "got 'redis://127.0.0.1:notaport/0': the port 'notaport' is not a number"),
-    ("redis://:s3cretPW@127.0.0.1:notaport/0", "got 'redis://***@127.0.0.1:notaport/0': the port 'notaport'"),
-    ("redis://:s3/cret@PW@host:x/0", "got 'redis://***@host:x/0': the port 'x' is not a number"),
-    ("redis://127.0.0.1:99999/0", "the port must be 1-65535"),
-    ("127.0.0.1:6379", "unknown scheme (missing 'redis://'?)"),
-])
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("redis://127.0.0.1:notaport/0", "got 'redis://127.0.0.1:notaport/0': the port 'notaport' is not a number"),
+        ("redis://:s3cretPW@127.0.0.1:notaport/0", "got 'redis://***@127.0.0.1:notaport/0': the port 'notaport'"),
+        ("redis://:s3/cret@PW@host:x/0", "got 'redis://***@host:x/0': the port 'x' is not a number"),
+        ("redis://127.0.0.1:99999/0", "the port must be 1-65535"),
+        ("127.0.0.1:6379", "unknown scheme (missing 'redis://'?)"),
+    ],
+)
 def test_a_bad_url_says_what_is_wrong_without_its_password(url, says):
     with pytest.raises(ConfigError) as err:
         RedisLocks.from_url(url)

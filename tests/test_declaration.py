@@ -35,8 +35,10 @@ def _app():
 
 
 @pytest.mark.parametrize("declare", ["app.task", "guarded_task"])
-@pytest.mark.parametrize("option, meant", [("ttll", "ttl"), ("waits", "wait"), ("once_tl", "once_ttl"),
-                                           ("renewal", "renew"), ("limits", "limit")])
+@pytest.mark.parametrize(
+    "option, meant",
+    [("ttll", "ttl"), ("waits", "wait"), ("once_tl", "once_ttl"), ("renewal", "renew"), ("limits", "limit")],
+)
 def test_a_misspelt_guard_option_is_refused_on_celery(declare, option, meant):
     app = _app()
     with pytest.raises(ConfigError, match=rf"task 'decl\.t': unknown option '{option}'; did you mean '{meant}'\?"):
@@ -56,13 +58,25 @@ def test_celery_options_and_user_attributes_close_to_guard_options_keep_working(
         limits = "mine"
 
     app = _app()
-    t = app.task(base=GuardedTask, name="decl.ok", shared=False, ttl=5, max_retries=7, rate_limit="10/m",
-                 default_retry_delay=2, time_limit=30, soft_time_limit=20, acks_late=True, bind=True)(body_self)
+    t = app.task(
+        base=GuardedTask,
+        name="decl.ok",
+        shared=False,
+        ttl=5,
+        max_retries=7,
+        rate_limit="10/m",
+        default_retry_delay=2,
+        time_limit=30,
+        soft_time_limit=20,
+        acks_late=True,
+        bind=True,
+    )(body_self)
     app.finalize()
     assert (t.ttl, t.max_retries, t.rate_limit, t.time_limit) == (5, 7, "10/m", 30)
     guarded_task(name="decl.base", base=Base, ttl=4, max_retries=2)(body)  # accepted
-    v = app.task(base=type("Mixed", (GuardedTask, Base), {}), name="decl.mixed", shared=False, waits=4,
-                 limits="x")(body)
+    v = app.task(base=type("Mixed", (GuardedTask, Base), {}), name="decl.mixed", shared=False, waits=4, limits="x")(
+        body
+    )
     app.finalize()
     assert (v.waits, v.limits) == (4, "x")
 
@@ -78,8 +92,10 @@ def test_an_unknown_option_on_rq_is_a_config_error_listing_the_guard_options():
         guarded_job(name="decl.j", queue_name="q")(body)
 
 
-@pytest.mark.parametrize("option, where", [("unique", "enqueue_unique"), ("unique_ttl", "enqueue_unique"),
-                                           ("continue_on_skip", "depends_on")])
+@pytest.mark.parametrize(
+    "option, where",
+    [("unique", "enqueue_unique"), ("unique_ttl", "enqueue_unique"), ("continue_on_skip", "depends_on")],
+)
 def test_rq_refuses_the_guard_options_it_does_not_take_and_says_where_they_live(option, where):
     with pytest.raises(ConfigError, match=rf"task 'decl\.j': option '{option}' is not supported here: .*{where}"):
         guarded_job(name="decl.j", key="uq:{n}", **{option: True if option != "unique_ttl" else 5})(job)
@@ -124,9 +140,14 @@ def test_an_empty_celery_prefix_setting_is_refused_not_replaced_by_the_default(r
         task(1)
 
 
-@pytest.mark.parametrize("var, meant", [("TASKGUARD_PREFX", "TASKGUARD_PREFIX"),
-                                        ("TASKGUARD_REDIS_URI", "TASKGUARD_REDIS_URL"),
-                                        ("TASKGUARD_METRIC", "TASKGUARD_METRICS")])
+@pytest.mark.parametrize(
+    "var, meant",
+    [
+        ("TASKGUARD_PREFX", "TASKGUARD_PREFIX"),
+        ("TASKGUARD_REDIS_URI", "TASKGUARD_REDIS_URL"),
+        ("TASKGUARD_METRIC", "TASKGUARD_METRICS"),
+    ],
+)
 def test_a_misspelt_environment_variable_is_refused(redis_url, var, meant):
     from taskguard import from_env
 
@@ -142,8 +163,9 @@ def test_a_misspelt_celery_setting_is_refused(redis_url):
     app.conf.taskguard_prefx = "mine"
     task = app.task(base=GuardedTask, name="decl.typo", shared=False, key="w:{n}")(job)
     app.finalize()
-    with pytest.raises(ConfigError, match="app.conf: taskguard_prefx is not a taskguard setting; did you mean "
-                                          "taskguard_prefix"):
+    with pytest.raises(
+        ConfigError, match="app.conf: taskguard_prefx is not a taskguard setting; did you mean taskguard_prefix"
+    ):
         task(1)
 
 
@@ -152,13 +174,16 @@ def prompt_job(prompt, model="small"):
 
 
 @pytest.mark.parametrize("adapter", ["celery", "rq"])
-@pytest.mark.parametrize("opts, match", [
-    ({"cost": 5}, "cost needs rate="),
-    ({"rate": "100/m", "cost": 0}, "cost must be an int from 1"),
-    ({"rate": "100/m", "cost": 2.5}, "cost must be an int from 1"),
-    ({"rate": "100/m", "cost": 50, "rate_burst": 10}, "cost 50 exceeds rate_burst 10: such a run could never pass"),
-    ({"rate": "100/m", "cost": lambda nope: 1}, "does not take|nope"),
-])
+@pytest.mark.parametrize(
+    "opts, match",
+    [
+        ({"cost": 5}, "cost needs rate="),
+        ({"rate": "100/m", "cost": 0}, "cost must be an int from 1"),
+        ({"rate": "100/m", "cost": 2.5}, "cost must be an int from 1"),
+        ({"rate": "100/m", "cost": 50, "rate_burst": 10}, "cost 50 exceeds rate_burst 10: such a run could never pass"),
+        ({"rate": "100/m", "cost": lambda nope: 1}, "does not take|nope"),
+    ],
+)
 def test_bad_cost_options_fail_at_declaration(adapter, opts, match):
     with pytest.raises(ConfigError, match=match):
         if adapter == "celery":
@@ -188,12 +213,14 @@ def export_job(tenant, rows=1):
 def test_a_limit_is_an_int_or_a_callable_of_the_call_checked_per_run():
     from taskguard.policy import GuardOptions
 
-    per_tenant = GuardOptions.build(export_job, name="t", key="export:{tenant}",
-                                    limit=lambda tenant, **_: 10 if tenant == "premium" else 2)
+    per_tenant = GuardOptions.build(
+        export_job, name="t", key="export:{tenant}", limit=lambda tenant, **_: 10 if tenant == "premium" else 2
+    )
     assert per_tenant.limit_of(("premium",), {}) == 10 and per_tenant.limit_of((), {"tenant": "free"}) == 2
     for bad in (0, 101, "3", None):
-        out_of_range = GuardOptions.build(export_job, name="t", key="export:{tenant}",
-                                          limit=lambda tenant, v=bad, **_: v)
+        out_of_range = GuardOptions.build(
+            export_job, name="t", key="export:{tenant}", limit=lambda tenant, v=bad, **_: v
+        )
         with pytest.raises(ConfigError, match=r"the limit callable's value .* must be an int from 1 to 100"):
             out_of_range.limit_of(("x",), {})
     with pytest.raises(ConfigError, match="limit callable .* which it does not take"):

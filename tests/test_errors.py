@@ -53,8 +53,11 @@ def _pickle_round_trip(e: BaseException, protocol: int) -> BaseException:
 
 def test_the_module_exports_exactly_these_exceptions():
     """A new exception class must be added to EXAMPLES (and so to these round-trip tests)."""
-    classes = {name for name, obj in inspect.getmembers(errors_module, inspect.isclass)
-               if issubclass(obj, BaseException) and obj.__module__ == errors_module.__name__}
+    classes = {
+        name
+        for name, obj in inspect.getmembers(errors_module, inspect.isclass)
+        if issubclass(obj, BaseException) and obj.__module__ == errors_module.__name__
+    }
     assert classes == set(errors_module.__all__) == {type(e).__name__ for e in EXAMPLES}
 
 
@@ -103,8 +106,9 @@ def test_attributes_follow_args():
     assert str(TaskSkipped("k5", "wait_timeout")) == "skipped: lease 'k5' wait_timeout"
 
 
-@pytest.mark.parametrize("args", [("k", "held", "t.name", 1.5), ("k", "wait_timeout", None, None),
-                                  ("k", "retry_exhausted", "t", 0.0)])
+@pytest.mark.parametrize(
+    "args", [("k", "held", "t.name", 1.5), ("k", "wait_timeout", None, None), ("k", "retry_exhausted", "t", 0.0)]
+)
 def test_task_skipped_gives_an_equal_valued_skipped(args):
     e = TaskSkipped(*args)
     for err in (e, _pickle_round_trip(e, pickle.HIGHEST_PROTOCOL)):
@@ -125,8 +129,12 @@ maybe_ttl = st.none() | st.floats(0, 1e6, allow_nan=False)
 ERROR_STRATEGIES = st.one_of(
     st.builds(TaskguardError, text),
     st.builds(ConfigError, text),
-    st.builds(LeaseBackendError, st.sampled_from(["acquire", "renew", "release", "claim", "holder", "health"]),
-              maybe_text, text),
+    st.builds(
+        LeaseBackendError,
+        st.sampled_from(["acquire", "renew", "release", "claim", "holder", "health"]),
+        maybe_text,
+        text,
+    ),
     st.builds(LeaseLost, text, text),
     st.builds(TaskSkipped, text, text, maybe_text, maybe_ttl),
 )
@@ -142,6 +150,7 @@ def test_property_any_values_round_trip(e):
 
 
 # -- real errors from real operations ---------------------------------------------------------------
+
 
 def test_a_real_backend_error_round_trips_without_its_redis_cause():
     port = free_port()  # nothing listens there

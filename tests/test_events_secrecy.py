@@ -31,8 +31,14 @@ def test_listener_reports_every_operation_kind(client, prefix):
     finally:
         remove()
     seen = {(e.kind, e.status) for e in local}
-    assert {("acquire", "acquired"), ("renew", "renewed"), ("acquire", "held"), ("skip", "held"),
-            ("release", "released"), ("release", "not_owner")} <= seen
+    assert {
+        ("acquire", "acquired"),
+        ("renew", "renewed"),
+        ("acquire", "held"),
+        ("skip", "held"),
+        ("release", "released"),
+        ("release", "not_owner"),
+    } <= seen
     assert any(e.kind == "lost" for e in local)
     for e in local:
         assert e.key in ("ev", "ev2")
@@ -40,8 +46,9 @@ def test_listener_reports_every_operation_kind(client, prefix):
     acquired = next(e for e in local if e.kind == "acquire" and e.status == "acquired")
     assert acquired.fencing_token == lease.fencing_token and acquired.ttl == 0.4
     assert acquired.holder["task"] == "t"
-    assert [(e.kind, e.status, e.key) for e in everywhere if e.key in ("ev", "ev2")] == \
-        [(e.kind, e.status, e.key) for e in local]
+    assert [(e.kind, e.status, e.key) for e in everywhere if e.key in ("ev", "ev2")] == [
+        (e.kind, e.status, e.key) for e in local
+    ]
 
 
 def test_a_failing_listener_never_breaks_an_operation(client, prefix, caplog):

@@ -14,11 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("script, ok_line", [
-    ("examples/outbox/demo.py", "result:                           OK"),
-    ("examples/lease_demo.py", "summary: OK"),
-    ("examples/limits/demo.py", "result: OK"),
-])
+@pytest.mark.parametrize(
+    "script, ok_line",
+    [
+        ("examples/outbox/demo.py", "result:                           OK"),
+        ("examples/lease_demo.py", "summary: OK"),
+        ("examples/limits/demo.py", "result: OK"),
+    ],
+)
 def test_example_runs_and_reports_ok(redis_url, script, ok_line):
     import redis as redis_py
 
@@ -26,9 +29,14 @@ def test_example_runs_and_reports_ok(redis_url, script, ok_line):
     demo_keys = "*demo-*"  # every demo names its keys with a fresh "<name>demo-<run>" prefix
     before = set(client.scan_iter(match=demo_keys, count=1000))
     try:
-        proc = subprocess.run([sys.executable, script], cwd=ROOT,
-                              env={**os.environ, "TASKGUARD_REDIS_URL": redis_url},
-                              capture_output=True, text=True, timeout=180)
+        proc = subprocess.run(
+            [sys.executable, script],
+            cwd=ROOT,
+            env={**os.environ, "TASKGUARD_REDIS_URL": redis_url},
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
     finally:  # the demos leave their lease keys (7-day idle TTL) for a user to look at: not the suite
         made = set(client.scan_iter(match=demo_keys, count=1000)) - before
         if made:
@@ -48,8 +56,14 @@ def test_demos_fail_fast_and_never_print_a_url_password(script):
 
     url = f"redis://:s3cretPW99@127.0.0.1:{free_port()}/0"  # nothing listens there
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, script], cwd=ROOT, env={**os.environ, "TASKGUARD_REDIS_URL": url},
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, script],
+        cwd=ROOT,
+        env={**os.environ, "TASKGUARD_REDIS_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert time.monotonic() - started < 30  # fails fast, before starting any worker
     assert "s3cretPW99" not in proc.stdout + proc.stderr
@@ -106,10 +120,15 @@ assert example.sync_customer.delay(8, seconds=0).get()["customer"] == 8  # custo
 held.release()
 print("example app OK")
 """
-    env = {**os.environ, "TASKGUARD_REDIS_URL": redis_url, "OUTBOX_DB": str(tmp_path / "app.sqlite"),
-           "OUTBOX_PREFIX": prefix,
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "examples" / "outbox"), str(ROOT)])}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=60)
+    env = {
+        **os.environ,
+        "TASKGUARD_REDIS_URL": redis_url,
+        "OUTBOX_DB": str(tmp_path / "app.sqlite"),
+        "OUTBOX_PREFIX": prefix,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "examples" / "outbox"), str(ROOT)]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "example app OK" in proc.stdout

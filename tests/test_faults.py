@@ -30,6 +30,7 @@ def say(*parts):
 
 # -- a holder paused past its TTL --------------------------------------------------------------------
 
+
 def paused_holder(url: str, prefix: str, ready: mp.Event, out: mp.Queue) -> None:
     c = redis.Redis.from_url(url)
     locks = RedisLocks(c, prefix=prefix, renew_fraction=0.25)
@@ -63,8 +64,10 @@ def test_holder_paused_past_its_ttl(redis_url, prefix):
         os.kill(proc.pid, signal.SIGCONT)
     _, fence, accepted, renewed, released, lost = out.get(timeout=20)
     proc.join(10)
-    say(f"observed: new fence {acq.lease.fencing_token}; the resumed holder's write accepted={bool(accepted)}, "
-        f"renew={renewed}, release={released}, lost={lost}")
+    say(
+        f"observed: new fence {acq.lease.fencing_token}; the resumed holder's write accepted={bool(accepted)}, "
+        f"renew={renewed}, release={released}, lost={lost}"
+    )
     assert (accepted, renewed, released, lost) == (0, False, False, True)
     assert c.hget(f"{prefix}:store", "value") == b"from the new holder"
     assert locks.holder("paused").fencing_token == acq.lease.fencing_token
@@ -73,6 +76,7 @@ def test_holder_paused_past_its_ttl(redis_url, prefix):
 
 
 # -- connections cut and delayed ------------------------------------------------------------------------
+
 
 def test_cut_connections_never_double_hold_and_waiters_do_not_hang(redis_url, prefix):
     proxy = TcpProxy(6379 if "6379" in redis_url else int(redis_url.rsplit(":", 1)[1].split("/")[0]))
@@ -125,8 +129,10 @@ def test_cut_connections_never_double_hold_and_waiters_do_not_hang(redis_url, pr
         for t in threads:
             t.join(20)
         proxy.close()
-    say(f"injected: {cuts} connections cut, then 2 s of 0.8 s delays; observed {acquisitions[0]} acquisitions, "
-        f"{len(errors)} LeaseBackendErrors (max {max(errors, default=0):.2f}s), violations {violations}")
+    say(
+        f"injected: {cuts} connections cut, then 2 s of 0.8 s delays; observed {acquisitions[0]} acquisitions, "
+        f"{len(errors)} LeaseBackendErrors (max {max(errors, default=0):.2f}s), violations {violations}"
+    )
     assert not any(t.is_alive() for t in threads)  # nobody hangs
     assert violations == []
     assert acquisitions[0] > 10 and errors
@@ -134,10 +140,20 @@ def test_cut_connections_never_double_hold_and_waiters_do_not_hang(redis_url, pr
 
 # -- Celery workers SIGKILLed under load, and the soak ------------------------------------------------
 
+
 def run_soak(redis_url: str, prefix: str, seconds: float, units: int, keys: int, broker: str | None = None) -> None:
     queue = f"q-{prefix}"
-    conf = {} if broker else {"broker_transport_options": {"visibility_timeout": 3, "unacked_restore_interval": 1,
-                                                           "unacked_restore_throttle": 1}}
+    conf = (
+        {}
+        if broker
+        else {
+            "broker_transport_options": {
+                "visibility_timeout": 3,
+                "unacked_restore_interval": 1,
+                "unacked_restore_throttle": 1,
+            }
+        }
+    )
     app = make_app(queue, prefix, broker=broker, **conf)
     r = redis.Redis.from_url(redis_url)
     rng = random.Random(7)
@@ -157,7 +173,7 @@ def run_soak(redis_url: str, prefix: str, seconds: float, units: int, keys: int,
                 workers[victim] = WorkerProcess(queue, prefix, concurrency=2, conf=conf, broker=broker).start()
             else:  # one pool child
                 for key in r.scan_iter(match="{" + prefix + ":unit:*}", _type="hash"):
-                    info = app.conf.taskguard_locks.holder(key.decode()[len(prefix) + 2:-1])
+                    info = app.conf.taskguard_locks.holder(key.decode()[len(prefix) + 2 : -1])
                     if info:
                         try:
                             os.kill(info.holder["pid"], signal.SIGKILL)
@@ -177,8 +193,10 @@ def run_soak(redis_url: str, prefix: str, seconds: float, units: int, keys: int,
     for k in range(keys):
         fences = [int(x.split(b":")[0]) for x in r.lrange(f"{prefix}:ledger:k{k}", 0, -1)]
         increasing &= all(a < b for a, b in zip(fences, fences[1:], strict=False))
-    say(f"injected: {kills} SIGKILLs (whole workers and pool children) over {units} units on {keys} keys; "
-        f"observed {done}/{units} completed, {len(violations)} overlaps, fences increasing per key: {increasing}")
+    say(
+        f"injected: {kills} SIGKILLs (whole workers and pool children) over {units} units on {keys} keys; "
+        f"observed {done}/{units} completed, {len(violations)} overlaps, fences increasing per key: {increasing}"
+    )
     keys_left = list(r.scan_iter(match=f"{prefix}:*"))
     if keys_left:
         r.delete(*keys_left)
@@ -215,9 +233,22 @@ def test_torture_short(redis_url):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, str(root / "bench" / "torture.py"), "--acquisitions", "1500",
-                          "--seconds", "90", "--url", redis_url], cwd=root, capture_output=True, text=True,
-                         timeout=180)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(root / "bench" / "torture.py"),
+            "--acquisitions",
+            "1500",
+            "--seconds",
+            "90",
+            "--url",
+            redis_url,
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     say(out.stdout.strip().replace("\n", "\n    "))
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "overlaps: 0 (interleaved entry/exit records: 0)   fence regressions: 0" in out.stdout

@@ -26,17 +26,23 @@ CHROMIUM = os.environ.get("TASKGUARD_CHROMIUM") or shutil.which("chromium") or "
 def test_flower_tasks_page_shows_skipped_runs_with_state_and_reason(redis_url, prefix, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    assert os.path.exists(CHROMIUM), ("Debian's chromium is needed: ./run test installs it where "
-                                      "apt-get is usable; else install it or set TASKGUARD_CHROMIUM")
+    assert os.path.exists(CHROMIUM), (
+        "Debian's chromium is needed: ./run test installs it where "
+        "apt-get is usable; else install it or set TASKGUARD_CHROMIUM"
+    )
     queue = f"q-{prefix}"
     app = make_app(queue, prefix)
     port = free_port()
     env = {**os.environ, "TG_TEST_QUEUE": queue, "TG_TEST_PREFIX": prefix}
     log_path = tmp_path / "flower.log"
     log = open(log_path, "wb")
-    flower = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.celery_app", "flower",
-                               f"--port={port}", "--address=127.0.0.1"], cwd=ROOT, env=env, stdout=log,
-                              stderr=subprocess.STDOUT)
+    flower = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.celery_app", "flower", f"--port={port}", "--address=127.0.0.1"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     shot = tmp_path / "flower-tasks.png"
     try:
         deadline = time.monotonic() + 30
@@ -57,8 +63,9 @@ def test_flower_tasks_page_shows_skipped_runs_with_state_and_reason(redis_url, p
             first.get(timeout=15), as_result.get(timeout=15), holder.get(timeout=15)
             time.sleep(2.0)  # Flower takes the events in
             with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                             args=["--no-sandbox", "--disable-dev-shm-usage"])
+                browser = pw.chromium.launch(
+                    executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-dev-shm-usage"]
+                )
                 page = browser.new_page(viewport={"width": 1600, "height": 900})
                 page.goto(f"http://127.0.0.1:{port}/tasks", wait_until="networkidle")
                 page.wait_for_selector(f"text={as_result.id}", timeout=15000)

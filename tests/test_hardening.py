@@ -136,8 +136,9 @@ def test_memory_locks_waiter_never_misses_a_release_between_try_and_wait():
 def test_a_stalled_redis_does_not_stop_renewals_on_another(redis_url, prefix):
     stalled = RedisServer().start()
     try:
-        slow = RedisLocks.from_url(stalled.url, prefix=prefix, socket_timeout=2, connect_timeout=1, retries=0,
-                                   renew_fraction=0.25)
+        slow = RedisLocks.from_url(
+            stalled.url, prefix=prefix, socket_timeout=2, connect_timeout=1, retries=0, renew_fraction=0.25
+        )
         healthy = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix, renew_fraction=0.25)
         slow.acquire("a", ttl=0.8, renew=True)
         lease = healthy.acquire("b", ttl=0.8, renew=True).lease

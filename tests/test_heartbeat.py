@@ -121,13 +121,13 @@ def test_fork_child_drops_inherited_leases_and_runs_its_own_heartbeat(redis_url,
             os.close(r)
             hb = get_heartbeat()
             checks = [
-                len(hb) == 0,                       # fresh heartbeat, inherited leases dropped
+                len(hb) == 0,  # fresh heartbeat, inherited leases dropped
                 parent_lease.inherited,
-                parent_lease.release() is False,    # never releases the parent's lease
-                parent_lease.renew() is False,      # nor renews it
+                parent_lease.release() is False,  # never releases the parent's lease
+                parent_lease.renew() is False,  # nor renews it
             ]
             own = locks.acquire("child-own", ttl=0.6, renew=True).lease
-            time.sleep(1.5)                         # child's own heartbeat keeps it alive
+            time.sleep(1.5)  # child's own heartbeat keeps it alive
             checks.append(locks.holder("child-own") is not None and not own.lost)
             checks.append(get_heartbeat().alive)
             checks.append(own.release() is True)
@@ -194,9 +194,12 @@ def test_renewal_cadence_does_not_drift_by_the_round_trip(redis_url, prefix):
     proxy = TcpProxy(parts.port or 6379, parts.hostname or "127.0.0.1")
     client = redis.Redis.from_url(proxy.url.replace("/0", parts.path or "/0"))
     renewed: list[float] = []
-    locks = RedisLocks(client, prefix=prefix, renew_fraction=0.5,
-                       listeners=[lambda e: renewed.append(time.monotonic())
-                                  if e.kind == "renew" and e.status == "renewed" else None])
+    locks = RedisLocks(
+        client,
+        prefix=prefix,
+        renew_fraction=0.5,
+        listeners=[lambda e: renewed.append(time.monotonic()) if e.kind == "renew" and e.status == "renewed" else None],
+    )
     client.ping()  # the pool's connection (the heartbeat's pipelines use it) is set up before the delay
     lease = locks.acquire("cadence", ttl=2.0, renew=True).lease  # renewed every 1 s
     proxy.delay = 0.08

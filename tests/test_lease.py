@@ -21,6 +21,7 @@ def lease_key(locks: RedisLocks, key: str) -> str:
 
 # -- 1. acquire is one atomic script -------------------------------------------------------------
 
+
 def test_acquire_sets_lease_and_fence_atomically(locks):
     acq = locks.acquire("report", ttl=5, holder={"task": "daily_report"})
     assert acq.acquired and acq.reason is None
@@ -88,6 +89,7 @@ def test_concurrent_acquires_one_winner_one_fence(locks):
 
 # -- 2. fencing tokens only grow, also when the counter is lost ------------------------------------
 
+
 def test_fence_grows_across_acquisitions(locks):
     fences = []
     for _ in range(20):
@@ -118,19 +120,20 @@ def test_fence_counter_has_idle_ttl_bounding_memory(backend, prefix):
     locks = RedisLocks(c, prefix=prefix, fence_idle_ttl=3600)
     locks.acquire("mem", ttl=1).lease.release()
     k = lease_key(locks, "mem")
-    assert 3500_000 < c.pttl(k) <= 3600_000               # the key (and its fence) go once idle
-    assert locks.holder("mem") is None                    # the lease is gone at release
+    assert 3500_000 < c.pttl(k) <= 3600_000  # the key (and its fence) go once idle
+    assert locks.holder("mem") is None  # the lease is gone at release
     assert c.hexists(k, "x") == 0 and c.hexists(k, "h") == 0
-    assert c.exists(k + ":signal") == 0                   # nobody waited: no signal
+    assert c.exists(k + ":signal") == 0  # nobody waited: no signal
     holder = locks.acquire("mem", ttl=5).lease
     assert not locks.acquire("mem", ttl=1, wait=0.05).acquired  # a waiter came and gave up
     now_ms = int(c.time()[0]) * 1000 + int(c.time()[1]) // 1000
-    assert 0 < int(c.hget(k, "w")) - now_ms <= 1_100      # its mark outlives its wait by 1 s
+    assert 0 < int(c.hget(k, "w")) - now_ms <= 1_100  # its mark outlives its wait by 1 s
     holder.release()
-    assert 0 < c.pttl(k + ":signal") <= 10_000            # the release signal expires by itself
+    assert 0 < c.pttl(k + ":signal") <= 10_000  # the release signal expires by itself
 
 
 # -- 3. renew / release compare the owner token ---------------------------------------------------
+
 
 def test_stale_owner_cannot_renew_or_release_newer_lease(locks):
     old = locks.acquire("stale", ttl=0.2).lease
@@ -185,6 +188,7 @@ def test_ensure_held_verify_asks_redis(locks):
 
 
 # -- 5. bounded waits that wake on release -------------------------------------------------------
+
 
 def test_wait_is_bounded(locks):
     holder = locks.acquire("busy", ttl=30).lease
@@ -251,12 +255,14 @@ def test_wait_longer_than_socket_timeout(redis_url, prefix):
 
 # -- 6. restore and the one-shot claim -------------------------------------------------------------
 
+
 def test_restore_invents_nothing(locks):
     lease = locks.acquire("persist", ttl=5).lease
     bare = locks.restore("persist", lease.owner_token, ttl=5)
     assert bare.fencing_token is None and bare.expires_at is None
-    full = locks.restore("persist", lease.owner_token, ttl=5, expires_at=lease.expires_at,
-                         fencing_token=lease.fencing_token)
+    full = locks.restore(
+        "persist", lease.owner_token, ttl=5, expires_at=lease.expires_at, fencing_token=lease.fencing_token
+    )
     assert full.fencing_token == lease.fencing_token and full.expires_at == lease.expires_at
     assert bare.renew(8) is True  # Redis checks the token: the real one works
     assert locks.holder("persist").ttl > 7
@@ -312,6 +318,7 @@ def test_claim_of_expired_lease_says_expired(locks):
 
 # -- 7. holder metadata, never the owner token -----------------------------------------------------
 
+
 def test_holder_reports_metadata_and_ttl_not_owner(locks):
     lease = locks.acquire("who", ttl=5, holder={"task": "sync", "task_id": "abc"}).lease
     info = locks.holder("who")
@@ -340,6 +347,7 @@ def test_bad_arguments_fail_early(locks):
 
 
 # -- 9. with_lease ---------------------------------------------------------------------------------
+
 
 def test_with_lease_returns_value_and_releases(locks):
     assert locks.with_lease("wl", lambda lease: ("ran", lease.fencing_token > 0), ttl=5) == ("ran", True)
@@ -405,6 +413,7 @@ def test_with_lease_body_exception_propagates_unchanged(locks):
 
 
 # -- 10. SCRIPT FLUSH is not "lost" ----------------------------------------------------------------
+
 
 def test_script_flush_while_leases_held(backend, prefix):
     kind, c = backend

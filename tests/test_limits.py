@@ -133,6 +133,7 @@ def test_a_resent_acquire_finds_its_own_slot(redis_url, prefix):
 
 # -- across processes: a ledger of entries and exits ------------------------------------------------
 
+
 def _worker(url, prefix, limit, until, ledger_path, seed):
     import random
 

@@ -28,8 +28,9 @@ def private():
 def oom(private):
     """(locks, client) on the private server; ``full()`` brings it to maxmemory."""
     client = redis.Redis(port=private.port)
-    locks = RedisLocks.from_url(private.url, prefix=f"tgtest-{uuid.uuid4().hex[:8]}", socket_timeout=2,
-                                renew_fraction=0.25)
+    locks = RedisLocks.from_url(
+        private.url, prefix=f"tgtest-{uuid.uuid4().hex[:8]}", socket_timeout=2, renew_fraction=0.25
+    )
 
     class Box:
         pass
@@ -161,8 +162,9 @@ def test_once_record_of_a_lapsed_lease_written_at_maxmemory(oom):
     from taskguard.once import OncePolicy, fingerprint_of
     from taskguard.run import GuardedRun
 
-    run = GuardedRun(locks, "pay:2", ttl=0.3, renew=False, on_lost="warn",
-                     once=OncePolicy(fingerprint_of(None), ttl=60))
+    run = GuardedRun(
+        locks, "pay:2", ttl=0.3, renew=False, on_lost="warn", once=OncePolicy(fingerprint_of(None), ttl=60)
+    )
     assert run.call(body) == "done"
     assert _refused(oom.client)
     assert locks.completions.get("pay:2") is not None
@@ -202,6 +204,7 @@ def test_waiting_acquire_at_maxmemory_answers_held_not_oom(oom):
 
 
 # -- real processes ---------------------------------------------------------------------------------
+
 
 def test_celery_holder_keeps_its_lease_through_maxmemory(redis_url, prefix, private):
     """Run A (ttl 3, an 11 s body) on a real prefork worker holds its lease while the lease Redis

@@ -266,8 +266,14 @@ class LocksEquivalence(RuleBasedStateMachine):
     def start(self) -> None:
         self.vt.sync()  # setting up the machine took real time; start both sides in step
 
-    @rule(target=handles, key=st.sampled_from(KEYS), ttl=st.sampled_from(TTLS), run_id=st.sampled_from(RUN_IDS),
-          elapse=ELAPSE, refuse=st.booleans())
+    @rule(
+        target=handles,
+        key=st.sampled_from(KEYS),
+        ttl=st.sampled_from(TTLS),
+        run_id=st.sampled_from(RUN_IDS),
+        elapse=ELAPSE,
+        refuse=st.booleans(),
+    )
     def acquire(self, key, ttl, run_id, elapse, refuse=False):
         return self._step("acquire", key=key, ttl=ttl, run_id=run_id, elapse=elapse, refuse=refuse)
 
@@ -328,8 +334,14 @@ class LocksEquivalence(RuleBasedStateMachine):
         event(f"release: {m}")
         assert pair.mem.released and pair.red.released
 
-    @rule(target=handles, pair=handles, forged=st.booleans(), ttl=st.sampled_from(TTLS),
-          run_id=st.sampled_from(RUN_IDS), elapse=ELAPSE)
+    @rule(
+        target=handles,
+        pair=handles,
+        forged=st.booleans(),
+        ttl=st.sampled_from(TTLS),
+        run_id=st.sampled_from(RUN_IDS),
+        elapse=ELAPSE,
+    )
     def claim(self, pair, forged, ttl, run_id, elapse):
         return self._step("claim", pair=pair, forged=forged, ttl=ttl, run_id=run_id, elapse=elapse)
 
@@ -368,10 +380,20 @@ class LocksEquivalence(RuleBasedStateMachine):
 
     def _restore(self, pair, ttl):
         """Rebuild a handle from the persisted values of an earlier one (no round trip)."""
-        m = self.mem.restore(pair.key, str(pair.mem.owner_token), ttl=ttl, expires_at=pair.mem.expires_at,
-                             fencing_token=pair.mem.fencing_token)
-        r = self.red.restore(pair.key, str(pair.red.owner_token), ttl=ttl, expires_at=pair.red.expires_at,
-                             fencing_token=pair.red.fencing_token)
+        m = self.mem.restore(
+            pair.key,
+            str(pair.mem.owner_token),
+            ttl=ttl,
+            expires_at=pair.mem.expires_at,
+            fencing_token=pair.mem.fencing_token,
+        )
+        r = self.red.restore(
+            pair.key,
+            str(pair.red.owner_token),
+            ttl=ttl,
+            expires_at=pair.red.expires_at,
+            fencing_token=pair.red.fencing_token,
+        )
         self._settle()
         assert m.fencing_token == pair.mem.fencing_token and r.fencing_token == pair.red.fencing_token
         return self._new_pair(pair.key, m, r, f"restored from {pair.idx}")
@@ -424,10 +446,16 @@ class LocksEquivalence(RuleBasedStateMachine):
         assert hm.holder == hr.holder, (hm, hr)
         self._compare_holder_ttl(hm.ttl, hr.ttl)
         # "the holder's fence equals the fence of handle i": the same set of handles in both
-        m_same = {p.idx for p in self.pairs
-                  if p.key == key and p.mem.slot == hm.slot and p.mem.fencing_token == hm.fencing_token}
-        r_same = {p.idx for p in self.pairs
-                  if p.key == key and p.red.slot == hr.slot and p.red.fencing_token == hr.fencing_token}
+        m_same = {
+            p.idx
+            for p in self.pairs
+            if p.key == key and p.mem.slot == hm.slot and p.mem.fencing_token == hm.fencing_token
+        }
+        r_same = {
+            p.idx
+            for p in self.pairs
+            if p.key == key and p.red.slot == hr.slot and p.red.fencing_token == hr.fencing_token
+        }
         assert m_same == r_same, (key, m_same, r_same)
         assert m_same, "the holder must be one of the handles this machine made"
         # the holder is the newest acquired or claimed handle with that fence (a claim
@@ -610,6 +638,7 @@ def test_scenario_renewal_keeps_a_lease_past_its_first_expiry(redis_url):
 
 # -- regressions: divergences found while this file was written, fixed in a4b3fd9 ---------------------
 
+
 def test_scenario_a_shorter_renewal_never_cuts_a_lease_short(redis_url):
     """Renewals only ever extend, in both backends: after renew(0.15) of a 0.35 s lease the key
     is still held at 0.2 s. (MemoryLocks used to set ``expires = now + ttl`` while Redis's RENEW
@@ -659,13 +688,20 @@ def test_memory_locks_handles_follow_the_injected_clock():
 
 _RATE_OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("call"), st.integers(1, 3), st.sampled_from([None, 3, 5]), st.sampled_from([0.0, 2.5, 6.5]),
-                  st.booleans()),
+        st.tuples(
+            st.just("call"),
+            st.integers(1, 3),
+            st.sampled_from([None, 3, 5]),
+            st.sampled_from([0.0, 2.5, 6.5]),
+            st.booleans(),
+        ),
         st.tuples(st.just("turn"), st.integers(1, 3), st.sampled_from([None, 3, 5]), st.sampled_from([0.0, 6.5])),
         st.tuples(st.just("settle"), st.integers(-3, 3)),
         st.tuples(st.just("pause"), st.sampled_from([1, 2, 4])),
     ),
-    min_size=1, max_size=8)
+    min_size=1,
+    max_size=8,
+)
 
 
 def test_memory_rates_match_redis_rates(redis_url):
@@ -692,21 +728,27 @@ def test_memory_rates_match_redis_rates(redis_url):
                         _, cost, burst, book, peek = op
                         if burst is not None and cost > burst:
                             burst = cost
-                        answers.append(lk.throttle("r", rate=rate, cost=cost, burst=burst, book_within=book,
-                                                   consume=not peek))
+                        answers.append(
+                            lk.throttle("r", rate=rate, cost=cost, burst=burst, book_within=book, consume=not peek)
+                        )
                     elif op[0] == "turn":
                         _, cost, burst, book = op
                         burst = None if burst is None else max(burst, cost)
-                        answers.append(lk.rates.throttle("r", rate=rate, cost=cost, burst=burst, book_within=book,
-                                                         turn=True))
+                        answers.append(
+                            lk.rates.throttle("r", rate=rate, cost=cost, burst=burst, book_within=book, turn=True)
+                        )
                     elif op[0] == "settle":
                         answers.append(lk.settle_cost("r", rate=rate, by=op[1]))
                     else:
                         answers.append(round(lk.back_off("r", op[1]), 1))
                 red, mem = answers
                 if op[0] in ("call", "turn"):
-                    assert (red.allowed, red.booked, red.paused, red.remaining) == \
-                        (mem.allowed, mem.booked, mem.paused, mem.remaining), op
+                    assert (red.allowed, red.booked, red.paused, red.remaining) == (
+                        mem.allowed,
+                        mem.booked,
+                        mem.paused,
+                        mem.remaining,
+                    ), op
                     assert abs(red.retry_after - mem.retry_after) < 0.05, op
                 else:
                     assert red == mem, op

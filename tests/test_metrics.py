@@ -82,32 +82,50 @@ def test_a_skip_in_an_rq_work_horse_is_counted(redis_url, prefix, tmp_path):
 
     from . import rq_jobs
 
-    env = {**os.environ, "TASKGUARD_REDIS_URL": redis_url, "TASKGUARD_PREFIX": prefix,
-           "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "TASKGUARD_METRICS": "1"}
+    env = {
+        **os.environ,
+        "TASKGUARD_REDIS_URL": redis_url,
+        "TASKGUARD_PREFIX": prefix,
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+        "TASKGUARD_METRICS": "1",
+    }
     conn = redis.Redis.from_url(redis_url)
     queue = Queue(f"q-{prefix}", connection=conn)
     locks = RedisLocks(conn, prefix=prefix)
     held = locks.acquire("slow:5", ttl=30).lease
     job = queue.enqueue(rq_jobs.slow, 5, seconds=0)
-    proc = subprocess.run([sys.executable, "-m", "rq.cli", "worker", "-u", redis_url, "--burst", queue.name],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rq.cli", "worker", "-u", redis_url, "--burst", queue.name],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     held.release()
     assert proc.returncode == 0, proc.stderr
     assert job.return_value().reason == "held"
     registry = multiproc_registry(tmp_path)
-    assert sample(registry, "taskguard_skips_total", task=rq_jobs.slow.taskguard_name, reason="held",
-                  shadow="false") == 1
+    assert (
+        sample(registry, "taskguard_skips_total", task=rq_jobs.slow.taskguard_name, reason="held", shadow="false") == 1
+    )
     queue.delete(delete_jobs=True)
 
 
 def test_taskguard_metrics_command_serves_the_multiprocess_directory(tmp_path):
     port = free_port()
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    writer = ("import os; from taskguard.metrics import Metrics; "
-              "m = Metrics(); m.skips.labels(task='t', reason='held', shadow='false').inc(3)")
+    writer = (
+        "import os; from taskguard.metrics import Metrics; "
+        "m = Metrics(); m.skips.labels(task='t', reason='held', shadow='false').inc(3)"
+    )
     subprocess.run([sys.executable, "-c", writer], env=env, check=True, timeout=30)
-    server = subprocess.Popen([sys.executable, "-m", "taskguard.cli", "metrics", "--port", str(port),
-                               "--addr", "127.0.0.1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "taskguard.cli", "metrics", "--port", str(port), "--addr", "127.0.0.1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         body = ""
         deadline = time.monotonic() + 20
@@ -133,9 +151,13 @@ def test_flower_counts_task_skipped_events(redis_url, prefix, mode):
     port = free_port()
     env = {**os.environ, "TG_TEST_QUEUE": queue, "TG_TEST_PREFIX": prefix, "FLOWER_UNAUTHENTICATED_API": "true"}
     log = open(Path(tempfile.gettempdir()) / f"tg-flower-{prefix}.log", "wb")
-    flower = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.celery_app", "flower",
-                               f"--port={port}", "--address=127.0.0.1"], cwd=ROOT, env=env, stdout=log,
-                              stderr=subprocess.STDOUT)
+    flower = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.celery_app", "flower", f"--port={port}", "--address=127.0.0.1"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     task = "tg.slow" if mode == "result" else "tg.on_skip_ignore"
     args = (1,) if mode == "result" else ()
     try:
@@ -157,13 +179,20 @@ def test_flower_counts_task_skipped_events(redis_url, prefix, mode):
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and not line:
                 metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-                line = next((m for m in metrics.splitlines() if m.startswith("flower_events_total")
-                             and 'type="task-skipped"' in m and f'task="{task}"' in m), "")
+                line = next(
+                    (
+                        m
+                        for m in metrics.splitlines()
+                        if m.startswith("flower_events_total") and 'type="task-skipped"' in m and f'task="{task}"' in m
+                    ),
+                    "",
+                )
                 time.sleep(0.3)
             import json
 
-            state = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/api/task/info/{second.id}",
-                                                      timeout=5).read())["state"]
+            state = json.loads(
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/task/info/{second.id}", timeout=5).read()
+            )["state"]
         print("   ", line, "| state:", state)
         assert line.endswith(" 1.0")
         assert state == ("SUCCESS" if mode == "result" else "SKIPPED")

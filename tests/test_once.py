@@ -123,6 +123,7 @@ def test_the_record_never_holds_the_owner_token(redis_url, prefix):
 
 # -- shadow mode ------------------------------------------------------------------------------------
 
+
 def _events(locks):
     seen: list[LeaseEvent] = []
     locks.add_listener(seen.append)

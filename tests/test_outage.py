@@ -13,8 +13,9 @@ from .servers import free_port
 
 
 def test_acquire_on_unreachable_redis_raises_backend_error_quickly():
-    locks = RedisLocks.from_url(f"redis://127.0.0.1:{free_port()}/0", connect_timeout=0.5, socket_timeout=0.5,
-                                retries=1)
+    locks = RedisLocks.from_url(
+        f"redis://127.0.0.1:{free_port()}/0", connect_timeout=0.5, socket_timeout=0.5, retries=1
+    )
     started = time.monotonic()
     with pytest.raises(LeaseBackendError) as err:
         locks.acquire("k", ttl=5)
@@ -29,8 +30,14 @@ def test_acquire_on_unreachable_redis_raises_backend_error_quickly():
 
 def test_redis_stopped_mid_lease_then_back(redis_server):
     events = []
-    locks = RedisLocks.from_url(redis_server.url, connect_timeout=0.3, socket_timeout=0.3, retries=0,
-                                renew_fraction=0.2, listeners=[events.append])
+    locks = RedisLocks.from_url(
+        redis_server.url,
+        connect_timeout=0.3,
+        socket_timeout=0.3,
+        retries=0,
+        renew_fraction=0.2,
+        listeners=[events.append],
+    )
     lease = locks.acquire("held", ttl=4, renew=True).lease
     assert locks.check_health().ok
 
@@ -60,8 +67,9 @@ def test_redis_stopped_mid_lease_then_back(redis_server):
 
 
 def test_lease_presumed_lost_when_outage_outlasts_ttl(redis_server):
-    locks = RedisLocks.from_url(redis_server.url, connect_timeout=0.2, socket_timeout=0.2, retries=0,
-                                renew_fraction=0.25)
+    locks = RedisLocks.from_url(
+        redis_server.url, connect_timeout=0.2, socket_timeout=0.2, retries=0, renew_fraction=0.25
+    )
     lost = []
     lease = locks.acquire("short", ttl=0.8, renew=True).lease
     lease.on_lost(lambda lease, reason: lost.append(reason))

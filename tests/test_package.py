@@ -39,8 +39,9 @@ def test_built_wheel_installs_and_works_without_the_source_tree(tmp_path, redis_
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], timeout=120)
     py = str(venv / "bin" / "python")
-    _run([py, "-m", "pip", "install", "--disable-pip-version-check", "-q", f"{wheel}[celery,rq]", "pytest"],
-         timeout=400)
+    _run(
+        [py, "-m", "pip", "install", "--disable-pip-version-check", "-q", f"{wheel}[celery,rq]", "pytest"], timeout=400
+    )
 
     work = tmp_path / "user"
     work.mkdir()
@@ -49,7 +50,8 @@ def test_built_wheel_installs_and_works_without_the_source_tree(tmp_path, redis_
 
     assert _run([str(venv / "bin" / "taskguard"), "--version"], cwd=work, env=env, timeout=60).strip().endswith(version)
 
-    (work / "user_tasks.py").write_text(textwrap.dedent(f"""
+    (work / "user_tasks.py").write_text(
+        textwrap.dedent(f"""
         import os
         import redis
         from celery import Celery
@@ -75,7 +77,8 @@ def test_built_wheel_installs_and_works_without_the_source_tree(tmp_path, redis_
         @guarded_job(ttl=10, key="sync:{{n}}")
         def sync(n):
             return n * 2
-    """))
+    """)
+    )
     script = textwrap.dedent("""
         import user_tasks as t
         from taskguard import is_skipped
@@ -92,7 +95,8 @@ def test_built_wheel_installs_and_works_without_the_source_tree(tmp_path, redis_
     """)
     assert "user tasks OK" in _run([py, "-c", script], cwd=work, env=env, timeout=120)
 
-    (work / "test_user.py").write_text(textwrap.dedent("""
+    (work / "test_user.py").write_text(
+        textwrap.dedent("""
         from taskguard.testing import assert_skipped
 
         def test_fixture_gives_locks(taskguard_locks, taskguard_events):
@@ -100,7 +104,12 @@ def test_built_wheel_installs_and_works_without_the_source_tree(tmp_path, redis_
             assert_skipped(taskguard_locks.with_lease("k", lambda lease: 1, ttl=5), reason="held")
             lease.release()
             assert taskguard_events.of("acquire", "acquired")
-    """))
-    out = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_user.py",
-                f"--taskguard-redis-url={redis_url}"], cwd=work, env=env, timeout=120)
+    """)
+    )
+    out = _run(
+        [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_user.py", f"--taskguard-redis-url={redis_url}"],
+        cwd=work,
+        env=env,
+        timeout=120,
+    )
     assert "1 passed" in out

@@ -64,9 +64,23 @@ def flaky_locks(srv: RedisServer, prefix: str) -> RedisLocks:
 def warm(locks: RedisLocks) -> None:
     """Every script cached on the server (as on a server that has served a while), so a send
     during the stall is an EVALSHA that runs, not a NOSCRIPT."""
-    for s in (scripts.ACQUIRE, scripts.RENEW, scripts.RELEASE, scripts.RELEASE_STORING, scripts.QUEUE,
-              scripts.UNQUEUE, scripts.SIGNAL, scripts.CLAIM, scripts.RELEASE_WITHOUT_TOKEN, scripts.HOLDERS,
-              scripts.OWNS, scripts.PUT_RECORD, scripts.DELETE_RECORD, scripts.PUT_LEASE_RECORD, scripts.THROTTLE):
+    for s in (
+        scripts.ACQUIRE,
+        scripts.RENEW,
+        scripts.RELEASE,
+        scripts.RELEASE_STORING,
+        scripts.QUEUE,
+        scripts.UNQUEUE,
+        scripts.SIGNAL,
+        scripts.CLAIM,
+        scripts.RELEASE_WITHOUT_TOKEN,
+        scripts.HOLDERS,
+        scripts.OWNS,
+        scripts.PUT_RECORD,
+        scripts.DELETE_RECORD,
+        scripts.PUT_LEASE_RECORD,
+        scripts.THROTTLE,
+    ):
         locks.client.script_load(s.source)
 
 
@@ -98,9 +112,7 @@ def test_a_unique_mark_during_a_latency_spike_is_published_or_leaves_no_mark(pri
     locks.close()
 
 
-
-def test_a_release_during_a_latency_spike_is_not_taken_for_lost_when_the_next_holder_came_first(private_redis,
-                                                                                               prefix):
+def test_a_release_during_a_latency_spike_is_not_taken_for_lost_when_the_next_holder_came_first(private_redis, prefix):
     """Through redis-py's own retry: the release runs, a waiter's acquire sent during the stall
     runs next and takes the key, then the re-send runs. Before the fix the re-send found the new
     holder and answered 0: ``release()`` returned ``False`` and the handle was marked lost."""
@@ -135,8 +147,9 @@ def _state(client, prefix):
     out = {}
     for k in sorted(client.scan_iter(match="{" + prefix + ":*")):
         kind = client.type(k)
-        out[k] = (client.hgetall(k) if kind == b"hash" else client.get(k) if kind == b"string"
-                  else client.lrange(k, 0, -1))
+        out[k] = (
+            client.hgetall(k) if kind == b"hash" else client.get(k) if kind == b"string" else client.lrange(k, 0, -1)
+        )
     return out
 
 
@@ -209,8 +222,10 @@ def test_a_resent_queue_mark_answers_marked_and_a_new_call_of_the_same_run_is_re
     assert [int(first[0]), first[1]] == [int(second[0]), second[1]] == [1, b"run-1"]
     assert _state(client, prefix) == state  # the re-send wrote nothing
     # a new call naming the same run id (an explicit task id published twice): that run is queued
-    assert [int(x) if i == 0 else x for i, x in enumerate(scripts.QUEUE(client, (lk,), args[:4] + ("n0nce002",)))] \
-        == [0, b"run-1"]
+    assert [int(x) if i == 0 else x for i, x in enumerate(scripts.QUEUE(client, (lk,), args[:4] + ("n0nce002",)))] == [
+        0,
+        b"run-1",
+    ]
     # cleared by its run: a re-send of that clear answers 1 too, and a new mark goes in
     clear = ("run-1", "t", "n0nce003")
     assert int(scripts.UNQUEUE(client, (lk,), clear)) == 1
@@ -270,8 +285,10 @@ def test_the_other_scripts_answer_a_resend_as_they_did(client, prefix):
 
 # -- the publish paths: Celery's unique=True and RQ's enqueue_unique -----------------------------------
 
-def test_a_unique_celery_publish_during_a_latency_spike_goes_out_or_raises_leaving_no_mark(private_redis, redis_url,
-                                                                                          prefix):
+
+def test_a_unique_celery_publish_during_a_latency_spike_goes_out_or_raises_leaving_no_mark(
+    private_redis, redis_url, prefix
+):
     """The issue's input: before the fix the publish returned an AsyncResult naming its own task id,
     published nothing, and the key stayed blocked for ``unique_ttl``."""
     from .celery_app import make_app
@@ -326,4 +343,3 @@ def test_a_unique_rq_enqueue_during_a_latency_spike_goes_out_or_raises_leaving_n
             assert rq_env.job_ids == [job.id] and mark.startswith(job.id.encode() + b" ")
     finally:
         locks.close()
-

@@ -24,18 +24,31 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class RQWorker:
-    def __init__(self, queue: Queue, *extra: str, worker_class: str = "taskguard_rq.GuardedWorker",
-                 url: str | None = None):
+    def __init__(
+        self, queue: Queue, *extra: str, worker_class: str = "taskguard_rq.GuardedWorker", url: str | None = None
+    ):
         """``url``: the worker's own Redis (``-u``; default the leases' TASKGUARD_REDIS_URL)."""
         self.queue = queue
         self.log_path = Path(tempfile.gettempdir()) / f"tg-rq-{queue.name}-{time.time_ns()}.log"
-        self.args = [sys.executable, "-m", "rq.cli", "worker", "-u", url or os.environ["TASKGUARD_REDIS_URL"],
-                     "-w", worker_class, "--with-scheduler", *extra, queue.name]
+        self.args = [
+            sys.executable,
+            "-m",
+            "rq.cli",
+            "worker",
+            "-u",
+            url or os.environ["TASKGUARD_REDIS_URL"],
+            "-w",
+            worker_class,
+            "--with-scheduler",
+            *extra,
+            queue.name,
+        ]
 
     def __enter__(self):
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=dict(os.environ), stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args, cwd=ROOT, env=dict(os.environ), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + 30
         while b"Listening on" not in self.log_path.read_bytes():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -187,11 +200,13 @@ def test_direct_calls_are_guarded(rq_env):
 
 def test_bad_options_fail_at_declaration():
     with pytest.raises(ConfigError, match="missing"):
+
         @guarded_job(key="x:{missing}")
         def f(present):
             pass
 
     with pytest.raises(ConfigError, match="on_skip"):
+
         @guarded_job(on_skip="ignore")  # RQ has no way to record nothing
         def g():
             pass
@@ -237,8 +252,10 @@ def test_every_outside_end_of_a_running_job_settles_its_lease_and_handle(rq_env,
         held = locks().holder(f"long:{how}")
         handle = load_handle(locks(), job.id)
         output = worker.output()
-    print(f"    injected: {how} of a job holding long:{how} (ttl 30 s); lease held after: {held is not None}, "
-          f"handle kept: {handle is not None}")
+    print(
+        f"    injected: {how} of a job holding long:{how} (ttl 30 s); lease held after: {held is not None}, "
+        f"handle kept: {handle is not None}"
+    )
     assert held is None, output[-3000:]
     assert handle is None
     with RQWorker(rq_env):

@@ -25,16 +25,23 @@ def test_wrong_arguments_raise_type_error_and_lock_nothing(rq_env):
     ``enqueue_unique``, and in the worker (the job fails with it). Before, the key template bound
     the arguments first and raised ``ConfigError``."""
     queue = rq_env
-    for call in (lambda: rq_jobs.add(5), lambda: rq_jobs.add(5, 5, wrong_arg=5), lambda: rq_jobs.add(1, 2, 3, 4),
-                 lambda: enqueue_unique(queue, rq_jobs.add, (5,))):
+    for call in (
+        lambda: rq_jobs.add(5),
+        lambda: rq_jobs.add(5, 5, wrong_arg=5),
+        lambda: rq_jobs.add(1, 2, 3, 4),
+        lambda: enqueue_unique(queue, rq_jobs.add, (5,)),
+    ):
         with pytest.raises(TypeError) as info:
             call()
         assert not isinstance(info.value, ConfigError), info.value
     with pytest.raises(TypeError, match="missing a required argument: 'y'"):
         rq_jobs.add(5)
     with RQWorker(queue):
-        jobs = [queue.enqueue(rq_jobs.add, 5), queue.enqueue(rq_jobs.add, 5, 5, wrong_arg=5),
-                queue.enqueue(rq_jobs.add, 2, 3)]
+        jobs = [
+            queue.enqueue(rq_jobs.add, 5),
+            queue.enqueue(rq_jobs.add, 5, 5, wrong_arg=5),
+            queue.enqueue(rq_jobs.add, 2, 3),
+        ]
         states = [wait_done(job) for job in jobs]
     assert states == [JobStatus.FAILED, JobStatus.FAILED, JobStatus.FINISHED]
     for job in jobs[:2]:
@@ -56,9 +63,15 @@ def test_a_direct_call_inside_a_job_is_judged_by_its_own_call(rq_env):
         assert wait_done(job) == JobStatus.FINISHED
     assert job.return_value() == [2, 1, 0, 1, 2, 3]
     entries = log(queue)
-    assert [e for e in entries if e.startswith("down:") and ":handle:" not in e] == \
-        ["down:2:down:2", "down:1:down:1", "down:0:down:0"]
-    assert [e for e in entries if ":handle:" in e] == ["down:0:handle:down:2", "down:1:handle:down:2",
-                                                        "down:2:handle:down:2"], entries
+    assert [e for e in entries if e.startswith("down:") and ":handle:" not in e] == [
+        "down:2:down:2",
+        "down:1:down:1",
+        "down:0:down:0",
+    ]
+    assert [e for e in entries if ":handle:" in e] == [
+        "down:0:handle:down:2",
+        "down:1:handle:down:2",
+        "down:2:handle:down:2",
+    ], entries
     assert job.get_meta(refresh=True)["taskguard"]["key"] == "down:2"
     assert rq_jobs.down(1) == [1, 0, 1, 2]  # and called directly from outside any job

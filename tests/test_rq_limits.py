@@ -40,8 +40,10 @@ def test_rq_rate_limit_parks_jobs_over_the_limit_instead_of_skipping(rq_env):
     """RQ >= 3.0: enqueued with RQ's own RateLimit for the job's key and limit, jobs over the limit
     wait (status rate_limited) and run when a slot frees: none is skipped, never more than 2 run."""
     with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2, RQWorker(rq_env) as w3:
-        jobs = [rq_env.enqueue(rq_jobs.export, "t2", seconds=0.6, rate_limit=rq_jobs.export.rate_limit_for("t2"))
-                for _ in range(5)]
+        jobs = [
+            rq_env.enqueue(rq_jobs.export, "t2", seconds=0.6, rate_limit=rq_jobs.export.rate_limit_for("t2"))
+            for _ in range(5)
+        ]
         parked = {job.get_status(refresh=True) for job in jobs}
         for job in jobs:
             assert wait_done(job, timeout=30) == JobStatus.FINISHED
@@ -116,9 +118,12 @@ def test_bad_options_fail_at_declaration():
 
 # -- weighted rates (cost=) and back-off on 429 (RateLimited) -----------------------------------
 
+
 def _rows(queue, name):
-    return [x.decode().split() for x in queue.connection.lrange("{" + os.environ["TASKGUARD_PREFIX"] + ":" + name + "}",
-                                                                0, -1)]
+    return [
+        x.decode().split()
+        for x in queue.connection.lrange("{" + os.environ["TASKGUARD_PREFIX"] + ":" + name + "}", 0, -1)
+    ]
 
 
 def test_a_weighted_rate_holds_in_cost_units_across_two_workers(rq_env):

@@ -180,8 +180,9 @@ def test_an_error_after_the_lease_is_taken_and_before_the_body_leaves_nothing_he
     from taskguard import IdempotencyConflict, LeaseBackendError, RedisLocks
     from taskguard.once import OncePolicy, encode_record, fingerprint_of
 
-    locks = RedisLocks.from_url(redis_server.url, prefix="tgtest-begin", connect_timeout=0.3, socket_timeout=0.3,
-                                retries=0, renew_fraction=0.2)
+    locks = RedisLocks.from_url(
+        redis_server.url, prefix="tgtest-begin", connect_timeout=0.3, socket_timeout=0.3, retries=0, renew_fraction=0.2
+    )
     client = redis_py.Redis.from_url(redis_server.url)
     policy = OncePolicy(fingerprint_of("mine"), ttl=60)
     other = encode_record(OncePolicy(fingerprint_of("other"), ttl=60), "theirs", "k1")

@@ -63,6 +63,7 @@ def celery_env(redis_url, prefix):
 
 # -- Celery: redelivery of a long acks_late body ----------------------------------------------------
 
+
 def test_long_acks_late_body_with_short_visibility_timeout_runs_once_with_bounded_copies(celery_env, prefix):
     """visibility_timeout=2, acks_late, ttl=6, a 24 s body, prefork -c 2, one delay(): the broker
     hands the unacked message out again every ~2 s. The body runs once, the stored result is its
@@ -80,8 +81,10 @@ def test_long_acks_late_body_with_short_visibility_timeout_runs_once_with_bounde
         time.sleep(4.0)
         final = len(executions(app, prefix, "tg.late_long"))
     starts = entries(app, "late:x:start")
-    say(f"injected: visibility_timeout=2 s, body 24 s; observed {len(starts)} body run(s), {mid} executions "
-        f"at the end of the body, {final} in all, result {value!r}")
+    say(
+        f"injected: visibility_timeout=2 s, body 24 s; observed {len(starts)} body run(s), {mid} executions "
+        f"at the end of the body, {final} in all, result {value!r}"
+    )
     assert len(starts) == 1
     assert value == "body of x" and AsyncResult(res.id, app=app).get(timeout=1) == "body of x"
     assert mid <= 40, mid  # ~12 broker redeliveries of the original plus one chain of deferred copies
@@ -101,8 +104,10 @@ def test_eta_task_longer_than_the_visibility_timeout_runs_once(celery_env, prefi
         assert res.get(timeout=30) == 1
         time.sleep(5.0)
     copies = executions(app, prefix, "tg.counted")
-    say(f"injected: countdown 6 s, visibility_timeout 1 s, two workers; observed {len(copies)} executions, "
-        f"bodies {entries(app, 'counted:eta:')}")
+    say(
+        f"injected: countdown 6 s, visibility_timeout 1 s, two workers; observed {len(copies)} executions, "
+        f"bodies {entries(app, 'counted:eta:')}"
+    )
     assert len(entries(app, "counted:eta:")) == 1 and len(copies) >= 2  # copies did arrive
     assert AsyncResult(res.id, app=app).get(timeout=1) == 1
 
@@ -129,8 +134,10 @@ def test_redelivered_copy_of_a_finished_run_never_overwrites_its_result(celery_e
         time.sleep(0.5)
         holder.release()
     value = AsyncResult(first.id, app=app).get(timeout=1)
-    say(f"injected: a redelivered copy of a finished run; observed result {value!r}, "
-        f"bodies {entries(app, 'counted:dup:')}")
+    say(
+        f"injected: a redelivered copy of a finished run; observed result {value!r}, "
+        f"bodies {entries(app, 'counted:dup:')}"
+    )
     assert value == 1 and len(entries(app, "counted:dup:")) == 1
 
 
@@ -193,6 +200,7 @@ def test_a_finished_deferral_chain_does_not_drop_a_later_deliverys_copy(celery_e
 
 # -- Celery: publishes of an existing id run -----------------------------------------------------------
 
+
 def test_apply_async_with_the_id_of_a_finished_task_runs_again(celery_env):
     app, queue = celery_env()
     task_id = str(uuid.uuid4())
@@ -253,6 +261,7 @@ def test_chain_steps_of_one_key_each_run(celery_env):
 
 # -- Celery: a run that hands its message back is not finished ----------------------------------------
 
+
 def test_reject_with_requeue_runs_again(celery_env):
     app, queue = celery_env(broker_transport_options=FAST_RESTORE)
     with embedded_worker(app, pool="threads", concurrency=2):
@@ -293,6 +302,7 @@ def test_retry_on_worker_lost_runs_the_retry(celery_env, prefix):
 
 # -- Celery: what a finished run costs in Redis --------------------------------------------------------
 
+
 def _keys_of(prefix):
     r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     return {k.decode(): r.pttl(k) for k in r.scan_iter(match="{" + prefix + ":*", count=1000)}
@@ -330,6 +340,7 @@ def test_finished_runs_without_a_result_backend_are_kept_only_while_redeliverabl
 
 
 # -- RQ: every execution is a run ---------------------------------------------------------------------
+
 
 def test_rq_returned_retry_runs_the_body_again(rq_env):
     with RQWorker(rq_env):
@@ -397,11 +408,15 @@ def test_rq_second_execution_waits_for_a_live_earlier_one_then_runs(rq_env):
 
 # -- settings ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("conf, expected", [
-    ({}, 3600.0 + 60),
-    ({"broker_transport_options": {"visibility_timeout": 60}}, 120.0),
-    ({"taskguard_redelivery_timeout": 900}, 960.0),
-])
+
+@pytest.mark.parametrize(
+    "conf, expected",
+    [
+        ({}, 3600.0 + 60),
+        ({"broker_transport_options": {"visibility_timeout": 60}}, 120.0),
+        ({"taskguard_redelivery_timeout": 900}, 960.0),
+    ],
+)
 def test_redelivery_window_comes_from_the_apps_settings(celery_env, conf, expected):
     from taskguard_celery.identity import redelivery_window
 
@@ -416,10 +431,13 @@ def test_redelivery_window_of_rabbitmq_is_its_consumer_timeout(prefix):
     assert redelivery_window(app) == 1800.0 + 60
 
 
-@pytest.mark.parametrize("conf, name", [
-    ({"broker_transport_options": {"visibility_timeout": -1}}, "visibility_timeout"),
-    ({"taskguard_redelivery_timeout": float("nan")}, "taskguard_redelivery_timeout"),
-])
+@pytest.mark.parametrize(
+    "conf, name",
+    [
+        ({"broker_transport_options": {"visibility_timeout": -1}}, "visibility_timeout"),
+        ({"taskguard_redelivery_timeout": float("nan")}, "taskguard_redelivery_timeout"),
+    ],
+)
 def test_a_bad_redelivery_setting_stops_the_worker_at_start_naming_it(celery_env, conf, name):
     from taskguard_celery.pools import check_settings
 

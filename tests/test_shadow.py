@@ -61,6 +61,7 @@ def limit_sequence(locks, key, enforce):
 
 def once_sequence(locks, key, enforce):
     """once: A (fingerprint 1) holds; B (1) arrives meanwhile; A completes; C (1) and D (2) arrive."""
+
     def pol(fp):
         return OncePolicy(fingerprint_of(fp))
 
@@ -152,10 +153,14 @@ def test_a_shadow_once_record_is_separate_and_never_returned(any_locks):
     assert any_locks.once("paid", lambda lease: "again", ttl=5, fingerprint=1) == "real"
 
 
-@pytest.mark.parametrize("max_wait, expected", [
-    (None, [None, "rate_limited", "rate_limited"]),  # the second call booked the turn at 2 s: the third waits
-    (0.0, [None, "rate_limited", None]),  # nothing booked (it may not wait): the third finds room
-], ids=["booked", "not-booked"])
+@pytest.mark.parametrize(
+    "max_wait, expected",
+    [
+        (None, [None, "rate_limited", "rate_limited"]),  # the second call booked the turn at 2 s: the third waits
+        (0.0, [None, "rate_limited", None]),  # nothing booked (it may not wait): the third finds room
+    ],
+    ids=["booked", "not-booked"],
+)
 def test_a_shadow_deferral_books_its_turn_as_an_enforced_one_does(any_locks, max_wait, expected):
     """Two calls at once, a third 2.6 s later: whether the third finds room depends on whether the
     second, denied, booked its turn. Shadow and enforced sequences agree on it."""

@@ -44,8 +44,16 @@ def test_is_frozen():
     assert s == sample()
 
 
-@pytest.mark.parametrize("s", [sample(), sample(task=None, holder_ttl=None), sample(reason="wait_timeout"),
-                               sample(holder_ttl=0.0), sample(key="")])
+@pytest.mark.parametrize(
+    "s",
+    [
+        sample(),
+        sample(task=None, holder_ttl=None),
+        sample(reason="wait_timeout"),
+        sample(holder_ttl=0.0),
+        sample(key=""),
+    ],
+)
 def test_is_falsy(s):
     assert bool(s) is False
     assert not s
@@ -75,8 +83,15 @@ def test_dict_round_trip():
 
 def test_from_dict_rejects_what_is_not_a_tagged_dict():
     d = sample().to_dict()
-    for bad in ({k: v for k, v in d.items() if k != TAG}, {**d, TAG: 0}, {**d, TAG: "1"}, {TAG: 1, "key": "k"},
-                {TAG: 1, "reason": "held"}, {}, [("key", "k")]):
+    for bad in (
+        {k: v for k, v in d.items() if k != TAG},
+        {**d, TAG: 0},
+        {**d, TAG: "1"},
+        {TAG: 1, "key": "k"},
+        {TAG: 1, "reason": "held"},
+        {},
+        [("key", "k")],
+    ):
         with pytest.raises(ValueError):
             Skipped.from_dict(bad)
 
@@ -109,19 +124,33 @@ def test_pickle_round_trip(protocol):
     assert back == s and type(back) is Skipped and not back and is_skipped(back)
 
 
-@pytest.mark.parametrize("value", [
-    None, 0, False, "", "held", [], (), {}, set(), b"", 1.5, object(),
-    {"key": "k", "reason": "held"},  # the fields without the tag
-    {"key": "k", "reason": "held", TAG: 0},
-    {"key": "k", "reason": "held", TAG: "1"},
-    {TAG: 1},
-    {TAG: 1, "key": "k"},
-    {TAG: 1, "reason": "held"},
-    [TAG, "key", "reason"],
-    json.dumps(sample().to_dict()),  # the serialized text itself is not a value
-    dataclasses.asdict(sample()),
-    Exception("held"),
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        0,
+        False,
+        "",
+        "held",
+        [],
+        (),
+        {},
+        set(),
+        b"",
+        1.5,
+        object(),
+        {"key": "k", "reason": "held"},  # the fields without the tag
+        {"key": "k", "reason": "held", TAG: 0},
+        {"key": "k", "reason": "held", TAG: "1"},
+        {TAG: 1},
+        {TAG: 1, "key": "k"},
+        {TAG: 1, "reason": "held"},
+        [TAG, "key", "reason"],
+        json.dumps(sample().to_dict()),  # the serialized text itself is not a value
+        dataclasses.asdict(sample()),
+        Exception("held"),
+    ],
+)
 def test_is_skipped_rejects_ordinary_values(value):
     assert is_skipped(value) is False
 
@@ -136,7 +165,8 @@ def test_is_skipped_accepts_the_value_and_its_dict():
 def test_describe_is_one_readable_line():
     assert sample().describe() == "reports.nightly: skipped, lease 'nightly-report' held (holder has 12.5s left)"
     assert sample(task=None, holder_ttl=None, reason="wait_timeout").describe() == (
-        "skipped, lease 'nightly-report' wait_timeout")
+        "skipped, lease 'nightly-report' wait_timeout"
+    )
     assert "\n" not in sample(key="multi").describe()
 
 

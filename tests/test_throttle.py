@@ -41,9 +41,21 @@ def test_denied_callers_book_distinct_turns(any_locks):
     assert not late.booked and late.retry_after > 0.9
 
 
-@pytest.mark.parametrize("rate, burst", [("0/s", None), ("5/w", None), ("x/s", None), ((5, 0), None), ((0, 1), None),
-                                         ((1, float("nan")), None), (5, None), ("10/s", 0), ("10/s", True),
-                                         ((10**7, 1), None)])
+@pytest.mark.parametrize(
+    "rate, burst",
+    [
+        ("0/s", None),
+        ("5/w", None),
+        ("x/s", None),
+        ((5, 0), None),
+        ((0, 1), None),
+        ((1, float("nan")), None),
+        (5, None),
+        ("10/s", 0),
+        ("10/s", True),
+        ((10**7, 1), None),
+    ],
+)
 def test_bad_rates_are_config_errors(rate, burst):
     with pytest.raises(ConfigError):
         MemoryLocks().throttle("k", rate=rate, burst=burst)
@@ -85,6 +97,7 @@ def test_the_rate_holds_across_processes(redis_url, prefix):
 
 
 # -- weighted rates (cost=), settling the actual cost, back-off pauses ---------------------------
+
 
 def test_a_call_costs_its_units_and_the_default_burst_admits_it(any_locks):
     """rate 100 units/s: a call of cost 30 passes at once (default burst = its cost), the next

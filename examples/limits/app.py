@@ -70,8 +70,16 @@ def store() -> redis.Redis:
     return _redis
 
 
-@guarded_task(name="limits.export", bind=True, ttl=10, key="export:{tenant}", limit=EXPORT_LIMIT,
-              on_skip="retry", skip_retry_delay=0.5, skip_max_retries=40)
+@guarded_task(
+    name="limits.export",
+    bind=True,
+    ttl=10,
+    key="export:{tenant}",
+    limit=EXPORT_LIMIT,
+    on_skip="retry",
+    skip_retry_delay=0.5,
+    skip_max_retries=40,
+)
 def export(self, tenant: str, rows: int, seconds: float = 0.5) -> dict:
     """Export a tenant's rows; at most two exports of one tenant run at a time."""
     lease = self.lease
@@ -82,8 +90,17 @@ def export(self, tenant: str, rows: int, seconds: float = 0.5) -> dict:
     return {"tenant": tenant, "rows": rows, "slot": lease.slot, "fence": lease.fencing_token}
 
 
-@guarded_task(name="limits.call_api", bind=True, ttl=10, key="partner-api-call:{n}", rate=API_RATE,
-              rate_key="partner-api", rate_burst=API_BURST, rate_max_wait=30, max_retries=0)
+@guarded_task(
+    name="limits.call_api",
+    bind=True,
+    ttl=10,
+    key="partner-api-call:{n}",
+    rate=API_RATE,
+    rate_key="partner-api",
+    rate_burst=API_BURST,
+    rate_max_wait=30,
+    max_retries=0,
+)
 def call_api(self, n: int) -> int:
     """One call to the partner API, paced cluster-wide (the lease key is per call: only the rate
     is shared)."""
@@ -116,9 +133,18 @@ def fake_llm(text: str) -> tuple[str, int]:
     return text[:20], estimate_tokens(text) + len(text) % 7  # the real count differs a little
 
 
-@guarded_task(name="limits.summarize", bind=True, ttl=30, key="summarize:{n}", rate=TOKENS_RATE,
-              rate_key="llm-api", cost=lambda text, **_: estimate_tokens(text), rate_burst=TOKENS_BURST,
-              autoretry_for=(Exception,), max_retries=0)
+@guarded_task(
+    name="limits.summarize",
+    bind=True,
+    ttl=30,
+    key="summarize:{n}",
+    rate=TOKENS_RATE,
+    rate_key="llm-api",
+    cost=lambda text, **_: estimate_tokens(text),
+    rate_burst=TOKENS_BURST,
+    autoretry_for=(Exception,),
+    max_retries=0,
+)
 def summarize(self, n: int, text: str) -> str:
     """One call to the LLM API, paced in tokens cluster-wide; a 429 pauses every worker."""
     try:

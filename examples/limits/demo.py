@@ -73,9 +73,32 @@ class SkipEvents:
 def start_worker(env: dict, log_path: Path) -> subprocess.Popen:
     log = open(log_path, "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "app", "worker", "-P", "prefork", "-c", "4", "-Q", env["LIMITS_QUEUE"],
-         "-n", f"demo-{env['LIMITS_QUEUE']}@%h", "--loglevel", "INFO", "--without-gossip", "--without-mingle"],
-        cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "app",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            "4",
+            "-Q",
+            env["LIMITS_QUEUE"],
+            "-n",
+            f"demo-{env['LIMITS_QUEUE']}@%h",
+            "--loglevel",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+        ],
+        cwd=HERE,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while b" ready." not in log_path.read_bytes():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -130,8 +153,12 @@ def main() -> int:
     tmp = Path(tempfile.gettempdir()) / "taskguard-demo-limits"
     tmp.mkdir(parents=True, exist_ok=True)
     log_path = tmp / f"worker-{run}.log"
-    env = {**os.environ, "LIMITS_QUEUE": f"limits-{run}", "LIMITS_PREFIX": f"limits-demo-{run}",
-           "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {
+        **os.environ,
+        "LIMITS_QUEUE": f"limits-{run}",
+        "LIMITS_PREFIX": f"limits-demo-{run}",
+        "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
     os.environ.update({k: env[k] for k in ("LIMITS_QUEUE", "LIMITS_PREFIX")})
     sys.path.insert(0, str(HERE))
     import app as limits  # noqa: E402  (configured by the environment above)
@@ -151,8 +178,10 @@ def main() -> int:
     shared_before = untimed_bookkeeping(conn)
     count, period = limits.API_RATE
     rate_per_s = count / period
-    print(f"taskguard limits demo: a prefork Celery worker (4 processes) on {redact_url(limits.REDIS_URL)}, "
-          f"key prefix {limits.PREFIX}\n")
+    print(
+        f"taskguard limits demo: a prefork Celery worker (4 processes) on {redact_url(limits.REDIS_URL)}, "
+        f"key prefix {limits.PREFIX}\n"
+    )
     events = SkipEvents(limits.app)
     events.start()
     worker = start_worker(env, log_path)
@@ -167,8 +196,10 @@ def main() -> int:
         calls = [limits.call_api.delay(n) for n in range(API_CALLS)]
         every = [r for rs in exports.values() for r in rs] + calls
         events.ids.update(r.id for r in every)
-        print(f"published at once: {', '.join(f'{n} exports for {t!r}' for t, n in EXPORTS.items())}, "
-              f"{API_CALLS} API calls\n")
+        print(
+            f"published at once: {', '.join(f'{n} exports for {t!r}' for t, n in EXPORTS.items())}, "
+            f"{API_CALLS} API calls\n"
+        )
         outcomes = {}
         for r in every:
             try:
@@ -186,7 +217,7 @@ def main() -> int:
     worker_log = log_path.read_text(errors="replace")
 
     limit_deferrals = events.deferrals("limit")
-    print(f"exports (limit={limits.EXPORT_LIMIT} per tenant, on_skip=\"retry\" every 0.5 s)")
+    print(f'exports (limit={limits.EXPORT_LIMIT} per tenant, on_skip="retry" every 0.5 s)')
     for tenant, results in exports.items():
         ran = [outcomes[r.id][1] for r in results if outcomes[r.id][2] == "SUCCESS"]
         done = [v for v in ran if isinstance(v, dict) and as_skipped(v) is None]
@@ -195,10 +226,14 @@ def main() -> int:
         waited = sum(1 for r in results if limit_deferrals.get(r.id))
         growing = all(b > a for fs in fences.values() for a, b in zip(fs, fs[1:], strict=False))
         slots = ", ".join(f"slot {s} x{len(fs)}" for s, fs in sorted(fences.items()))
-        print(f"  {tenant}: {len(done)}/{len(results)} ran, peak {peak} at once; {waited} found both slots taken "
-              f"and were re-published ({deferred} deferrals in all)")
-        print(f"  {' ' * len(tenant)}  leases held: {slots}; fencing token grew on every run of a slot: "
-              f"{'yes' if growing else 'NO'}")
+        print(
+            f"  {tenant}: {len(done)}/{len(results)} ran, peak {peak} at once; {waited} found both slots taken "
+            f"and were re-published ({deferred} deferrals in all)"
+        )
+        print(
+            f"  {' ' * len(tenant)}  leases held: {slots}; fencing token grew on every run of a slot: "
+            f"{'yes' if growing else 'NO'}"
+        )
         if len(done) != len(results) or entered != len(results):
             problems.append(f"{tenant}: {len(done)} of {len(results)} exports ran ({entered} entered the body)")
         if peak > limits.EXPORT_LIMIT:
@@ -216,16 +251,19 @@ def main() -> int:
     peak_calls = most_in_window(call_times, 1.0)
     span = call_times[-1] - call_times[0] if call_times else 0.0
     per = "s" if period == 1 else f"{period:g}s"
-    print(f"\nAPI calls (rate {count}/{per}, burst {limits.API_BURST}, rate_key \"partner-api\", max_retries=0)")
+    print(f'\nAPI calls (rate {count}/{per}, burst {limits.API_BURST}, rate_key "partner-api", max_retries=0)')
     print(f"  {len(call_times)}/{API_CALLS} calls made, over {span:.1f} s")
-    print(f"  most calls in any 1 s window: {peak_calls} (allowed: burst {limits.API_BURST} + "
-          f"{rate_per_s:g}/s x 1 s = {allowed:g})")
-    print(f"  {len(rate_deferrals)} calls were deferred to a booked turn ({sum(rate_deferrals.values())} deferrals, "
-          f"state RETRY), {len(skipped)} skipped past rate_max_wait")
+    print(
+        f"  most calls in any 1 s window: {peak_calls} (allowed: burst {limits.API_BURST} + "
+        f"{rate_per_s:g}/s x 1 s = {allowed:g})"
+    )
+    print(
+        f"  {len(rate_deferrals)} calls were deferred to a booked turn ({sum(rate_deferrals.values())} deferrals, "
+        f"state RETRY), {len(skipped)} skipped past rate_max_wait"
+    )
     print(f"  calls failed for max retries: {max_retries_failed}")
     if sorted(int(x.decode().split()[1]) for x in conn.lrange(limits.CALLS, 0, -1)) != list(range(API_CALLS)):
-        problems.append(f"API calls: expected each of {API_CALLS} calls to run exactly once, "
-                        f"{len(call_times)} ran")
+        problems.append(f"API calls: expected each of {API_CALLS} calls to run exactly once, {len(call_times)} ran")
     if peak_calls > allowed:
         problems.append(f"API calls: {peak_calls} calls in one 1 s window, more than {allowed:g}")
     if skipped or failed:

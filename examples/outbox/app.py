@@ -32,8 +32,11 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     # run with several `celery beat -S taskguard`: each due run is published once
     beat_schedule={
-        "daily-report": {"task": "reports.daily", "schedule": crontab(hour=6, minute=0),
-                         "options": {"taskguard": {"ttl": 3600}}},
+        "daily-report": {
+            "task": "reports.daily",
+            "schedule": crontab(hour=6, minute=0),
+            "options": {"taskguard": {"ttl": 3600}},
+        },
         "outbox-drain": {"task": "outbox.drain", "schedule": 10.0},
     },
 )
@@ -63,16 +66,19 @@ def create_schema(rows: int) -> None:
             CREATE TABLE reports (id TEXT PRIMARY KEY, body TEXT, fence INTEGER NOT NULL DEFAULT 0);
             CREATE TABLE customers (id INTEGER PRIMARY KEY, synced_at REAL, fence INTEGER NOT NULL DEFAULT 0);
         """)
-        db.executemany("INSERT INTO outbox (id, payload) VALUES (?, ?)",
-                       [(i, f"event-{i}") for i in range(1, rows + 1)])
+        db.executemany(
+            "INSERT INTO outbox (id, payload) VALUES (?, ?)", [(i, f"event-{i}") for i in range(1, rows + 1)]
+        )
 
 
 def move_batch(db: sqlite3.Connection, fence: int, size: int) -> int | None:
     """Move up to ``size`` rows under ``fence``; ``None`` when the fence check rejects the write."""
     db.execute("BEGIN IMMEDIATE")
     try:
-        ok = db.execute("UPDATE drain_fence SET fence = ? WHERE name = 'outbox' AND fence <= ?",
-                        (fence, fence)).rowcount == 1
+        ok = (
+            db.execute("UPDATE drain_fence SET fence = ? WHERE name = 'outbox' AND fence <= ?", (fence, fence)).rowcount
+            == 1
+        )
         if not ok:
             db.execute("ROLLBACK")
             return None
@@ -121,8 +127,9 @@ def stalled_drain(self, stall: float = 2.5, batch_size: int = 4):
 
 def record(task, fence: int, moved: int, rejected: int) -> None:
     with connect() as db:
-        db.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?)", (task.request.id, task.request.retries, fence, moved,
-                                                               rejected))
+        db.execute(
+            "INSERT INTO runs VALUES (?, ?, ?, ?, ?)", (task.request.id, task.request.retries, fence, moved, rejected)
+        )
 
 
 @guarded_task(name="reports.daily", ttl=600, key="report:{day}")
@@ -145,6 +152,8 @@ def sync_customer(customer_id: int, seconds: float = 0.5) -> dict:
     time.sleep(seconds)
     with connect() as db:
         db.execute("INSERT OR IGNORE INTO customers (id) VALUES (?)", (customer_id,))
-        db.execute("UPDATE customers SET synced_at = ?, fence = ? WHERE id = ? AND fence <= ?",
-                   (time.time(), fence, customer_id, fence))
+        db.execute(
+            "UPDATE customers SET synced_at = ?, fence = ? WHERE id = ? AND fence <= ?",
+            (time.time(), fence, customer_id, fence),
+        )
     return {"customer": customer_id, "fence": fence}

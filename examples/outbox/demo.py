@@ -85,9 +85,32 @@ def print_doctor(url: str) -> None:
 def start_worker(env: dict, log_path: Path) -> subprocess.Popen:
     log = open(log_path, "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "app", "worker", "-P", "prefork", "-c", "3", "-Q", env["OUTBOX_QUEUE"],
-         "-n", f"demo-{env['OUTBOX_QUEUE']}@%h", "--loglevel", "INFO", "--without-gossip", "--without-mingle"],
-        cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "app",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            "3",
+            "-Q",
+            env["OUTBOX_QUEUE"],
+            "-n",
+            f"demo-{env['OUTBOX_QUEUE']}@%h",
+            "--loglevel",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+        ],
+        cwd=HERE,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while b" ready." not in log_path.read_bytes():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -104,9 +127,15 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="taskguard-demo-"))
     metrics_dir = tmp / "metrics"  # prometheus_client multiprocess mode: every worker process writes here
     metrics_dir.mkdir()
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "TASKGUARD_METRICS": "1",
-           "OUTBOX_DB": str(tmp / "outbox.sqlite"), "OUTBOX_QUEUE": f"outbox-{run}",
-           "OUTBOX_PREFIX": f"outbox-demo-{run}", "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {
+        **os.environ,
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+        "TASKGUARD_METRICS": "1",
+        "OUTBOX_DB": str(tmp / "outbox.sqlite"),
+        "OUTBOX_QUEUE": f"outbox-{run}",
+        "OUTBOX_PREFIX": f"outbox-demo-{run}",
+        "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
     os.environ.update({k: v for k, v in env.items() if k not in ("PROMETHEUS_MULTIPROC_DIR", "TASKGUARD_METRICS")})
     sys.path.insert(0, str(HERE))
     import app as outbox  # noqa: E402  (configured by the environment above)
@@ -123,8 +152,10 @@ def main() -> int:
         return 1
 
     outbox.create_schema(ROWS)
-    print(f"taskguard demo: a prefork Celery worker (3 processes) drains an outbox of {ROWS} rows "
-          f"in SQLite, guarded by a fenced lease on {redact_url(outbox.REDIS_URL)}\n")
+    print(
+        f"taskguard demo: a prefork Celery worker (3 processes) drains an outbox of {ROWS} rows "
+        f"in SQLite, guarded by a fenced lease on {redact_url(outbox.REDIS_URL)}\n"
+    )
     shared_before = untimed_bookkeeping(outbox.REDIS_URL)
     worker = start_worker(env, tmp / "worker.log")
     results: dict[str, list] = {"ran": [], "skipped": [], "retried": [], "stale": []}
@@ -146,17 +177,20 @@ def main() -> int:
         rival_out = rival.get(timeout=30)
         out = retrying.get(timeout=30)
         with sqlite3.connect(env["OUTBOX_DB"]) as db:
-            attempts = db.execute("SELECT attempt, fence FROM runs WHERE task_id = ? ORDER BY attempt",
-                                  (retrying.id,)).fetchall()
+            attempts = db.execute(
+                "SELECT attempt, fence FROM runs WHERE task_id = ? ORDER BY attempt", (retrying.id,)
+            ).fetchall()
         restored = len(attempts) == 2 and attempts[0][1] == attempts[1][1]
         results["ran"].append(out)
         if restored:
             results["retried"].append(out)
         if is_skipped(rival_out):
             results["skipped"].append(rival_out)
-        print(f"   {retrying.id[:8]}: attempt 1 failed with fence {attempts[0][1]}; its retry ran with fence "
-              f"{attempts[-1][1]} ({'the same lease, restored' if restored else 'a different lease'}), "
-              f"moved {out['moved']} rows")
+        print(
+            f"   {retrying.id[:8]}: attempt 1 failed with fence {attempts[0][1]}; its retry ran with fence "
+            f"{attempts[-1][1]} ({'the same lease, restored' if restored else 'a different lease'}), "
+            f"moved {out['moved']} rows"
+        )
         print(f"   {rival.id[:8]} (the rival, during the countdown): {describe(rival_out)}")
 
         print("3. a drain stalls past its 1 s TTL (no renewal); a second drain takes over")
@@ -167,8 +201,10 @@ def main() -> int:
         results["ran"] += [t_out, s_out]
         results["stale"].append(s_out)
         print(f"   {takeover.id[:8]} (new holder): {describe(t_out)}")
-        print(f"   {stalled.id[:8]} (stalled holder) woke with fence {s_out['fence']}: its fenced write was "
-              f"{'rejected' if s_out['rejected'] else 'ACCEPTED'}, moved {s_out['moved']} rows")
+        print(
+            f"   {stalled.id[:8]} (stalled holder) woke with fence {s_out['fence']}: its fenced write was "
+            f"{'rejected' if s_out['rejected'] else 'ACCEPTED'}, moved {s_out['moved']} rows"
+        )
 
         print("4. drains until the outbox is empty")
         while True:
@@ -193,8 +229,9 @@ def main() -> int:
     sys.path.insert(0, str(HERE.parent / "rq_sync"))
     import demo as rq_demo  # noqa: E402
 
-    rq = rq_demo.run(outbox.REDIS_URL, extra_env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
-                                                   "TASKGUARD_METRICS": "1"})
+    rq = rq_demo.run(
+        outbox.REDIS_URL, extra_env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "TASKGUARD_METRICS": "1"}
+    )
 
     with sqlite3.connect(env["OUTBOX_DB"]) as db:
         delivered, distinct = db.execute("SELECT COUNT(*), COUNT(DISTINCT outbox_id) FROM delivered").fetchone()
@@ -202,8 +239,16 @@ def main() -> int:
         rejected = db.execute("SELECT COALESCE(SUM(rejected), 0) FROM runs").fetchone()[0]
     reasons = sorted({as_skipped(s).reason for s in results["skipped"]})
     duplicates = delivered - distinct
-    ok = (distinct == ROWS and left == 0 and duplicates == 0 and rejected >= 1 and len(results["retried"]) == 1
-          and len(results["skipped"]) >= 3 and len(rq["skipped"]) == 1 and rq["retried"] == 1)
+    ok = (
+        distinct == ROWS
+        and left == 0
+        and duplicates == 0
+        and rejected >= 1
+        and len(results["retried"]) == 1
+        and len(results["skipped"]) >= 3
+        and len(rq["skipped"]) == 1
+        and rq["retried"] == 1
+    )
     rq_reasons = {s.reason for s in rq["skipped"]}
     rows = [
         ("", "Celery", "RQ"),
@@ -232,14 +277,19 @@ def main() -> int:
         return int(sum(v for (m, t), v in by_task.items() if m == metric and t.startswith(prefix)))
 
     # every run that held the lease acquired it afresh, once; a retry restores its run's lease
-    counted = {"Celery": (total("taskguard_leases_acquired_total", "outbox."),
-                          total("taskguard_leases_restored_total", "outbox.")),
-               "RQ": (total("taskguard_leases_acquired_total", "jobs."),
-                      total("taskguard_leases_restored_total", "jobs."))}
+    counted = {
+        "Celery": (
+            total("taskguard_leases_acquired_total", "outbox."),
+            total("taskguard_leases_restored_total", "outbox."),
+        ),
+        "RQ": (total("taskguard_leases_acquired_total", "jobs."), total("taskguard_leases_restored_total", "jobs.")),
+    }
     expected = {"Celery": (len(results["ran"]), len(results["retried"])), "RQ": (rq["ran"], rq["retried"])}
     agree = counted == expected
-    print(f"  metrics vs summary: acquired afresh = ran, restored = retried and restored: "
-          f"{'agree' if agree else 'DISAGREE'} (Celery {counted['Celery']}, RQ {counted['RQ']})")
+    print(
+        f"  metrics vs summary: acquired afresh = ran, restored = retried and restored: "
+        f"{'agree' if agree else 'DISAGREE'} (Celery {counted['Celery']}, RQ {counted['RQ']})"
+    )
     print_doctor(outbox.REDIS_URL)
     return 0 if ok and agree else 1
 

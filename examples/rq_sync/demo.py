@@ -31,8 +31,13 @@ def wait(job, timeout=30.0):
 
 def run(redis_url: str, extra_env: dict | None = None) -> dict:
     tag = uuid.uuid4().hex[:8]
-    env = {**os.environ, "TASKGUARD_REDIS_URL": redis_url, "TASKGUARD_PREFIX": f"rq-demo-{tag}",
-           "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(extra_env or {})}
+    env = {
+        **os.environ,
+        "TASKGUARD_REDIS_URL": redis_url,
+        "TASKGUARD_PREFIX": f"rq-demo-{tag}",
+        "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        **(extra_env or {}),
+    }
     os.environ.update({k: env[k] for k in ("TASKGUARD_REDIS_URL", "TASKGUARD_PREFIX")})
     sys.path.insert(0, str(HERE))
     import jobs  # noqa: E402
@@ -45,10 +50,30 @@ def run(redis_url: str, extra_env: dict | None = None) -> dict:
     for i in range(2):  # two worker processes, so two jobs can meet
         log_path = Path(tempfile.gettempdir()) / f"taskguard-rq-demo-{tag}-{i}.log"
         log = open(log_path, "wb")
-        workers.append((subprocess.Popen(
-            [sys.executable, "-m", "rq.cli", "worker", "-u", redis_url, "-w", "taskguard_rq.GuardedWorker",
-             "--with-scheduler", queue.name],
-            cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log_path))
+        workers.append(
+            (
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "rq.cli",
+                        "worker",
+                        "-u",
+                        redis_url,
+                        "-w",
+                        "taskguard_rq.GuardedWorker",
+                        "--with-scheduler",
+                        queue.name,
+                    ],
+                    cwd=HERE,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                ),
+                log_path,
+            )
+        )
     try:
         deadline = time.monotonic() + 30
         for worker, log_path in workers:
@@ -67,14 +92,21 @@ def run(redis_url: str, extra_env: dict | None = None) -> dict:
         second.refresh()
         print(f"   job {first.id[:8]}: ran with fence {outs['first']['fence']}")
         sk = outs["second"]
-        print(f"   job {second.id[:8]}: skipped (lease {sk.key!r} {sk.reason}, the holder had {sk.holder_ttl:.1f}s "
-              f"left); job.meta outcome: {second.meta['taskguard']['outcome']}")
+        print(
+            f"   job {second.id[:8]}: skipped (lease {sk.key!r} {sk.reason}, the holder had {sk.holder_ttl:.1f}s "
+            f"left); job.meta outcome: {second.meta['taskguard']['outcome']}"
+        )
         fences = [int(f) for f in conn.lrange(jobs.fences_key(8), 0, -1)]
         restored = retried.get_status() == JobStatus.FINISHED and len(fences) == 2 and fences[0] == fences[1]
-        print(f"   job {retried.id[:8]}: failed once, retried by RQ; fences per attempt {fences} -> "
-              f"the retry restored the same lease: {restored}")
-        return {"ran": 2, "skipped": [outs["second"]] if is_skipped(outs["second"]) else [],
-                "retried": 1 if restored else 0}
+        print(
+            f"   job {retried.id[:8]}: failed once, retried by RQ; fences per attempt {fences} -> "
+            f"the retry restored the same lease: {restored}"
+        )
+        return {
+            "ran": 2,
+            "skipped": [outs["second"]] if is_skipped(outs["second"]) else [],
+            "retried": 1 if restored else 0,
+        }
     finally:
         for worker, _ in workers:
             worker.send_signal(signal.SIGTERM)

@@ -49,8 +49,17 @@ EX_CONFIG = 78
 #: Key of the per-entry guard options inside ``beat_schedule[name]["options"]``.
 ENTRY_OPTION = "taskguard"
 
-__all__ = ["SingletonBeatMixin", "TaskguardScheduler", "latest_due", "slot_id", "BEAT_HEADER", "ENTRY_OPTION",
-           "entry_guard", "beat_run", "validate_entry_options"]
+__all__ = [
+    "SingletonBeatMixin",
+    "TaskguardScheduler",
+    "latest_due",
+    "slot_id",
+    "BEAT_HEADER",
+    "ENTRY_OPTION",
+    "entry_guard",
+    "beat_run",
+    "validate_entry_options",
+]
 
 log = logging.getLogger("taskguard.beat")
 
@@ -129,11 +138,21 @@ class SingletonBeatMixin:
         super().setup_schedule()  # type: ignore[misc]
         self.taskguard_settings = settings
         self.taskguard_locks = locks_for(self.app)  # type: ignore[attr-defined]
-        core = PeriodicScheduler(self.taskguard_locks, settings, adapter=_Adapter(self), clock=self.taskguard_clock,
-                                 role="beat", on_lead=self._tg_rebuild_heap, on_retry=self._tg_rebuild_heap)
+        core = PeriodicScheduler(
+            self.taskguard_locks,
+            settings,
+            adapter=_Adapter(self),
+            clock=self.taskguard_clock,
+            role="beat",
+            on_lead=self._tg_rebuild_heap,
+            on_retry=self._tg_rebuild_heap,
+        )
         self.taskguard_periodic, self.taskguard_clock = core, core.clock
-        self.taskguard_leader_ttl, self.taskguard_leader_key, self.taskguard_id = \
-            settings.leader_ttl, core.leader_key, core.id
+        self.taskguard_leader_ttl, self.taskguard_leader_key, self.taskguard_id = (
+            settings.leader_ttl,
+            core.leader_key,
+            core.id,
+        )
         self.taskguard_stats = core.stats
         for name, entry in self.schedule.items():  # type: ignore[attr-defined]
             opts = entry.options.get(ENTRY_OPTION)
@@ -230,6 +249,7 @@ class SingletonBeatMixin:
 
     def _tg_publish(self, entry: Any, producer: Any, advance: bool, **kwargs: Any) -> Any:
         """Claim, publish (:meth:`_tg_send`), confirm: :meth:`taskguard.schedule.PeriodicScheduler.publish`."""
+
         def send(target: PeriodicEntry, slot: Slot) -> Any:
             return self._tg_send(target, slot, producer, **kwargs)
 

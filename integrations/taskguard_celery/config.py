@@ -33,17 +33,34 @@ from taskguard.schedule.settings import (
 from taskguard.urls import check_url
 from taskguard.validate import check_setting_names
 
-__all__ = ["locks_for", "use_locks", "beat_settings", "BeatSettings", "BEAT_LEADER_TTL", "BEAT_LEADER_TTL_MAX",
-           "BEAT_SKEW"]
+__all__ = [
+    "locks_for",
+    "use_locks",
+    "beat_settings",
+    "BeatSettings",
+    "BEAT_LEADER_TTL",
+    "BEAT_LEADER_TTL_MAX",
+    "BEAT_SKEW",
+]
 
 #: Default of ``app.conf.taskguard_beat_leader_ttl``, its largest value, and the skew allowance
 #: (seconds): the periodic core's (:mod:`taskguard.schedule.settings`).
 BEAT_LEADER_TTL, BEAT_LEADER_TTL_MAX, BEAT_SKEW = LEADER_TTL, LEADER_TTL_MAX, SKEW
 
 #: Every ``app.conf.taskguard_*`` setting the adapter reads (a close misspelling is refused).
-SETTINGS = frozenset({"taskguard_locks", "taskguard_redis_url", "taskguard_prefix", "taskguard_metrics",
-                      "taskguard_metrics_port", "taskguard_redelivery_timeout", "taskguard_beat_leader_ttl",
-                      "taskguard_beat_catch_up", "taskguard_beat_name"})
+SETTINGS = frozenset(
+    {
+        "taskguard_locks",
+        "taskguard_redis_url",
+        "taskguard_prefix",
+        "taskguard_metrics",
+        "taskguard_metrics_port",
+        "taskguard_redelivery_timeout",
+        "taskguard_beat_leader_ttl",
+        "taskguard_beat_catch_up",
+        "taskguard_beat_name",
+    }
+)
 
 _cache: weakref.WeakKeyDictionary[Any, Locks] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -58,8 +75,9 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
         if cached is not None:
             return cached
         conf = app.conf
-        check_setting_names([k for k in conf if isinstance(k, str) and k.startswith("taskguard_")], SETTINGS,
-                            "app.conf")
+        check_setting_names(
+            [k for k in conf if isinstance(k, str) and k.startswith("taskguard_")], SETTINGS, "app.conf"
+        )
         obj = conf.get("taskguard_locks")
         url = conf.get("taskguard_redis_url")
         if obj is not None:
@@ -75,14 +93,17 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
                 locks = RedisLocks.from_url(url, prefix=prefix)
             except ConfigError as e:
                 msg = str(e)
-                raise ConfigError(msg if msg.startswith("app.conf.")
-                                  else f"app.conf.taskguard_redis_url: {msg}") from None
+                raise ConfigError(
+                    msg if msg.startswith("app.conf.") else f"app.conf.taskguard_redis_url: {msg}"
+                ) from None
         else:
             try:
                 locks = taskguard.from_env()
             except ConfigError as e:
-                raise ConfigError(f"{e} (for Celery: set app.conf.taskguard_redis_url, app.conf.taskguard_locks, "
-                                  "the task's locks= option, or the TASKGUARD_REDIS_URL variable)") from None
+                raise ConfigError(
+                    f"{e} (for Celery: set app.conf.taskguard_redis_url, app.conf.taskguard_locks, "
+                    "the task's locks= option, or the TASKGUARD_REDIS_URL variable)"
+                ) from None
         _cache[app] = locks
         return locks
 
@@ -107,8 +128,13 @@ def use_locks(app: Any, locks: Locks) -> None:
 #: The beat scheduler's settings, validated (see :func:`beat_settings`).
 BeatSettings = ScheduleSettings
 
-_BEAT_NAMES = SettingNames(leader_ttl="app.conf.taskguard_beat_leader_ttl", catch_up="app.conf.taskguard_beat_catch_up",
-                           name="app.conf.taskguard_beat_name", loop="beat_max_loop_interval", role="beat")
+_BEAT_NAMES = SettingNames(
+    leader_ttl="app.conf.taskguard_beat_leader_ttl",
+    catch_up="app.conf.taskguard_beat_catch_up",
+    name="app.conf.taskguard_beat_name",
+    loop="beat_max_loop_interval",
+    role="beat",
+)
 
 
 def beat_settings(app: Any, loop_interval: float) -> BeatSettings:
@@ -124,6 +150,11 @@ def beat_settings(app: Any, loop_interval: float) -> BeatSettings:
 
     Raises ConfigError naming the setting."""
     conf = app.conf
-    return schedule_settings(_BEAT_NAMES, leader_ttl=conf.get("taskguard_beat_leader_ttl"),
-                             catch_up=conf.get("taskguard_beat_catch_up"), name=conf.get("taskguard_beat_name"),
-                             default_name=app.main or "celery", loop_interval=float(loop_interval))
+    return schedule_settings(
+        _BEAT_NAMES,
+        leader_ttl=conf.get("taskguard_beat_leader_ttl"),
+        catch_up=conf.get("taskguard_beat_catch_up"),
+        name=conf.get("taskguard_beat_name"),
+        default_name=app.main or "celery",
+        loop_interval=float(loop_interval),
+    )

@@ -53,10 +53,17 @@ def execution(task: Any, req: Any, local: bool, redelivered: bool, slot: Any) ->
     except BaseException:  # (a bad taskguard_redelivery_timeout) it will not run: no longer queued
         uniqueness.clear(task, req)
         raise
-    return Execution(task=task.name, run_id=req.id or None, holder={"task": task.name, "task_id": req.id},
-                     redelivered=redelivered, local=local,
-                     stamp=stamp if isinstance(stamp, str) and stamp and not local else None, slot=slot,
-                     finished_ttl=finished_ttl, tag=task)
+    return Execution(
+        task=task.name,
+        run_id=req.id or None,
+        holder={"task": task.name, "task_id": req.id},
+        redelivered=redelivered,
+        local=local,
+        stamp=stamp if isinstance(stamp, str) and stamp and not local else None,
+        slot=slot,
+        finished_ttl=finished_ttl,
+        tag=task,
+    )
 
 
 class CeleryHooks:
@@ -89,8 +96,13 @@ class CeleryHooks:
         try:
             return parse_state(read_header(self.req, RATE_HEADER))
         except ValueError as e:
-            log.error("task %s[%s]: ignoring a malformed %r header (%s); pacing it afresh", self.task.name,
-                      self.req.id, RATE_HEADER, e)
+            log.error(
+                "task %s[%s]: ignoring a malformed %r header (%s); pacing it afresh",
+                self.task.name,
+                self.req.id,
+                RATE_HEADER,
+                e,
+            )
             return None
 
     def rate_bound(self) -> float:
@@ -102,15 +114,22 @@ class CeleryHooks:
     def shadow(self, key: str, reason: str, holder_ttl: float | None, leased: bool, rate: bool) -> None:
         # a task-guard-shadow event, never task-skipped (which Flower would show as the task's
         # state); the core's skip event (shadow=True) was emitted already
-        skipping.send_event(self.task, "task-guard-shadow", key=key, reason=reason, holder_ttl=holder_ttl,
-                            leased=leased)
+        skipping.send_event(
+            self.task, "task-guard-shadow", key=key, reason=reason, holder_ttl=holder_ttl, leased=leased
+        )
         if not rate:
-            log.info("task %s[%s]: shadow mode: would have been skipped (%s, lease %r); running it",
-                     self.task.name, self.req.id, reason, key)
+            log.info(
+                "task %s[%s]: shadow mode: would have been skipped (%s, lease %r); running it",
+                self.task.name,
+                self.req.id,
+                reason,
+                key,
+            )
 
     def lost(self, run: Any, reason: str) -> None:
-        skipping.send_event(self.task, "task-lease-lost", key=run.key, reason=reason,
-                            fencing_token=run.lease.fencing_token)
+        skipping.send_event(
+            self.task, "task-lease-lost", key=run.key, reason=reason, fencing_token=run.lease.fencing_token
+        )
 
 
 def outcome(task: Any, decision: Decision, skips: int, redelivered: bool) -> Any:
@@ -140,12 +159,23 @@ def _defer_rate(task: Any, d: Defer) -> None:
     headers.pop(HEADER, None)
     if skips:
         headers[HEADER] = {"skips": skips}
-    skipping.send_skip_event(task, cast(Skipped, d.skipped), retrying=True, retry_after=round(d.countdown, 3),
-                             turn=None if d.state is None else d.state.get("turn"))
+    skipping.send_skip_event(
+        task,
+        cast(Skipped, d.skipped),
+        retrying=True,
+        retry_after=round(d.countdown, 3),
+        turn=None if d.state is None else d.state.get("turn"),
+    )
     booked = d.state is not None and d.state.get("turn") is not None
     what = "backing off (upstream rate limit)" if d.why == Reason.BACKOFF else "rate-limited"
-    log.info("task %s[%s]: %s; %s in %.2fs", task.name, req.id, what,
-             "its turn is booked" if booked else "it asks again", d.countdown)
+    log.info(
+        "task %s[%s]: %s; %s in %.2fs",
+        task.name,
+        req.id,
+        what,
+        "its turn is booked" if booked else "it asks again",
+        d.countdown,
+    )
     sig = task.signature_from_request(req, countdown=d.countdown, retries=req.retries, headers=headers)
     sig.apply_async()
     raise Retry(f"{what}; deferred {d.countdown:.2f}s", when=d.countdown, sig=sig)

@@ -6,8 +6,17 @@ import secrets
 import time
 from typing import Any
 
-__all__ = ["HEADER", "BEAT_HEADER", "DEFER_HEADER", "PUBLISH_HEADER", "RATE_HEADER", "UNIQUE_HEADER",
-           "new_publish_stamp", "publish_time", "read_header"]
+__all__ = [
+    "HEADER",
+    "BEAT_HEADER",
+    "DEFER_HEADER",
+    "PUBLISH_HEADER",
+    "RATE_HEADER",
+    "UNIQUE_HEADER",
+    "new_publish_stamp",
+    "publish_time",
+    "read_header",
+]
 
 #: The handle of a lease kept for a retry, ``{"key", "owner", "fence", "expires"}``, plus ``"skips"``
 #: (``on_skip="retry"`` attempts so far).

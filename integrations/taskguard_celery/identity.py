@@ -48,8 +48,18 @@ from taskguard.validate import check_seconds
 
 from .headers import DEFER_HEADER, PUBLISH_HEADER, publish_time, read_header
 
-__all__ = ["redelivery_timeout", "redelivery_window", "finished_ttl", "is_redelivery", "finished_in_backend",
-           "defer", "end_chain", "DEFER_MAX", "READY_STATES", "CLOCK_SKEW"]
+__all__ = [
+    "redelivery_timeout",
+    "redelivery_window",
+    "finished_ttl",
+    "is_redelivery",
+    "finished_in_backend",
+    "defer",
+    "end_chain",
+    "DEFER_MAX",
+    "READY_STATES",
+    "CLOCK_SKEW",
+]
 
 log = logging.getLogger("taskguard.celery")
 
@@ -166,8 +176,12 @@ def finished_in_backend(task: Any, request: Any) -> bool:
     state = meta.get("status")
     if state in READY_STATES and _stored_before_this_publish(meta, read_header(request, PUBLISH_HEADER)):
         return False  # the outcome of an earlier publish of this id, not of this delivery's run
-    if state == "FAILURE" and task.acks_late and not task.acks_on_timeout and \
-            isinstance(meta.get("result"), TimeLimitExceeded):
+    if (
+        state == "FAILURE"
+        and task.acks_late
+        and not task.acks_on_timeout
+        and isinstance(meta.get("result"), TimeLimitExceeded)
+    ):
         # a hard time limit stores FAILURE, then hands an acks_late message back when
         # acks_on_timeout is off (celery/worker/request.py: on_timeout, then on_failure): not finished
         return False
@@ -203,8 +217,11 @@ def _chain_record(req: Any, redelivered: bool, header: dict | None) -> tuple[str
 
 def _defer_header(req: Any) -> dict | None:
     header = read_header(req, DEFER_HEADER)
-    if not isinstance(header, dict) or not isinstance(header.get("chain"), str) or \
-            not isinstance(header.get("nonce"), str):
+    if (
+        not isinstance(header, dict)
+        or not isinstance(header.get("chain"), str)
+        or not isinstance(header.get("nonce"), str)
+    ):
         return None
     return header
 
@@ -242,12 +259,16 @@ def defer(task: Any, run: GuardedRun, redelivered: bool) -> None:
     try:
         current = locks.get_record(run.key, record)
     except LeaseBackendError as e:
-        log.warning("task %s[%s]: could not read its deferred copy's record (%s); deferring anyway", task.name,
-                    req.id, e)
+        log.warning(
+            "task %s[%s]: could not read its deferred copy's record (%s); deferring anyway", task.name, req.id, e
+        )
         current = None
     if current is not None and current != expected:
-        log.info("task %s[%s]: another execution runs it and a deferred copy is pending; this copy is dropped",
-                 task.name, req.id)
+        log.info(
+            "task %s[%s]: another execution runs it and a deferred copy is pending; this copy is dropped",
+            task.name,
+            req.id,
+        )
         raise Ignore(f"duplicate of running {task.name}[{req.id}]")
     # publish first, then name the new copy in the record: the record only ever names a copy that
     # exists, so a crash between the two loses nothing (this copy, unacked, comes back and still
@@ -255,8 +276,9 @@ def defer(task: Any, run: GuardedRun, redelivered: bool) -> None:
     headers = {**(req.headers or {}), DEFER_HEADER: {"chain": chain, "nonce": nonce, "redelivered": redelivered}}
     task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers).apply_async()
     try:
-        if not locks.put_record(run.key, record, nonce, ttl=countdown + timeout + SWEEP_MARGIN, if_absent=True,
-                                if_value=expected):
+        if not locks.put_record(
+            run.key, record, nonce, ttl=countdown + timeout + SWEEP_MARGIN, if_absent=True, if_value=expected
+        ):
             log.info("task %s[%s]: another copy deferred first; this one's copy will be dropped", task.name, req.id)
     except LeaseBackendError as e:
         log.warning("task %s[%s]: could not record its deferred copy: %s", task.name, req.id, e)

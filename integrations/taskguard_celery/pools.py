@@ -40,8 +40,10 @@ def check_pool(sender: Any = None, **_: Any) -> None:
         return
     name = pool_name(getattr(sender, "pool_cls", None) or "")
     if name in UNSUPPORTED_POOLS:
-        msg = (f"taskguard: the {name!r} worker pool is not supported for guarded tasks; start the worker "
-               "with -P prefork, -P threads, -P solo or -P gevent")
+        msg = (
+            f"taskguard: the {name!r} worker pool is not supported for guarded tasks; start the worker "
+            "with -P prefork, -P threads, -P solo or -P gevent"
+        )
         raise SystemExit(msg)
     check_settings(app)
 

@@ -33,8 +33,7 @@ def completed(task: Any, key: str, value: Any) -> Any:
     """``once=True``: the key's work was completed by an earlier call; its stored ``value`` is this
     run's result (reason ``"once"``, reported; the chain goes on: the value is the work's)."""
     skipped = Skipped(key=key, reason="once", task=task.name)
-    send_event(task, "task-skipped", key=key, reason="once", holder_ttl=None, result=skipped.describe(),
-               retrying=False)
+    send_event(task, "task-skipped", key=key, reason="once", holder_ttl=None, result=skipped.describe(), retrying=False)
     log.info("task %s[%s]: %r already completed; returning the stored value", task.name, task.request.id, key)
     return value
 
@@ -100,8 +99,16 @@ def retry_after_skip(task: Any, countdown: float, skips: int, reason: str = "hel
 
 
 def send_skip_event(task: Any, skipped: Skipped, retrying: bool = False, **extra: Any) -> None:
-    send_event(task, "task-skipped", key=skipped.key, reason=skipped.reason, holder_ttl=skipped.holder_ttl,
-               result=skipped.describe(), retrying=retrying, **extra)
+    send_event(
+        task,
+        "task-skipped",
+        key=skipped.key,
+        reason=skipped.reason,
+        holder_ttl=skipped.holder_ttl,
+        result=skipped.describe(),
+        retrying=retrying,
+        **extra,
+    )
 
 
 def send_event(task: Any, type_: str, **fields: Any) -> None:

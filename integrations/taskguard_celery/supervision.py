@@ -46,8 +46,12 @@ def release_for_run(task: GuardedTask, task_id: str | None, args: Any, kwargs: A
         key = opts.key.render(tuple(args or ()), dict(kwargs or {}))
         released = task.taskguard_locks.release_run(key, task_id)
     except (ConfigError, LeaseBackendError) as e:
-        log.warning("task %s[%s]: could not release its lease from the main process (its TTL bounds it): %s",
-                    task.name, task_id, e)
+        log.warning(
+            "task %s[%s]: could not release its lease from the main process (its TTL bounds it): %s",
+            task.name,
+            task_id,
+            e,
+        )
         return False
     if released:
         log.warning("task %s[%s]: lease %r released by the worker's main process", task.name, task_id, key)
@@ -55,8 +59,14 @@ def release_for_run(task: GuardedTask, task_id: str | None, args: Any, kwargs: A
 
 
 @receiver(task_failure)
-def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
-                args: Any = None, kwargs: Any = None, **_: Any) -> None:
+def _on_failure(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    **_: Any,
+) -> None:
     if isinstance(sender, GuardedTask) and isinstance(exception, (TimeLimitExceeded, WorkerLostError)):
         release_for_run(sender, task_id, args, kwargs)
 

@@ -117,13 +117,17 @@ class GuardedTask(Task):
         # @app.task(base=GuardedTask, ttll=5): Celery makes every keyword a class attribute, so a
         # misspelt guard option would silently leave the default in force
         bases = cls.__mro__[1:]
-        check_option_names(name, [n for n in cls.__dict__ if not n.startswith("_")],
-                           known=lambda n: any(n in k.__dict__ for k in bases))
-        cls._taskguard = GuardOptions.build(fn, name=name, skip_self=bound,
-                                            **{opt: getattr(cls, opt) for opt in OPTION_NAMES})
+        check_option_names(
+            name,
+            [n for n in cls.__dict__ if not n.startswith("_")],
+            known=lambda n: any(n in k.__dict__ for k in bases),
+        )
+        cls._taskguard = GuardOptions.build(
+            fn, name=name, skip_self=bound, **{opt: getattr(cls, opt) for opt in OPTION_NAMES}
+        )
         # does any class between GuardedTask and Task define its own __call__ (a user's base)?
         mro = cls.__mro__
-        after = mro[mro.index(GuardedTask) + 1:]
+        after = mro[mro.index(GuardedTask) + 1 :]
         cls._plain_call = next((k for k in after if "__call__" in k.__dict__), Task) is Task
 
     @classmethod
@@ -186,9 +190,11 @@ class GuardedTask(Task):
         backoff = float(getattr(self, "retry_backoff", False) or 0)
         if backoff:
             retry_kwargs["countdown"] = get_exponential_backoff_interval(
-                factor=int(max(1.0, backoff)), retries=self.request.retries,
+                factor=int(max(1.0, backoff)),
+                retries=self.request.retries,
                 maximum=int(getattr(self, "retry_backoff_max", 600)),
-                full_jitter=getattr(self, "retry_jitter", True))
+                full_jitter=getattr(self, "retry_jitter", True),
+            )
         try:
             raise self.retry(exc=exc, **retry_kwargs)
         except Reject as rej:  # the retry was not published
@@ -213,8 +219,10 @@ class GuardedTask(Task):
                     self.request_stack.pop()
             _judged.add(req)
         if opts.on_skip == "ignore" and getattr(req, "chord", None):
-            raise ConfigError(f"task {self.name!r}: on_skip='ignore' is refused inside a chord "
-                              "(the chord would never complete); use on_skip='result'")
+            raise ConfigError(
+                f"task {self.name!r}: on_skip='ignore' is refused inside a chord "
+                "(the chord would never complete); use on_skip='result'"
+            )
         beat = read_header(req, BEAT_HEADER)
         slot_run = None
         if isinstance(beat, dict):
@@ -309,12 +317,19 @@ class GuardedTask(Task):
 
     @staticmethod
     def _enclosing_run(key: str, locks: Locks) -> GuardedRun | None:
-        return next((r for r in reversed(current_runs()) if isinstance(r, GuardedRun) and r.key == key
-                     and r.locks is locks and r.state == "running"), None)
+        return next(
+            (
+                r
+                for r in reversed(current_runs())
+                if isinstance(r, GuardedRun) and r.key == key and r.locks is locks and r.state == "running"
+            ),
+            None,
+        )
 
     # -- publishing ------------------------------------------------------------------------------
-    def apply_async(self, args=None, kwargs=None, task_id=None, producer=None, link=None, link_error=None,
-                    shadow=None, **options):
+    def apply_async(
+        self, args=None, kwargs=None, task_id=None, producer=None, link=None, link_error=None, shadow=None, **options
+    ):
         """Celery's ``Task.apply_async``, stamping the message with a new publish stamp (the
         ``taskguard_publish`` header) unless it is taskguard's own deferred copy of a delivery
         (a copy looking again while its run id runs elsewhere, or a run deferred to its turn under
@@ -327,22 +342,33 @@ class GuardedTask(Task):
             options["headers"] = {**(headers or {}), PUBLISH_HEADER: new_publish_stamp()}
         opts = self._taskguard
         # taskguard's own copies of a run (retries, skip retries, deferrals) are that run, never a duplicate
-        own_copy = isinstance(headers, dict) and any(h in headers for h in (HEADER, DEFER_HEADER, RATE_HEADER)) \
+        own_copy = (
+            isinstance(headers, dict)
+            and any(h in headers for h in (HEADER, DEFER_HEADER, RATE_HEADER))
             or bool(options.get("retries"))
+        )
         # a step of a chain, group or chord is published as usual: suppressing it would leave the
         # canvas waiting for a result that never comes (celery/canvas.py passes these options)
-        in_canvas = link is not None or link_error is not None or \
-            any(options.get(k) for k in ("chain", "group_id", "chord"))
+        in_canvas = (
+            link is not None or link_error is not None or any(options.get(k) for k in ("chain", "group_id", "chord"))
+        )
         if opts is not None and (opts.unique if unique is None else unique) and not own_copy and not in_canvas:
             return uniqueness.publish(
-                self, args, kwargs, task_id, options,
-                lambda tid, o: super(GuardedTask, self).apply_async(args, kwargs, tid, producer, link, link_error,
-                                                                    shadow, **o))
+                self,
+                args,
+                kwargs,
+                task_id,
+                options,
+                lambda tid, o: super(GuardedTask, self).apply_async(
+                    args, kwargs, tid, producer, link, link_error, shadow, **o
+                ),
+            )
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
 
     # -- retries keep the lease -------------------------------------------------------------------
-    def retry(self, args=None, kwargs=None, exc=None, throw=True, eta=None, countdown=None, max_retries=None,
-              **options):
+    def retry(
+        self, args=None, kwargs=None, exc=None, throw=True, eta=None, countdown=None, max_retries=None, **options
+    ):
         """Celery's ``Task.retry``, keeping this run's lease for the retried run.
 
         The lease TTL is stretched to cover the countdown plus ``ttl``, renewal stops here, and
@@ -415,8 +441,9 @@ def guarded_task(*args: Any, **opts: Any) -> Any:
             base = type(f"Guarded{base.__name__}", (GuardedTask, base), {"__module__": base.__module__})
         name = opts.get("name") or f"{fn.__module__}.{fn.__qualname__}"
         check_option_names(name, opts, known=lambda n: hasattr(base, n) or n in _DECORATOR_OPTIONS)
-        GuardOptions.build(fn, name=name, skip_self=bool(opts.get("bind")),
-                           **{k: opts[k] for k in OPTION_NAMES if k in opts})
+        GuardOptions.build(
+            fn, name=name, skip_self=bool(opts.get("bind")), **{k: opts[k] for k in OPTION_NAMES if k in opts}
+        )
         return shared_task(base=base, **opts)(fn)
 
     if len(args) == 1 and callable(args[0]) and not opts:
@@ -434,4 +461,3 @@ def release_retry_handle(task: GuardedTask, headers: dict) -> bool:
         return False
     handle = parse_handle(value)
     return release_handle(task.taskguard_locks, handle)
-

@@ -58,13 +58,17 @@ def mark_ttl(task: Any, options: dict) -> float:
     if base is None:
         expires = options.get("expires", getattr(task, "expires", None))
         base = _seconds_until(expires) if expires is not None else DEFAULT_UNIQUE_TTL
-    delay = _seconds_until(options.get("countdown")) if options.get("countdown") is not None else \
-        _seconds_until(options.get("eta"))
+    delay = (
+        _seconds_until(options.get("countdown"))
+        if options.get("countdown") is not None
+        else _seconds_until(options.get("eta"))
+    )
     return max(base, 1.0) + delay
 
 
-def publish(task: Any, args: Any, kwargs: Any, task_id: str | None, options: dict,
-            send: Callable[[str, dict], Any]) -> Any:
+def publish(
+    task: Any, args: Any, kwargs: Any, task_id: str | None, options: dict, send: Callable[[str, dict], Any]
+) -> Any:
     """Publish ``task`` unless a run of its key is queued or running; returns the new or the
     existing run's ``AsyncResult``. ``send(task_id, options)`` publishes. Raises TypeError when
     the arguments do not bind to the task's signature (and what the key fails with on them, with
@@ -85,8 +89,13 @@ def publish(task: Any, args: Any, kwargs: Any, task_id: str | None, options: dic
         install_if_wanted(task.app)  # app.conf.taskguard_metrics counts suppressions here too
         locks.report_suppressed(key, task.name, existing, shadow=shadow)
         if shadow:  # published anyway, without a mark of its own
-            log.info("task %s: shadow mode: would not have been published, a run of %r is queued or running: %s; "
-                     "publishing it", task.name, key, existing)
+            log.info(
+                "task %s: shadow mode: would not have been published, a run of %r is queued or running: %s; "
+                "publishing it",
+                task.name,
+                key,
+                existing,
+            )
             return send(task_id, options)
         log.info("task %s: not published, a run of %r is queued or running: %s", task.name, key, existing)
         return task.AsyncResult(existing)
@@ -97,8 +106,9 @@ def publish(task: Any, args: Any, kwargs: Any, task_id: str | None, options: dic
         try:
             locks.clear_queued(key, task_id, task.name, shadow)  # never leave a mark for a message that was not sent
         except LeaseBackendError as e:
-            log.warning("task %s: could not clear the queued mark of a failed publish (its TTL bounds it): %s",
-                        task.name, e)
+            log.warning(
+                "task %s: could not clear the queued mark of a failed publish (its TTL bounds it): %s", task.name, e
+            )
         raise
 
 

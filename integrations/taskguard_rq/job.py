@@ -63,6 +63,7 @@ SKIP_COUNT_TTL = 7 * 86400.0
 #: The lease key whose records hold the skip counters, one record per job function.
 SKIP_RECORD_KEY = "rq-skips"
 
+
 def record_skip(locks: Locks, name: str) -> None:
     """Count one skip of the job function ``name`` (read by :func:`skip_count`); a Redis error
     is logged, never raised over the job's outcome."""
@@ -96,17 +97,18 @@ def mirror_meta(job: Any, refresh: bool = False, **fields: Any) -> None:
 #: Where the guard options ``@guarded_job`` does not take live for RQ.
 RQ_ELSEWHERE = {
     "unique": "RQ has no publish hook; enqueue with fn.enqueue_unique(queue, ...) or "
-              "taskguard_rq.enqueue_unique(queue, fn, args, kwargs, unique_ttl=...)",
+    "taskguard_rq.enqueue_unique(queue, fn, args, kwargs, unique_ttl=...)",
     "unique_ttl": "it is an argument of taskguard_rq.enqueue_unique(queue, fn, args, kwargs, unique_ttl=...)",
     "continue_on_skip": "RQ has no chains or link callbacks for a skip to stop; a skipped job ends FINISHED, so "
-                        "jobs that depend on it (depends_on) run; use on_skip='raise' to fail it instead",
+    "jobs that depend on it (depends_on) run; use on_skip='raise' to fail it instead",
 }
 #: The guard options ``@guarded_job`` takes: every one but the publish-time and chain options.
 RQ_OPTIONS = tuple(n for n in OPTION_NAMES if n not in RQ_ELSEWHERE)
 
 
-def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = None, locks: Locks | None = None,
-                **options: Any) -> Any:
+def guarded_job(
+    func: Callable[..., Any] | None = None, *, name: str | None = None, locks: Locks | None = None, **options: Any
+) -> Any:
     """Decorate an RQ job function so that its body runs under a fenced lease.
 
     ``@guarded_job(ttl=60, key="sync:{customer_id}", wait=0, on_skip="result")``. Options are
@@ -155,6 +157,7 @@ def guarded_job(func: Callable[..., Any] | None = None, *, name: str | None = No
         guarded.taskguard_options = opts  # type: ignore[attr-defined]
         guarded.taskguard_locks = locks  # type: ignore[attr-defined]
         guarded.taskguard_name = label  # type: ignore[attr-defined]
+
         def enqueue_unique(queue: Any, *args: Any, **kwargs: Any) -> Any:
             """``taskguard_rq.enqueue_unique(queue, this job, args, kwargs)``: enqueue unless a job of
             this key is queued or running (then that job is returned). RQ has no publish hook, so a
@@ -182,8 +185,14 @@ def _job_timeout(job: Any) -> float:
     return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else DEFAULT_JOB_TIMEOUT
 
 
-def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks | None, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> Any:
+def _perform(
+    fn: Callable[..., Any],
+    name: str,
+    opts: GuardOptions,
+    locks: Locks | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
     job = get_current_job()
     if job is None or _performing.get() is job:
         return _run(fn, name, opts, locks, args, kwargs, None)  # a direct call
@@ -194,8 +203,15 @@ def _perform(fn: Callable[..., Any], name: str, opts: GuardOptions, locks: Locks
         _performing.reset(token)
 
 
-def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | None, args: tuple[Any, ...],
-         kwargs: dict[str, Any], job: Any) -> Any:
+def _run(
+    fn: Callable[..., Any],
+    name: str,
+    opts: GuardOptions,
+    given: Locks | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    job: Any,
+) -> Any:
     """One guarded run: ``job``'s execution, or a direct call (``job`` ``None``). The arguments
     are bound first: a caller's wrong arguments raise their ``TypeError`` even where no Redis is
     configured."""
@@ -204,8 +220,14 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
     key = opts.key.render(args, kwargs)
     locks = locks_for(given)
     run_id = job.id if job is not None else None
-    ex = Execution(task=name, run_id=run_id, holder={"job": name, "job_id": run_id}, local=job is None,
-                   same_run="wait", same_run_wait=_job_timeout(job))
+    ex = Execution(
+        task=name,
+        run_id=run_id,
+        holder={"job": name, "job_id": run_id},
+        local=job is None,
+        same_run="wait",
+        same_run_wait=_job_timeout(job),
+    )
     decision = decide(opts, key, args, kwargs, ex, _Hooks(locks, job, name), locks)
     if not isinstance(decision, Run):
         return _outcome(job, locks, name, opts, key, decision)
@@ -223,9 +245,18 @@ def _run(fn: Callable[..., Any], name: str, opts: GuardOptions, given: Locks | N
     saved = None
     if run_id is not None:  # for GuardedWorker, should the work-horse be killed
         try:
-            saved = save_handle(locks, run_id, {"key": key, "owner": lease.owner_token, "fence": lease.fencing_token,
-                                                "expires": lease.expires_at, "running": True},
-                                ttl=_job_timeout(job) + opts.ttl)
+            saved = save_handle(
+                locks,
+                run_id,
+                {
+                    "key": key,
+                    "owner": lease.owner_token,
+                    "fence": lease.fencing_token,
+                    "expires": lease.expires_at,
+                    "running": True,
+                },
+                ttl=_job_timeout(job) + opts.ttl,
+            )
         except BaseException:
             run.hand_back()  # the body never ran: nothing is left locked
             raise
@@ -314,8 +345,12 @@ class _Hooks:
 
     def shadow(self, key: str, reason: str, holder_ttl: float | None, leased: bool, rate: bool) -> None:
         if rate:
-            log.info("%s: shadow mode: would have been %s (%r); running it", self.name,
-                     "rate-limited" if reason == Reason.RATE_LIMITED else "backing off", key)
+            log.info(
+                "%s: shadow mode: would have been %s (%r); running it",
+                self.name,
+                "rate-limited" if reason == Reason.RATE_LIMITED else "backing off",
+                key,
+            )
             return
         log.info("%s: shadow mode: would have been skipped (%s, lease %r); running it", self.name, reason, key)
         mirror_meta(self.job, key=key, shadow=reason)
@@ -341,8 +376,7 @@ def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d:
     job.meta[RATE_META_KEY] = d.state  # saved by mirror_meta below
     booked = d.state is not None and d.state.get("turn") is not None
     what = "backoff (upstream rate limit)" if d.why == Reason.BACKOFF else "rate-limited"
-    log.info("job %s: %s; %s in %.2fs", job.id, what, "its turn is booked" if booked else "it asks again",
-             d.countdown)
+    log.info("job %s: %s; %s in %.2fs", job.id, what, "its turn is booked" if booked else "it asks again", d.countdown)
     mirror_meta(job, key=key, outcome=plain(d.why))
     job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
     # whole seconds (RQ's Retry): a turn rounded down (the job waits out the rest of its turn on

@@ -43,9 +43,18 @@ UNIQUE_META_KEY = "taskguard_unique"
 DEFAULT_UNIQUE_TTL = 3600.0
 
 
-def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
-                   job_id: str | None = None, at: datetime | None = None, in_: timedelta | None = None,
-                   unique_ttl: float | None = None, **options: Any) -> Any:
+def enqueue_unique(
+    queue: Any,
+    fn: Callable[..., Any],
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    job_id: str | None = None,
+    at: datetime | None = None,
+    in_: timedelta | None = None,
+    unique_ttl: float | None = None,
+    **options: Any,
+) -> Any:
     """Enqueue ``fn(*args, **kwargs)`` on ``queue`` unless a job of its key is queued or running.
 
     Args:
@@ -93,12 +102,16 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
     locks = locks_for(getattr(fn, "taskguard_locks", None))
     new_id = job_id or str(uuid.uuid4())
     base = unique_ttl if unique_ttl is not None else float(options.get("ttl") or DEFAULT_UNIQUE_TTL)
-    delay = in_.total_seconds() if in_ is not None else \
-        max(0.0, (at.astimezone(timezone.utc) - datetime.now(timezone.utc)).total_seconds()) if at is not None else 0.0
+    delay = (
+        in_.total_seconds()
+        if in_ is not None
+        else max(0.0, (at.astimezone(timezone.utc) - datetime.now(timezone.utc)).total_seconds())
+        if at is not None
+        else 0.0
+    )
     shadow = not opts.enforce  # shadow mode: report what uniqueness would do, enqueue anyway
     try:
-        marked, existing = locks.mark_queued(key, new_id, ttl=max(base, 1.0) + delay, task=task_name,
-                                             shadow=shadow)
+        marked, existing = locks.mark_queued(key, new_id, ttl=max(base, 1.0) + delay, task=task_name, shadow=shadow)
     except LeaseBackendError as e:
         if not shadow:
             raise
@@ -107,8 +120,12 @@ def enqueue_unique(queue: Any, fn: Callable[..., Any], args: tuple = (), kwargs:
     if not marked:
         locks.report_suppressed(key, task_name, existing, shadow=shadow)
         if shadow:  # enqueued anyway, without a mark of its own
-            log.info("%s: shadow mode: would not have been enqueued, a job of %r is queued or running: %s; "
-                     "enqueuing it", task_name, key, existing)
+            log.info(
+                "%s: shadow mode: would not have been enqueued, a job of %r is queued or running: %s; enqueuing it",
+                task_name,
+                key,
+                existing,
+            )
             return _enqueue(queue, fn, args, kwargs, new_id, at, in_, options)
         log.info("%s: not enqueued, a job of %r is queued or running: %s", task_name, key, existing)
         return _handle(Job, existing, queue)
@@ -157,8 +174,11 @@ def _delete_if_over(job_class: Any, job_id: str, connection: Any) -> bool:
             pipe.execute()
         except (WatchError, NoSuchJobError, InvalidJobOperation):
             return True  # changed or deleted meanwhile: look again
-    log.info("job %s was over (%s): deleted with its result, enqueued again", job_id,
-             status.decode() if isinstance(status, bytes) else status)
+    log.info(
+        "job %s was over (%s): deleted with its result, enqueued again",
+        job_id,
+        status.decode() if isinstance(status, bytes) else status,
+    )
     return True
 
 
@@ -190,7 +210,11 @@ def clear_mark(locks: Any, job: Any) -> None:
         return
     try:
         opts = getattr(job.func, "taskguard_options", None)
-        locks.clear_queued(key, job.id, getattr(job.func, "taskguard_name", None) or job.func_name,
-                           opts is not None and not opts.enforce)  # shadow mode: its shadow mark
+        locks.clear_queued(
+            key,
+            job.id,
+            getattr(job.func, "taskguard_name", None) or job.func_name,
+            opts is not None and not opts.enforce,
+        )  # shadow mode: its shadow mark
     except (ConfigError, LeaseBackendError) as e:
         log.warning("job %s: could not clear its queued mark (its TTL bounds it): %s", job.id, e)

@@ -56,8 +56,9 @@ __all__ = ["GuardedWorker", "settle_killed_job", "settle_canceled_jobs"]
 log = logging.getLogger("rq.worker.taskguard")
 
 
-def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse killed",
-                      horse_dead: bool = True) -> str | None:
+def settle_killed_job(
+    job: Any, retry: bool = True, why: str = "work-horse killed", horse_dead: bool = True
+) -> str | None:
     """Settle the lease of ``job`` whose work-horse died: kept for its retry when ``retry`` and
     it has retries left, else released; its stored handle is deleted with the release. Returns
     ``"kept"``, ``"released"`` or ``None`` (the job held no lease, or — ``horse_dead=False``,
@@ -75,8 +76,13 @@ def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse kille
     if not horse_dead and handle.get("running"):
         info = next((i for i in locks.holders(handle["key"]) if i.run_id == job.id), None)
         if info is not None and not holder_is_dead(info.holder):
-            log.warning("job %s: %s, but its work-horse may still run (%s); its lease %r is left to its TTL",
-                        job.id, why, info.holder.get("host"), handle["key"])
+            log.warning(
+                "job %s: %s, but its work-horse may still run (%s); its lease %r is left to its TTL",
+                job.id,
+                why,
+                info.holder.get("host"),
+                handle["key"],
+            )
             return None
     lease = locks.restore(handle["key"], handle["owner"], ttl=opts.ttl, fencing_token=handle["fence"])
     lease.run_id = job.id

@@ -15,8 +15,15 @@ def outcomes(path: str) -> dict[str, str]:
     for case in ET.parse(path).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
         kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
-        out[name] = "failed" if "failure" in kinds else "error" if "error" in kinds else \
-            "skipped" if "skipped" in kinds else "passed"
+        out[name] = (
+            "failed"
+            if "failure" in kinds
+            else "error"
+            if "error" in kinds
+            else "skipped"
+            if "skipped" in kinds
+            else "passed"
+        )
         if "error" in kinds and "failure" in kinds:
             out[name] = "failed"
     return out
@@ -33,8 +40,9 @@ def main(guarded_path: str, plain_path: str) -> int:
     print(f"without (control):   {counts(plain)}")
     differ = sorted(n for n in guarded.keys() | plain.keys() if guarded.get(n) != plain.get(n))
     for name in differ:
-        print(f"  differs: {name}: with GuardedTask {guarded.get(name, 'not run')}, "
-              f"without {plain.get(name, 'not run')}")
+        print(
+            f"  differs: {name}: with GuardedTask {guarded.get(name, 'not run')}, without {plain.get(name, 'not run')}"
+        )
     same_failures = sorted(n for n in guarded if guarded[n] in ("failed", "error") and plain.get(n) == guarded[n])
     for name in same_failures:
         print(f"  {guarded[name]} in both runs: {name}")
