@@ -31,7 +31,7 @@ from .validate import MAX_SECONDS, check_fraction, check_prefix, check_seconds, 
 if TYPE_CHECKING:  # redis_locks imports this module
     from .redis_locks import RedisLocks
 
-__all__ = ["from_env", "read_env", "ENV_VARS"]
+__all__ = ["from_env", "read_env", "parse_prefix", "ENV_VARS"]
 
 
 def _show(raw: str) -> str:

@@ -63,7 +63,8 @@ class KeyTemplate:
         if skip_self and params:
             params = params[1:]
         self.signature = sig.replace(parameters=params)
-        self._has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+        #: the function takes ``**kwargs``: keyword arguments it does not name are still its own
+        self.has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
         # Fast binding for the common signature (no *args, **kwargs or positional-only
         # parameters); anything unusual in a call falls back to Signature.bind, which also
         # words the errors.
@@ -79,7 +80,7 @@ class KeyTemplate:
             self.fields = self._parse(spec)
             names = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
             unknown = [f for f in self.fields if f not in names]
-            if unknown and not self._has_var_kw:
+            if unknown and not self.has_var_kw:
                 raise ConfigError(
                     f"key template {spec!r} names {', '.join(map(repr, unknown))}, which "
                     f"{self.fn_name}{self.signature} has no parameter for"

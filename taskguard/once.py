@@ -87,7 +87,7 @@ class Fingerprint:
             p.name for p in template.signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
         }
         unknown = [n for n in spec if n not in names]
-        if unknown and not template._has_var_kw:
+        if unknown and not template.has_var_kw:
             raise ConfigError(
                 f"fingerprint names {', '.join(map(repr, unknown))}, which "
                 f"{template.fn_name}{template.signature} has no parameter for"

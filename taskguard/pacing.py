@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any, cast
 
-from .errors import LeaseBackendError
+from .errors import ConfigError, LeaseBackendError
 from .locks import Locks
 from .skipped import Skipped
+from .validate import MAX_COST
 
 __all__ = ["Pace", "pace", "back_off", "charging", "settle_cost", "parse_state", "shadow_check", "shadow_reason"]
 
@@ -223,9 +225,6 @@ def settle_cost(actual: int) -> int:
 
     Raises ConfigError outside a body paced under a rate, or for an ``actual`` that is not an
     ``int`` from 0 to 10**9; LeaseBackendError when Redis fails."""
-    from .errors import ConfigError
-    from .validate import MAX_COST
-
     charges = _charges.get()
     if not charges:
         raise ConfigError(
@@ -284,10 +283,6 @@ def shadow_reason(
     returned; ``None`` when the run would have gone ahead. Never raises for Redis: an error is
     logged and answers ``None`` (the run goes ahead either way); a ``cost`` above the burst is
     reported as ``"rate_limited"``."""
-    import logging
-
-    from .errors import ConfigError
-
     try:
         answer = pace(
             locks, key, rate=rate, burst=burst, max_wait=max_wait, max_countdown=max_countdown, shadow=True, cost=cost

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, cast
 
 from .errors import ConfigError
 from .keys import KeyTemplate
-from .once import Fingerprint
+from .once import Fingerprint, OncePolicy
 from .validate import check_burst, check_cost, check_limit, check_rate, check_seconds, check_ttl
 from .values import OnLost, OnSkip
 
@@ -273,7 +274,6 @@ class GuardOptions:
         fingerprinted (their own error: ``TypeError``, ``KeyError``...)."""
         if not self.once:
             return None
-        from .once import OncePolicy
 
         return OncePolicy(self.fingerprint.of(args, kwargs), self.once_ttl, dumps, loads, self.once_max_bytes)
 
@@ -316,8 +316,6 @@ class PerCall:
         skip_self: bool = False,
         task: str = "",
     ) -> None:
-        import inspect
-
         self.option, self.fn, self.check, self.task = option, fn, check, task
         self.template = KeyTemplate(option, task_fn, skip_self=skip_self)  # (for its binding only)
         params = self.template.signature.parameters.values()
@@ -344,8 +342,6 @@ class PerCall:
 
 
 def _defaults() -> dict[str, Any]:
-    import inspect
-
     params = inspect.signature(GuardOptions.build).parameters
     return {n: p.default for n, p in params.items() if n not in ("fn", "name", "skip_self", "allowed_on_skip")}
 

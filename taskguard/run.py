@@ -27,11 +27,12 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from .context import running
-from .errors import ConfigError, LeaseBackendError, LeaseLost
+from .errors import ConfigError, IdempotencyConflict, LeaseBackendError, LeaseLost
 from .handoff import persist, resume
 from .lease import Acquisition, Lease
 from .leasing import finished_id
 from .liveness import holder_is_dead
+from .once import decode_record, encode_record, record_value
 from .policy import ON_LOST
 from .skipped import Skipped
 from .values import OnLost, Reason, RunState
@@ -278,8 +279,6 @@ class GuardedRun:
         """Is the key's work done (a completion record with this fingerprint)? Sets
         :attr:`reason` to ``"once"`` when it is; raises IdempotencyConflict for a record with
         another fingerprint."""
-        from .errors import IdempotencyConflict
-        from .once import decode_record
 
         raw = self.locks.completions.get(self.key)
         record = decode_record(raw) if raw is not None else None
@@ -293,7 +292,6 @@ class GuardedRun:
     def stored_value(self) -> Any:
         """After :meth:`begin` answered ``reason="once"``: the value the completed run stored
         (deserialised by the policy), after emitting the ``skip`` event (reason ``"once"``)."""
-        from .once import record_value
 
         self.state = RunState.SKIPPED
         self.locks.report_skip(Skipped(key=self.key, reason=Reason.ONCE, task=self.task))
@@ -303,7 +301,6 @@ class GuardedRun:
         """Shadow mode: evaluate, report what would have happened, and let the body run — also
         when Redis cannot be reached (logged; the run has no lease then). A retry's persisted
         handle is claimed as in enforced mode."""
-        from .errors import IdempotencyConflict
 
         would = None
         try:
@@ -464,8 +461,6 @@ class GuardedRun:
         was_lost = lease.lost
         store = None
         if self.once is not None and self.enforce:
-            from .once import encode_record
-
             try:
                 store = (encode_record(self.once, value, self.key), self.once.ttl)
             except BaseException as e:  # whatever the serializer raises: release first, store nothing

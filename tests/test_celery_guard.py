@@ -32,7 +32,7 @@ def concurrent(task, *args, **kwargs):
     """Start one run, wait until it holds its lease, then start a second one of the same key."""
     first = task.apply_async(args, kwargs)
     locks = task.app.conf.taskguard_locks
-    key = task._taskguard.key.render(args, kwargs)
+    key = task.taskguard_options.key.render(args, kwargs)
     deadline = time.monotonic() + 10
     while locks.holder(key) is None and time.monotonic() < deadline:
         time.sleep(0.02)

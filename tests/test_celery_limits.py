@@ -164,7 +164,7 @@ def test_bad_limit_and_rate_options_fail_at_declaration(opts, match):
 def test_beat_entries_carry_limit_and_rate(app):
     task = app.tasks["tg.export"]
     opts = validate_entry_options("e", {"limit": 3, "rate": (5, 60), "rate_key": "tenant:{tenant}"})
-    guard = entry_guard(task, task._taskguard, opts)
+    guard = entry_guard(task, task.taskguard_options, opts)
     assert guard.limit == 3 and guard.rate == (5, 60.0) and guard.rate_key.render(("t9",), {}) == "tenant:t9"
     for bad in ({"limit": 0}, {"rate": "x"}, {"rate_key": "k"}, {"rate": "1/s", "rate_key": ""}):
         with pytest.raises(ConfigError, match="beat entry 'e'"):
@@ -238,7 +238,7 @@ def test_a_beat_entry_template_is_bound_to_its_task_at_start_and_a_bad_field_dro
     task = app.tasks["tg.export"]
     with pytest.raises(ConfigError, match="beat entry 'e2': rate_key"):
         validate_entry_options("e2", {"rate": "1/m", "rate_key": "per:{nope}"}, task)
-    guard = entry_guard(task, task._taskguard, {"limit": 3, "rate": [1, 60], "rate_key": "per:{nope}"})
+    guard = entry_guard(task, task.taskguard_options, {"limit": 3, "rate": [1, 60], "rate_key": "per:{nope}"})
     assert guard.limit == 3 and guard.rate == (1, 60.0) and guard.rate_key.render(("t",), {}) == "tg.export"
     assert "ignoring the beat entry's rate_key option" in caplog.text
 

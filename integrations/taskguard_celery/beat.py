@@ -68,7 +68,7 @@ def validate_entry_options(name: str, options: Any, task: Any = None) -> dict:
     """Check one entry's ``options["taskguard"]`` when the scheduler is set up; with the entry's
     ``task`` (a guarded task this process knows), its ``key`` / ``rate_key`` templates are bound to
     the task's signature here too. Raises ConfigError naming the entry."""
-    fn = task.run if task is not None and getattr(task, "_taskguard", None) is not None else None
+    fn = task.run if task is not None and getattr(task, "taskguard_options", None) is not None else None
     return check_entry_options(f"beat entry {name!r}", options, fn, container=f"options[{ENTRY_OPTION!r}]")
 
 

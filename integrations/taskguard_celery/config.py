@@ -70,6 +70,9 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
     """The locks object for ``app`` (see the module docstring). Raises ConfigError."""
     if explicit is not None:
         return explicit
+    cached = _cache.get(app)  # the hot path (every guarded run): no lock once resolved
+    if cached is not None:
+        return cached
     with _lock:
         cached = _cache.get(app)
         if cached is not None:
@@ -115,14 +118,9 @@ def use_locks(app: Any, locks: Locks) -> None:
     ``locks`` is not a :class:`taskguard.Locks`."""
     if not isinstance(locks, Locks):
         raise ConfigError(f"use_locks() needs a taskguard.Locks, got {type(locks).__name__}")
-    from .task import GuardedTask
-
     with _lock:
         app.conf.taskguard_locks = locks
         _cache.pop(app, None)
-    for task in list(app.tasks.values()):
-        if isinstance(task, GuardedTask):
-            task._locks_cache = None
 
 
 #: The beat scheduler's settings, validated (see :func:`beat_settings`).

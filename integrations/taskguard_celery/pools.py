@@ -16,7 +16,12 @@ from typing import Any
 
 from celery.signals import worker_init
 
+from taskguard import ConfigError
+
+from .config import locks_for
+from .identity import redelivery_timeout
 from .setup import receiver
+from .task import GuardedTask
 
 __all__ = ["UNSUPPORTED_POOLS", "check_pool", "check_settings"]
 
@@ -49,8 +54,6 @@ def check_pool(sender: Any = None, **_: Any) -> None:
 
 
 def _guarded_tasks(app: Any) -> list:
-    from .task import GuardedTask
-
     return [t for t in list(app.tasks.values()) if isinstance(t, GuardedTask)]
 
 
@@ -59,11 +62,6 @@ def check_settings(app: Any) -> None:
     ``taskguard_prefix``, ``taskguard_locks``) and the broker's redelivery timeout — at worker
     start, for an app with guarded tasks. Raises SystemExit naming the bad setting (no round trip
     is made: an unreachable Redis is reported by the runs, which never run unguarded)."""
-    from taskguard import ConfigError
-
-    from .config import locks_for
-    from .identity import redelivery_timeout
-
     guarded = _guarded_tasks(app)
     if not guarded:
         return

@@ -60,7 +60,7 @@ def result_codec(task: Any) -> tuple[Any, Any]:
 def skip(task: Any, skipped: Skipped, skips: int, locks: Locks) -> Any:
     """A run that did not get its lease, per ``on_skip``: reported, then a value, a retry,
     an ``Ignore`` or a ``TaskSkipped``."""
-    opts = task._taskguard
+    opts = task.taskguard_options
     req = task.request
     if opts.on_skip == "retry" and not req.called_directly and skipped.reason != "rate_limited":
         if skips < opts.skip_max_retries:
@@ -91,7 +91,7 @@ def retry_after_skip(task: Any, countdown: float, skips: int, reason: str = "hel
     headers.pop(RATE_HEADER, None)  # its turn was used: the next attempt asks the rate again
     sig = task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers)
     why = "every slot of the lease held (limit)" if reason == "limit" else f"lease {reason}"
-    message = f"{why}; retry {skips} of {task._taskguard.skip_max_retries}"
+    message = f"{why}; retry {skips} of {task.taskguard_options.skip_max_retries}"
     if req.is_eager:
         raise Retry(message, when=countdown, is_eager=True, sig=sig)
     sig.apply_async()

@@ -28,6 +28,7 @@ from celery.signals import task_failure, task_revoked
 
 from taskguard import ConfigError, LeaseBackendError
 
+from . import uniqueness
 from .headers import HEADER
 from .setup import receiver
 from .task import GuardedTask, release_retry_handle
@@ -39,7 +40,7 @@ log = logging.getLogger("taskguard.celery")
 
 def release_for_run(task: GuardedTask, task_id: str | None, args: Any, kwargs: Any) -> bool:
     """Release the lease ``task_id`` holds for this call of ``task``; ``True`` when released."""
-    opts = task._taskguard
+    opts = task.taskguard_options
     if opts is None or not task_id:
         return False
     try:
@@ -75,9 +76,7 @@ def _on_failure(
 def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
     if not isinstance(sender, GuardedTask) or request is None:
         return
-    from .uniqueness import clear
-
-    clear(sender, request)  # revoked or expired: it will not run, so it is no longer queued
+    uniqueness.clear(sender, request)  # revoked or expired: it will not run, so it is no longer queued
     if terminated:
         release_for_run(sender, request.id, request.args, request.kwargs)
         return

@@ -102,9 +102,9 @@ class GuardedTask(Task):
     unique_ttl: float | None = OPTION_DEFAULTS["unique_ttl"]
     locks: Locks | None = None
 
-    _taskguard: GuardOptions | None = None
+    #: The guard's options, validated when the class is made (``None``: a class without a guard).
+    taskguard_options: GuardOptions | None = None
     _plain_call: bool = False
-    _locks_cache: Locks | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -122,7 +122,7 @@ class GuardedTask(Task):
             [n for n in cls.__dict__ if not n.startswith("_")],
             known=lambda n: any(n in k.__dict__ for k in bases),
         )
-        cls._taskguard = GuardOptions.build(
+        cls.taskguard_options = GuardOptions.build(
             fn, name=name, skip_self=bound, **{opt: getattr(cls, opt) for opt in OPTION_NAMES}
         )
         # does any class between GuardedTask and Task define its own __call__ (a user's base)?
@@ -150,14 +150,11 @@ class GuardedTask(Task):
 
     @property
     def taskguard_locks(self) -> Locks:
-        locks = self._locks_cache
-        if locks is None:
-            locks = self._locks_cache = locks_for(self._get_app(), self.locks)
-        return locks
+        return locks_for(self._get_app(), self.locks)
 
     # -- the guard: Celery's events translated into the run's lifecycle ----------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        opts = self._taskguard
+        opts = self.taskguard_options
         if opts is None:
             return super().__call__(*args, **kwargs)
         entered: list[bool] = []  # set when the body is called: errors from there on are the body's
@@ -340,7 +337,7 @@ class GuardedTask(Task):
         unique = options.pop("unique", None)
         if not (isinstance(headers, dict) and (DEFER_HEADER in headers or RATE_HEADER in headers)):
             options["headers"] = {**(headers or {}), PUBLISH_HEADER: new_publish_stamp()}
-        opts = self._taskguard
+        opts = self.taskguard_options
         # taskguard's own copies of a run (retries, skip retries, deferrals) are that run, never a duplicate
         own_copy = (
             isinstance(headers, dict)
@@ -391,7 +388,7 @@ class GuardedTask(Task):
         headers.pop(RATE_HEADER, None)  # a retry is a new call: it asks the rate again
         if not throw:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
-        handle = run.keep(_retry_delay(eta, countdown, self.default_retry_delay) + self._taskguard.ttl)
+        handle = run.keep(_retry_delay(eta, countdown, self.default_retry_delay) + self.taskguard_options.ttl)
         if handle is not None:
             headers[HEADER] = handle
         # else: lost meanwhile; the retry acquires afresh

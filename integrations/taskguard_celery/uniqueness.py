@@ -53,7 +53,7 @@ def _seconds_until(when: Any) -> float:
 def mark_ttl(task: Any, options: dict) -> float:
     """Seconds the queued mark lasts: ``unique_ttl`` (else the publish's ``expires``, else
     :data:`DEFAULT_UNIQUE_TTL`) after the run is due (``countdown`` / ``eta``)."""
-    opts = task._taskguard
+    opts = task.taskguard_options
     base = opts.unique_ttl
     if base is None:
         expires = options.get("expires", getattr(task, "expires", None))
@@ -74,10 +74,10 @@ def publish(
     the arguments do not bind to the task's signature (and what the key fails with on them, with
     its own type: :class:`taskguard.keys.KeyTemplate`), LeaseBackendError when Redis fails (nothing is
     published then), and whatever ``send`` raises (the mark is cleared first)."""
-    key = task._taskguard.key.render(tuple(args or ()), dict(kwargs or {}))
+    key = task.taskguard_options.key.render(tuple(args or ()), dict(kwargs or {}))
     task_id = task_id or uuid()
     locks = task.taskguard_locks
-    shadow = not task._taskguard.enforce
+    shadow = not task.taskguard_options.enforce
     try:
         marked, existing = locks.mark_queued(key, task_id, ttl=mark_ttl(task, options), task=task.name, shadow=shadow)
     except LeaseBackendError as e:
@@ -119,7 +119,7 @@ def clear(task: Any, request: Any) -> None:
     if not isinstance(key, str) or not key or not getattr(request, "id", None):
         return
     try:
-        opts = getattr(task, "_taskguard", None)
+        opts = getattr(task, "taskguard_options", None)
         task.taskguard_locks.clear_queued(key, request.id, task.name, opts is not None and not opts.enforce)
     except (ConfigError, LeaseBackendError) as e:
         log.warning("task %s[%s]: could not clear its queued mark (its TTL bounds it): %s", task.name, request.id, e)

@@ -34,6 +34,7 @@ from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 from taskguard.values import Reason, plain
 
+from . import unique
 from .config import locks_for
 from .cron_runs import entry_guard
 from .handles import drop_handle, load_handle, save_handle
@@ -162,9 +163,7 @@ def guarded_job(
             """``taskguard_rq.enqueue_unique(queue, this job, args, kwargs)``: enqueue unless a job of
             this key is queued or running (then that job is returned). RQ has no publish hook, so a
             plain ``queue.enqueue`` is never stopped: enqueue through this."""
-            from .unique import enqueue_unique as unique
-
-            return unique(queue, guarded, args, kwargs)
+            return unique.enqueue_unique(queue, guarded, args, kwargs)
 
         guarded.rate_limit_for = rate_limit_for  # type: ignore[attr-defined]
         guarded.enqueue_unique = enqueue_unique  # type: ignore[attr-defined]

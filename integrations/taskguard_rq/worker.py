@@ -49,6 +49,7 @@ from taskguard.liveness import holder_is_dead
 from .config import locks_for
 from .handles import drop_handle, load_handle, save_handle
 from .job import mirror_meta
+from .unique import clear_mark
 
 __all__ = ["GuardedWorker", "settle_killed_job", "settle_canceled_jobs"]
 
@@ -157,8 +158,6 @@ def settle_canceled_jobs(queue: Any) -> int:
             job = None
         try:
             if job is not None:
-                from .unique import clear_mark
-
                 clear_mark(locks_for(getattr(getattr(job, "func", None), "taskguard_locks", None)), job)
             if job is not None and settle_killed_job(job, retry=False, why="cancelled", horse_dead=False) == "released":
                 settled += 1
