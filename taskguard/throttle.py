@@ -36,7 +36,8 @@ class Throttle:
     Attributes:
         allowed: ``True`` when this call passed (and counted).
         retry_after: seconds (float) until a call could pass (0 when allowed). When ``booked``,
-            the caller's own turn: come back then and go ahead without asking again.
+            the caller's own turn: come back then and go ahead without taking another turn
+            (:mod:`taskguard.pacing` re-checks a back-off pause first).
         remaining: further cost units that could pass right now (0 when denied); with
             ``cost=1``, further calls.
         booked: the call was denied but its turn was reserved ``retry_after`` from now (see

@@ -112,10 +112,11 @@ def test_a_call_costs_its_units_and_the_default_burst_admits_it(any_locks):
 
 def test_a_burst_in_cost_units_admits_mixed_costs_up_to_it(any_locks):
     costs = [40, 30, 20, 10, 5]
-    out = [any_locks.throttle("mix", rate=(1000, 1.0), burst=100, cost=c) for c in costs]
+    # 10 units a second: 100 ms a unit, so the calls' own duration refills nothing measurable
+    out = [any_locks.throttle("mix", rate=(10, 1.0), burst=100, cost=c) for c in costs]
     assert [t.allowed for t in out] == [True, True, True, True, False]
     assert [t.remaining for t in out[:4]] == [60, 30, 10, 0]
-    assert 0.004 < out[4].retry_after <= 0.005  # 5 units at 1 ms each
+    assert 0.4 < out[4].retry_after <= 0.5  # 5 units at 100 ms each
 
 
 @pytest.mark.parametrize("cost, burst", [(11, 10), (2, 1), (10**9, 10)])
