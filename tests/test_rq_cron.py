@@ -299,6 +299,44 @@ def test_sigkill_of_the_leader_1s_before_a_window_hands_over_once(cron_env, pref
     assert "is the leader" in outputs
 
 
+# -- a leader paused past its lease (rq-scheduler#312: a cycle longer than the lock's TTL let a second
+# instance enqueue beside the first) ------------------------------------------------------------------
+def test_a_leader_paused_past_its_lease_enqueues_nothing_when_it_resumes(cron_env, prefix):
+    """The leader is SIGSTOPped for twice its leader TTL (a GC pause, a throttled container, a cycle
+    that outlasts the lock: rq-scheduler#312) while windows of an interval entry fall due, then
+    SIGCONTinued. The standby leads meanwhile; the resumed process, whose lease was taken over,
+    enqueues nothing (its claims are fenced): no window runs twice, and every window from the
+    resume on runs once."""
+    e = entry("pause", prefix, interval=EVERY)
+    with RQWorker(cron_env):
+        scheds = [CronProcess(cron_env, [e]).start() for _ in range(2)]
+        for s in scheds:
+            s.wait_ready()
+        time.sleep(EVERY + 0.5)
+        pid = leader_pid(prefix)
+        os.kill(pid, signal.SIGSTOP)
+        say(f"injected: SIGSTOP of the leader (pid {pid}) for {2 * LEADER_TTL:g} s")
+        try:
+            time.sleep(2 * LEADER_TTL)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        resumed = time.time()
+        time.sleep(3 * EVERY)
+        stopped = time.time()
+        new_leader = leader_pid(prefix)
+        for s in scheds:
+            s.stop()
+        time.sleep(1.0)
+    got = runs(cron_env)
+    windows = Counter(window(slot) for _, slot, _, _ in got)
+    say(f"observed: {len(got)} runs; run twice: {[w for w, n in windows.items() if n > 1]}; leader after: {new_leader}")
+    assert new_leader != pid  # the standby took over while the old leader was stopped
+    assert not [w for w, n in windows.items() if n > 1]
+    first, last = math.floor(resumed / EVERY) + 1, math.floor(stopped / EVERY)
+    assert all(windows[w] == 1 for w in range(first, last + 1))
+    assert len(enqueued(cron_env, e["name"])) == len(got)  # no job was enqueued that did not run
+
+
 # -- 4. a slot enqueued twice makes one job ------------------------------------------------------------
 def test_a_leader_dying_between_enqueue_and_confirm_makes_no_second_job(cron_env, prefix, tmp_path):
     """Issue input 4: the leader SIGKILLs itself once right after enqueuing a slot's job, before
