@@ -34,6 +34,8 @@ rotated):
 
 * ``taskguard throttle``: ``RedisLocks.throttle(key, rate="1000000/s", burst=10**9)`` — the whole
   API: validation, the GCRA script (one round trip), the ``Throttle`` answer;
+* ``taskguard throttle, cost=250``: the same decision weighted (a call of 250 cost units): the
+  same script and round trip, one more argument;
 * ``1x PING``: the floor of any decision that asks Redis;
 * ``INCR+PEXPIRE fixed window``: the common recipe (``INCR`` then ``PEXPIRE`` on a per-second key,
   pipelined in one round trip) — about as cheap, but it lets 2x the rate through at a window
@@ -107,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     def throttle() -> None:
         locks.throttle("rate", rate="1000000/s", burst=10**9)
 
+    def weighted() -> None:
+        locks.throttle("wrate", rate="1000000/s", burst=10**9, cost=250)
+
     def ping() -> None:
         client.ping()
 
@@ -121,7 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         bench_sigkill(args.url, admin, prefix)
         bench_unique_publish(args, admin, prefix)
         print("## §4 rate decisions\n")
-        contenders = {"taskguard throttle": throttle, "1x PING": ping, "INCR+PEXPIRE fixed window": fixed_window}
+        contenders = {
+            "taskguard throttle": throttle,
+            "taskguard throttle, cost=250": weighted,
+            "1x PING": ping,
+            "INCR+PEXPIRE fixed window": fixed_window,
+        }
         per_round, lat, _orders = interleaved_rounds(contenders, args.ops, args.rounds)
         base = per_round["1x PING"]
         rows = []
@@ -141,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.rounds} interleaved rounds x {args.ops} decisions per contender\n")
         print(fmt_table(["contender", "ops/s", "us/op", "p50 us", "p99 us", "vs 1x PING"], rows, align="lrrrrr"))
         print(
-            "\n   a throttle decision is one round trip, as the fixed window's is; the fixed window lets up to 2x the"
-            "\n   rate through across a window boundary and tells denied callers nothing about when to come back"
+            "\n   a throttle decision is one round trip, weighted (cost=) or not, as the fixed window's is; the"
+            "\n   fixed window lets up to 2x the rate through across a window boundary and tells denied callers"
+            "\n   nothing about when to come back"
         )
     finally:
         deleted, left = cleanup(admin, prefix)

@@ -5,11 +5,20 @@ The core is framework-free; the Celery and RQ adapters are ``taskguard_celery`` 
 """
 
 from .config import from_env
-from .errors import ConfigError, IdempotencyConflict, LeaseBackendError, LeaseLost, TaskguardError, TaskSkipped
+from .errors import (
+    ConfigError,
+    IdempotencyConflict,
+    LeaseBackendError,
+    LeaseLost,
+    RateLimited,
+    TaskguardError,
+    TaskSkipped,
+)
 from .events import LeaseEvent, add_listener, remove_listener
 from .lease import Acquisition, HolderInfo, Lease
 from .locks import Health, Locks
 from .memory_locks import MemoryLocks
+from .pacing import settle_cost
 from .redis_locks import RedisLocks
 from .skipped import Skipped, as_skipped, is_skipped
 from .throttle import Throttle
@@ -28,6 +37,7 @@ __all__ = [
     "LeaseLost",
     "Locks",
     "MemoryLocks",
+    "RateLimited",
     "RedisLocks",
     "Skipped",
     "TaskSkipped",
@@ -38,4 +48,5 @@ __all__ = [
     "is_skipped",
     "as_skipped",
     "remove_listener",
+    "settle_cost",
 ]

@@ -30,6 +30,7 @@ __all__ = [
     "AcquireReply",
     "ClaimReply",
     "RateVerdict",
+    "RateMode",
     "RateReply",
     "QueueReply",
     "RecordCondition",
@@ -106,6 +107,17 @@ class RateReply(NamedTuple):
     verdict: RateVerdict
     wait_us: int
     remaining: int
+    paused: bool = False  # a back-off pause is on (the wait lasts at least until it ends)
+
+
+class RateMode(enum.Enum):
+    """What one throttle call does (the script's ARGV[4], :data:`taskguard.scripts.THROTTLE`)."""
+
+    CALL = "0"  # a call: counted (or booked) when it passes
+    PEEK = "1"  # check only: the answer a call would get, nothing counted
+    TURN = "2"  # a booked turn re-checked: passes, counting nothing, unless a pause is on; then a call
+    SETTLE = "3"  # add cost units to TAT without a check (negative: give back), never below now
+    PAUSE = "4"  # a back-off: no call passes for ``book`` µs from now
 
 
 class QueueReply(NamedTuple):
@@ -221,8 +233,19 @@ class Backend(Protocol):
     def clear_queued(self, key: str, run_id: str, task: str) -> bool: ...
 
     def throttle(
-        self, key: str, interval_us: int, tau_us: int, book_us: int, consume: bool, shadow: bool
-    ) -> RateReply: ...
+        self,
+        key: str,
+        interval_us: int,
+        tau_us: int,
+        book_us: int,
+        consume: bool,
+        shadow: bool,
+        cost: int = 1,
+        mode: RateMode = RateMode.CALL,
+    ) -> RateReply:
+        """One weighted GCRA step (:data:`taskguard.scripts.THROTTLE`, :func:`taskguard.throttle.gcra`):
+        ``consume=False`` is mode PEEK whatever ``mode`` says; mode PAUSE takes its length as
+        ``book_us``."""
 
     # -- clock, health, life cycle
     def server_time(self) -> float: ...

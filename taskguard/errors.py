@@ -18,6 +18,7 @@ __all__ = [
     "LeaseLost",
     "TaskSkipped",
     "IdempotencyConflict",
+    "RateLimited",
 ]
 
 
@@ -113,6 +114,36 @@ class IdempotencyConflict(TaskguardError):
             f"{who}key {self.args[0]!r} was already completed by a call with other arguments "
             f"(another fingerprint); the stored value is not returned"
         )
+
+
+class RateLimited(TaskguardError):
+    """Raised by a guarded body after an upstream answered ``429 Too Many Requests``: the rate is
+    paused cluster-wide and this run deferred past the pause.
+
+    ``RateLimited(retry_after, key=None)``: ``retry_after`` seconds (float > 0; the upstream's
+    ``Retry-After``) during which no worker admits a call on the rate key
+    (:meth:`taskguard.Locks.back_off`, on the Redis server's clock); ``key`` the rate key to
+    pause (default: the task's ``rate_key`` as rendered for this run). A guarded task defers
+    the run past the pause without consuming Celery's ``max_retries`` or RQ's ``Retry`` (reason
+    ``"backoff"``), also under Celery's ``autoretry_for=(Exception,)``. A ``retry_after`` that is
+    not a positive number of seconds makes the run fail with ConfigError. Plain values only
+    (picklable, JSON-safe).
+    """
+
+    def __init__(self, retry_after: float, key: str | None = None) -> None:
+        super().__init__(retry_after, key)
+
+    @property
+    def retry_after(self) -> float:
+        return cast("float", self.args[0])
+
+    @property
+    def key(self) -> str | None:
+        return cast("str | None", self.args[1])
+
+    def __str__(self) -> str:
+        where = f" {self.args[1]!r}" if self.args[1] is not None else ""
+        return f"upstream rate limit{where}: retry after {self.args[0]!r}s"
 
 
 class TaskSkipped(TaskguardError):

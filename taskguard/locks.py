@@ -451,20 +451,25 @@ class Locks:
         *,
         rate: Any,
         burst: int | None = None,
+        cost: int = 1,
         book_within: float = 0.0,
         consume: bool = True,
         shadow: bool = False,
     ) -> Throttle:
         """One call under a cluster-wide rate for ``key``: ``rate`` is ``"N/s"``, ``"N/m"``,
-        ``"N/h"``, ``"N/d"`` or ``(count, seconds)``; ``burst`` (default 1: evenly spaced) calls
-        may pass at once. Over any window of ``t`` seconds at most ``burst + t x count / period``
-        calls pass, across every process (GCRA, :mod:`taskguard.throttle`; one key, O(1)
-        memory, one round trip, the Redis server's clock).
+        ``"N/h"``, ``"N/d"`` or ``(count, seconds)`` — N *cost units* per period; the call costs
+        ``cost`` units (``int`` >= 1, default 1: every call counts 1; e.g. an LLM request's
+        tokens); ``burst`` cost units may pass at once (default: ``cost``, so with ``cost=1``
+        calls are evenly spaced). Over any window of ``t`` seconds at most ``burst + t x count /
+        period`` cost units pass, across every process (weighted GCRA, :mod:`taskguard.throttle`;
+        one key, O(1) memory, one round trip, the Redis server's clock).
 
         A denied call gets ``retry_after`` seconds. With ``book_within`` (seconds, default 0: never)
         a denied call whose turn is at most that far away *books* it (``booked=True``): that
         turn is reserved for it, so come back at ``retry_after`` and go ahead without asking
-        again; denied callers then get distinct turns instead of stampeding at the same instant.
+        again (a back-off pause set meanwhile still applies: :mod:`taskguard.pacing` re-checks it);
+        denied callers then get distinct turns instead of stampeding at the same instant.
+        While a back-off pause is on (:meth:`back_off`) every call is denied (``paused=True``).
         ``consume=False`` only checks: the answer a call would get now, with nothing counted or
         booked. ``shadow=True`` counts (and books) in the *shadow* state of ``key``, a rate state
         of its own that enforced calls never see and that never consumes theirs: shadow mode's
@@ -472,8 +477,30 @@ class Locks:
         :func:`taskguard.pacing.shadow_check`).
 
         Returns a :class:`~taskguard.throttle.Throttle`. Raises ConfigError for a bad rate,
-        burst or key, LeaseBackendError when Redis fails."""
-        return self.rates.throttle(key, rate=rate, burst=burst, book_within=book_within, consume=consume, shadow=shadow)
+        burst, cost or key, and for a ``cost`` above ``burst`` (such a call could never pass);
+        LeaseBackendError when Redis fails."""
+        return self.rates.throttle(
+            key, rate=rate, burst=burst, cost=cost, book_within=book_within, consume=consume, shadow=shadow
+        )
+
+    def settle_cost(self, key: str, *, rate: Any, by: int, shadow: bool = False) -> None:
+        """Correct the rate state of ``key`` after a call whose actual cost differed from the cost
+        it was admitted with: ``by`` cost units (``int``, actual minus estimate; negative gives
+        units back) are added without a check — an overrun delays later calls, a refund lets them
+        sooner, never beyond ``burst``. ``rate`` as given to :meth:`throttle`. One round trip; a
+        call re-sent by the client after it ran counts twice. Raises ConfigError for a bad key,
+        rate or ``by`` (beyond +-10**9); LeaseBackendError when Redis fails."""
+        self.rates.settle(key, rate=rate, by=by, shadow=shadow)
+
+    def back_off(self, key: str, retry_after: float, *, shadow: bool = False) -> float:
+        """Pause the rate ``key`` cluster-wide for ``retry_after`` seconds (float > 0) on the
+        backend's clock: until the pause ends no :meth:`throttle` call on ``key`` passes, whatever
+        its rate, and booked turns falling inside it are re-checked and booked again after it
+        (:mod:`taskguard.pacing`). For an upstream's ``429 Too Many Requests`` with
+        ``Retry-After``. A longer pause already on is kept. Returns the seconds (float) until the
+        pause ends. Raises ConfigError for a bad key or duration; LeaseBackendError when Redis
+        fails."""
+        return self.rates.back_off(key, retry_after, shadow=shadow)
 
     # -- reports, health, shutdown ------------------------------------------------------------
     def report_skip(self, skipped: Skipped, shadow: bool = False) -> None:

@@ -16,6 +16,7 @@ from .backend import (
     Health,
     LeaseWrite,
     QueueReply,
+    RateMode,
     RateReply,
     RateVerdict,
     RecordCondition,
@@ -61,8 +62,8 @@ class MemoryBackend:
         self._seen = threading.local()
         self._records: dict[tuple[str, str], tuple[str, float | None]] = {}
         self._lease_records: dict[tuple[str, str], str] = {}  # (key, name) -> value, kept like the fence
-        self._tats: dict[str, int] = {}  # throttles: key -> theoretical arrival time, µs
-        self._shadow_tats: dict[str, int] = {}  # the same, for shadow mode's calls (throttle(shadow=True))
+        self._tats: dict[str, tuple[int, int]] = {}  # throttles: key -> (theoretical arrival time, pause end), µs
+        self._shadow_tats: dict[str, tuple[int, int]] = {}  # the same, for shadow mode's calls (throttle(shadow=True))
         self._completions: dict[str, tuple[str, float]] = {}  # once=True: key -> (record, until)
         self._queued: dict[tuple[str, str], tuple[str, float]] = {}  # unique: (key, task) -> (run id, until)
         self._cond = threading.Condition()
@@ -310,14 +311,27 @@ class MemoryBackend:
                 return True
             return False
 
-    def throttle(self, key: str, interval_us: int, tau_us: int, book_us: int, consume: bool, shadow: bool) -> RateReply:
-        tats = self._shadow_tats if shadow else self._tats
+    def throttle(
+        self,
+        key: str,
+        interval_us: int,
+        tau_us: int,
+        book_us: int,
+        consume: bool,
+        shadow: bool,
+        cost: int = 1,
+        mode: RateMode = RateMode.CALL,
+    ) -> RateReply:
+        states = self._shadow_tats if shadow else self._tats
         with self._cond:
             now_us = int(self._clock() * 1e6)
-            code, wait, remaining, new_tat = gcra(tats.get(key), now_us, interval_us, tau_us, book_us)
-            if new_tat is not None and consume:
-                tats[key] = new_tat
-            return RateReply(_RATE_VERDICT[code], wait, remaining)
+            tat, pause = states.get(key, (0, 0))
+            code, wait, remaining, paused, keep = gcra(
+                tat, pause, now_us, interval_us, tau_us, book_us, mode if consume else RateMode.PEEK, cost
+            )
+            if keep is not None:
+                states[key] = keep
+            return RateReply(_RATE_VERDICT[code], wait, remaining, paused)
 
     # -- health, life cycle ------------------------------------------------------------------------
     def check_health(self) -> Health:

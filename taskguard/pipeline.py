@@ -11,12 +11,17 @@ inputs                                                      decision
 redelivered, and the framework's own record says the run    :class:`Duplicate` (no run)
 finished (``Hooks.finished``)
 ``rate``: over it, turn past ``rate_max_wait``              :class:`Skip` (``"rate_limited"``,
+                                                            or ``"backoff"`` while a pause is on;
                                                             the rate key; a kept handle released)
-``rate``: over it, a worker execution                       :class:`Defer` (``"rate_limited"``,
-                                                            countdown, pacing state; a kept
-                                                            handle released; skip reported)
+``rate``: over it, a worker execution                       :class:`Defer` (``"rate_limited"`` /
+                                                            ``"backoff"``, countdown, pacing
+                                                            state; a kept handle released; skip
+                                                            reported)
 ``rate``: over it, a local call (direct, eager)             waits for its turn here, then on
-``rate``: room (or shadow mode: checked and reported)       goes on to the lease
+``rate``: room (or shadow mode: checked and reported)       goes on to the lease; the
+                                                            :class:`Run` carries the rate charge
+                                                            (the call's ``cost``)
+``limit``: an int, or its callable's value for this call    the lease's slots
 ``once``: the key's work done (same fingerprint)            :class:`Stored` (the stored value)
 lease refused: this copy's run already finished             :class:`Duplicate` (with the run)
 lease held by another execution of the same run id          :class:`Defer` (``"running"``;
@@ -42,6 +47,10 @@ or redelivery of a replaced run)
 A run decided :class:`Run` under ``overlap="coalesce"`` wakes the key's pending follow-up when it
 ends (:func:`taskguard.overlap.wake_pending`, through :meth:`Hooks.wake`).
 
+After the body: a body that raised :class:`~taskguard.RateLimited` (an upstream's 429) is
+decided by :func:`backed_off`: the rate key paused cluster-wide, the run a :class:`Defer`
+(``"backoff"``) past the pause, or a :class:`Skip` past ``rate_max_wait``.
+
 The publish-time queued mark (``unique``) is cleared through :meth:`Hooks.clear_mark` as soon as
 the execution started or will never run: on every decision but a rate :class:`Defer` (still
 queued), and before any exception raised while deciding. What a decision means for the
@@ -53,13 +62,14 @@ This module imports no task framework.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from .errors import LeaseBackendError
+from .errors import LeaseBackendError, RateLimited
 from .keys import KeyTemplate
 from .overlap import (
     Pending,
@@ -73,7 +83,7 @@ from .overlap import (
     take,
     wake_pending,
 )
-from .pacing import pace, shadow_check
+from .pacing import back_off, charging, pace, shadow_reason
 from .policy import GuardOptions
 from .run import GuardedRun, RunRequest
 from .skipped import Skipped
@@ -96,6 +106,7 @@ __all__ = [
     "Pend",
     "decide",
     "replaced_skip",
+    "backed_off",
 ]
 
 
@@ -197,9 +208,15 @@ class Hooks(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """Run the body under ``run`` (begun; in shadow mode its lease may be ``None``)."""
+    """Run the body under ``run`` (begun; in shadow mode its lease may be ``None``), inside
+    :meth:`charging` (so that the body may :func:`taskguard.settle_cost`)."""
 
     run: GuardedRun
+    charge: charging | None = None  # a guard with a rate: the rate key and the cost it was admitted at
+
+    def charging(self) -> contextlib.AbstractContextManager[Any]:
+        """The context the body runs in: its rate charge, or nothing."""
+        return self.charge if self.charge is not None else contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +230,7 @@ class Skip:
 @dataclasses.dataclass(frozen=True)
 class Defer:
     """Not now: come back in ``countdown`` seconds. ``why`` (a :class:`~taskguard.values.Reason`):
-    ``"rate_limited"`` (its turn under the rate:
+    ``"rate_limited"`` or ``"backoff"`` (its turn under the rate, or past a back-off pause:
     ``key`` the rate key, ``state`` the pacing state to carry back, the skip already reported) or
     ``"running"`` (another execution of this run id holds the lease: ``run``). ``skipped``: the
     rate skip as reported."""
@@ -305,13 +322,15 @@ def decide(
             return Skip(Skipped(key=key, reason=Reason.REPLACED, task=ex.task, follow_up=by or None))
     try:
         handle = hooks.persisted_handle()
+        charge = None
         if opts.rate is not None:
             # the rate first: a run deferred to its turn must not sit on a lease meanwhile
             paced = _pace(opts, args, kwargs, ex, hooks, locks, handle)
-            if paced is not None:
+            if not isinstance(paced, charging):
                 if isinstance(paced, Skip):
                     hooks.clear_mark()  # it will not run: no longer queued
                 return paced  # (a Defer: still queued)
+            charge = paced
         once = opts.once_policy(args, kwargs, *hooks.result_codec()) if opts.once else None
         run_id, stamp, finished_ttl = ex.run_id, ex.stamp, ex.finished_ttl
         if ex.slot is not None and not ex.local:
@@ -328,7 +347,7 @@ def decide(
                 opts.renew,
                 ex.holder,
                 opts.max_hold,
-                opts.limit,
+                opts.limit_of(args, kwargs),
                 run_id,
                 ex.task,
                 opts.on_lost,
@@ -381,7 +400,7 @@ def decide(
         return Duplicate(key, run)
     if not opts.enforce and run.reason is not None:
         hooks.shadow(key, plain(run.reason), run.holder_ttl, run.lease is not None, False)
-    return Run(run)
+    return Run(run, charge)
 
 
 def _pend(
@@ -474,15 +493,20 @@ def _pace(
     hooks: Hooks,
     locks: Locks,
     handle: Mapping[str, Any] | None,
-) -> Skip | Defer | None:
-    """The rate (:func:`taskguard.pacing.pace`): ``None`` when the run goes on now (a local
-    call waits for its turn here), else the :class:`Skip` or :class:`Defer`."""
+) -> Skip | Defer | charging:
+    """The rate (:func:`taskguard.pacing.pace`), the run costing ``opts.cost_of`` the call: its
+    :class:`~taskguard.pacing.charging` when the run goes on now (a local call waits for its
+    turn here; a run back a moment before its booked turn waits for it, then re-checks it
+    against a back-off pause), else the :class:`Skip` or :class:`Defer` (reason
+    ``"rate_limited"``, or ``"backoff"`` while a pause is on). Raises ConfigError for a cost
+    that could never pass."""
     state = hooks.rate_state()
     rate_key = cast(KeyTemplate, opts.rate_key).render(args, kwargs)  # (a guard with a rate has its key)
     rate = cast("tuple[int, float]", opts.rate)
+    cost = opts.cost_of(args, kwargs)
     bound = hooks.rate_bound()
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the run goes ahead
-        if shadow_check(
+        reason = shadow_reason(
             locks,
             rate_key,
             rate=rate,
@@ -490,9 +514,11 @@ def _pace(
             max_wait=opts.rate_max_wait,
             max_countdown=bound,
             task=ex.task,
-        ):
-            hooks.shadow(rate_key, Reason.RATE_LIMITED.value, None, False, True)
-        return None
+            cost=cost,
+        )
+        if reason is not None:
+            hooks.shadow(rate_key, reason, None, False, True)
+        return charging(locks, rate_key, rate, cost, shadow=True)
     while True:
         p = pace(
             locks,
@@ -502,21 +528,75 @@ def _pace(
             max_wait=opts.rate_max_wait,
             max_countdown=bound,
             state=state,
+            cost=cost,
         )
         if p.go:
             if p.countdown > 0:
-                time.sleep(p.countdown)  # back a moment before its booked turn
+                time.sleep(p.countdown)  # back a moment before its booked turn: re-checked at it
+                continue
             hooks.rate_go()
-            return None
+            return charging(locks, rate_key, rate, cost)
+        why = Reason(p.reason)
         if p.skip:
             if handle is not None:
                 hooks.release_handle(handle)
-            return Skip(Skipped(key=rate_key, reason=Reason.RATE_LIMITED, task=ex.task))
+            return Skip(Skipped(key=rate_key, reason=why, task=ex.task))
         if not ex.local:
             if handle is not None:  # a retry's kept lease is not held through a rate wait
                 hooks.release_handle(handle)
-            skipped = Skipped(key=rate_key, reason=Reason.RATE_LIMITED, task=ex.task, holder_ttl=None)
+            skipped = Skipped(key=rate_key, reason=why, task=ex.task, holder_ttl=None)
             locks.report_skip(skipped)
-            return Defer(p.countdown, Reason.RATE_LIMITED, rate_key, state=p.state, skipped=skipped)
+            return Defer(p.countdown, why, rate_key, state=p.state, skipped=skipped)
         time.sleep(p.countdown)  # a direct or eager call waits for its turn here
         state = p.state
+
+
+def backed_off(
+    opts: GuardOptions,
+    key: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ex: Execution,
+    hooks: Hooks,
+    locks: Locks,
+    exc: RateLimited,
+) -> Skip | Defer | None:
+    """The body of a :class:`Run` raised :class:`~taskguard.RateLimited` (an upstream's 429;
+    the adapter handed the run back, or in shadow mode failed it). Pauses the rate key
+    cluster-wide for ``exc.retry_after`` seconds (:func:`taskguard.pacing.back_off`; ``exc.key``,
+    else the task's rate key, else its lease key) and decides what becomes of the run:
+
+    * a :class:`Defer` (reason ``"backoff"``, the skip reported) past the pause — the adapter
+      re-publishes it as for a rate turn, consuming none of the task's retries;
+    * a :class:`Skip` (reason ``"backoff"``) when the pause outlasts ``rate_max_wait``;
+    * ``None`` for a local call (direct, eager: the caller gets the ``RateLimited``) and in
+      shadow mode (the shadow state is paused and the would-be back-off reported; the
+      exception is the body's own).
+
+    Raises ConfigError for a ``retry_after`` that is not a positive number of seconds,
+    LeaseBackendError when Redis fails."""
+    rate_key = (
+        exc.key
+        if exc.key is not None
+        else (cast(KeyTemplate, opts.rate_key).render(args, kwargs) if opts.rate is not None else key)
+    )
+    p = back_off(
+        locks,
+        rate_key,
+        exc.retry_after,
+        max_wait=opts.rate_max_wait,
+        max_countdown=hooks.rate_bound(),
+        state=hooks.rate_state(),
+        shadow=not opts.enforce,
+    )
+    skipped = Skipped(key=rate_key, reason=Reason.BACKOFF, task=ex.task, holder_ttl=None)
+    if not opts.enforce:
+        locks.report_skip(skipped, shadow=True)
+        hooks.shadow(rate_key, Reason.BACKOFF.value, None, True, True)
+        return None
+    if ex.local:
+        return None
+    if p.skip:
+        return Skip(skipped)
+    locks.report_skip(skipped)
+    return Defer(p.countdown, Reason.BACKOFF, rate_key, state=p.state, skipped=skipped)

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from .errors import ConfigError
 from .keys import KeyTemplate
 from .once import Fingerprint, OncePolicy
-from .validate import check_burst, check_limit, check_rate, check_seconds, check_ttl
+from .validate import check_burst, check_cost, check_limit, check_rate, check_seconds, check_ttl
 from .values import OnLost, OnSkip, Overlap
 
 __all__ = [
     "GuardOptions",
+    "PerCall",
     "ON_SKIP",
     "ON_LOST",
     "OVERLAP",
@@ -75,6 +77,8 @@ class GuardOptions:
     replace_terminate: bool = False
     debounce: float | None = None
     debounce_max: float | None = None
+    cost: Any = 1  # an int, or a PerCall of the call's arguments
+    limit_fn: PerCall | None = None  # limit= given as a callable of the call's arguments
 
     @classmethod
     def build(
@@ -94,7 +98,7 @@ class GuardOptions:
         skip_max_retries: int = 3,
         max_hold: float | None = None,
         continue_on_skip: bool = False,
-        limit: int = 1,
+        limit: int | Callable[..., int] = 1,
         rate: Any = None,
         rate_key: str | Callable[..., str] | None = None,
         rate_burst: int | None = None,
@@ -110,6 +114,7 @@ class GuardOptions:
         replace_terminate: bool = False,
         debounce: float | None = None,
         debounce_max: float | None = None,
+        cost: int | Callable[..., int] = 1,
         allowed_on_skip: tuple[str, ...] = ON_SKIP,
     ) -> GuardOptions:
         """Validate options for the task ``name`` whose body is ``fn``.
@@ -134,14 +139,21 @@ class GuardOptions:
             limit: how many runs of one key may run at once (``int`` 1..100; default 1, one at
                 a time): each holds a lease in one of ``limit`` slots
                 (:meth:`taskguard.Locks.acquire`); a run finding them all taken is skipped with
-                reason ``"limit"`` (``on_skip`` applies as to a held lease).
+                reason ``"limit"`` (``on_skip`` applies as to a held lease). Or a callable
+                receiving the call's bound arguments as keyword arguments and returning that
+                ``int`` (``lambda tenant, **_: 10 if is_premium(tenant) else 2``), evaluated per
+                run (:meth:`limit_of`): a value out of range fails that run with ConfigError;
+                lowering a key's limit admits nobody new until fewer than the new value hold it.
             rate: a cluster-wide rate for the runs (``"N/s"``, ``"N/m"``, ``"N/h"``, ``"N/d"``
                 or ``(count, seconds)``; default ``None``: none), checked before the lease: a
                 run over it is deferred to its booked turn without consuming the task's retries
                 (:mod:`taskguard.pacing`).
             rate_key: the rate's key, a template or callable like ``key`` (default: the task
                 name, one rate for all its runs).
-            rate_burst: runs that may pass at once (default 1: evenly spaced).
+            rate_burst: cost units that may pass at once (default: ``cost`` when it is an int,
+                so with the default ``cost=1`` runs are evenly spaced; the rate's count, one
+                period's worth, when ``cost`` is a callable). A run costing more is refused
+                (ConfigError: at declaration for an int ``cost``, for that run for a callable).
             rate_max_wait: longest a run may wait for its turn, seconds from its first
                 deferral (default ``None``: no bound); past it the run is skipped with reason
                 ``"rate_limited"``.
@@ -163,6 +175,11 @@ class GuardOptions:
                 running publishes nothing and returns that run's handle (Celery; RQ:
                 ``enqueue_unique``). The lease stays the correctness boundary; this saves queue
                 space.
+            cost: what one run costs under ``rate``, in the rate's units (tokens, query points):
+                an ``int`` >= 1 (default 1: every run counts 1) or a callable receiving the
+                call's bound arguments as keyword arguments and returning an ``int`` >= 1 (e.g.
+                ``lambda prompt, **_: estimate_tokens(prompt)``), evaluated per run. The body may
+                correct it with :func:`taskguard.settle_cost`. Needs ``rate``.
             unique_ttl: seconds a queued mark lasts when its run never starts (its message lost),
                 plus any countdown (default: the publish's ``expires``, else 1 hour).
             overlap: what a run does when the key's lease is held (every slot, under ``limit``),
@@ -203,7 +220,10 @@ class GuardOptions:
             wait = check_seconds("wait", wait, allow_zero=True)
             max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
             skip_retry_delay = None if skip_retry_delay is None else check_seconds("skip_retry_delay", skip_retry_delay)
-            limit = check_limit(limit)
+            limit_fn = (
+                PerCall("limit", limit, fn, check_limit, skip_self=skip_self, task=name) if callable(limit) else None
+            )
+            limit = 1 if limit_fn is not None else check_limit(limit)
             rate = None if rate is None else check_rate(rate)
             if rate is None and (rate_key is not None or rate_burst is not None or rate_max_wait is not None):
                 raise ConfigError("rate_key, rate_burst and rate_max_wait need rate= (e.g. rate='100/m')")
@@ -211,6 +231,20 @@ class GuardOptions:
                 None if rate is None else KeyTemplate(name if rate_key is None else rate_key, fn, skip_self=skip_self)
             )
             rate_burst = None if rate_burst is None else check_burst(rate_burst)
+            if rate is None and not (type(cost) is int and cost == 1):
+                raise ConfigError("cost needs rate= (e.g. rate='90000/m', cost=lambda prompt, **_: len(prompt))")
+            run_cost: int | PerCall
+            if callable(cost):
+                run_cost = PerCall("cost", cost, fn, check_cost, skip_self=skip_self, task=name)
+                if rate_burst is None:
+                    rate_burst = cast("tuple[int, float]", rate)[0]  # one period's worth of cost units
+            else:
+                run_cost = check_cost(cost)
+                if rate_burst is not None and run_cost > rate_burst:
+                    raise ConfigError(
+                        f"cost {run_cost} exceeds rate_burst {rate_burst}: such a run could never pass; "
+                        f"raise rate_burst to at least {run_cost}"
+                    )
             rate_max_wait = (
                 None if rate_max_wait is None else check_seconds("rate_max_wait", rate_max_wait, allow_zero=True)
             )
@@ -312,6 +346,8 @@ class GuardOptions:
             replace_terminate,
             debounce,
             debounce_max,
+            run_cost,
+            limit_fn,
         )
 
     def once_policy(self, args: tuple[Any, ...], kwargs: dict[str, Any], dumps: Any = None, loads: Any = None) -> Any:
@@ -323,6 +359,19 @@ class GuardOptions:
             return None
 
         return OncePolicy(self.fingerprint.of(args, kwargs), self.once_ttl, dumps, loads, self.once_max_bytes)
+
+    def cost_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """What one call costs under the rate (``int``). Raises ConfigError when a cost callable
+        returns something other than an ``int`` from 1 to 10**9, TypeError when the arguments do
+        not bind, and whatever the callable raises."""
+        cost = self.cost
+        return cost if type(cost) is int else cast(PerCall, cost).of(args, kwargs)
+
+    def limit_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """How many runs of this call's key may run at once (``int``): ``limit``, or a limit
+        callable's value for this call. Raises ConfigError for a value out of range (1..100),
+        TypeError when the arguments do not bind, and whatever the callable raises."""
+        return self.limit if self.limit_fn is None else self.limit_fn.of(args, kwargs)
 
     def retry_delay(self, holder_ttl: float | None) -> float:
         """Countdown for an ``on_skip="retry"`` retry, seconds."""
@@ -351,9 +400,51 @@ _CONFLICTS = {
 }
 
 
-def _defaults() -> dict[str, Any]:
-    import inspect
+class PerCall:
+    """A guard option given as a callable of the call's arguments (``cost=``, ``limit=``), bound
+    to the task's signature: :meth:`of` gives its validated value for one call.
 
+    The callable receives the call's bound arguments (defaults applied) as keyword arguments;
+    its signature is checked against the task's at declaration (ConfigError)."""
+
+    __slots__ = ("option", "fn", "template", "check", "task")
+
+    def __init__(
+        self,
+        option: str,
+        fn: Callable[..., Any],
+        task_fn: Callable[..., Any],
+        check: Callable[[Any, str], int],
+        *,
+        skip_self: bool = False,
+        task: str = "",
+    ) -> None:
+        self.option, self.fn, self.check, self.task = option, fn, check, task
+        self.template = KeyTemplate(option, task_fn, skip_self=skip_self)  # (for its binding only)
+        params = self.template.signature.parameters.values()
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            return  # the names a call passes are not known before it
+        try:
+            inspect.signature(fn).bind(**{p.name: None for p in params})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"{option} callable {getattr(fn, '__name__', fn)!r} is called with the task's arguments "
+                f"as keywords ({', '.join(p.name for p in params)}), which it does not take: {e}"
+            ) from None
+
+    def of(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+        """The value for one call. Raises ConfigError for a value out of range, TypeError when the
+        arguments do not bind, and whatever the callable raises."""
+        value = self.fn(**self.template.bind(tuple(args), kwargs))
+        try:
+            return self.check(
+                value, f"the {self.option} callable's value ({getattr(self.fn, '__name__', self.option)})"
+            )
+        except ConfigError as e:
+            raise ConfigError(f"task {self.task!r}: {e}") from None
+
+
+def _defaults() -> dict[str, Any]:
     params = inspect.signature(GuardOptions.build).parameters
     return {n: p.default for n, p in params.items() if n not in ("fn", "name", "skip_self", "allowed_on_skip")}
 

@@ -26,6 +26,7 @@ from .backend import (
     Health,
     LeaseWrite,
     QueueReply,
+    RateMode,
     RateReply,
     RateVerdict,
     RecordCondition,
@@ -461,16 +462,24 @@ class RedisBackend:
     def clear_queued(self, key: str, run_id: str, task: str) -> bool:
         return int(self._run("queue", key, scripts.UNQUEUE, (self.lease_key(key),), (run_id, task, _nonce()))) == 1
 
-    def throttle(self, key: str, interval_us: int, tau_us: int, book_us: int, consume: bool, shadow: bool) -> RateReply:
+    def throttle(
+        self,
+        key: str,
+        interval_us: int,
+        tau_us: int,
+        book_us: int,
+        consume: bool,
+        shadow: bool,
+        cost: int = 1,
+        mode: RateMode = RateMode.CALL,
+    ) -> RateReply:
         # the shadow state (shadow mode's calls) is a key of its own, beside the enforced one
-        res = self._run(
-            "throttle",
-            key,
-            scripts.THROTTLE,
-            (self.lease_key(key) + (":ts" if shadow else ":t"),),
-            (interval_us, tau_us, book_us, "0" if consume else "1"),
+        code = RateMode.PEEK.value if not consume else mode.value
+        args: tuple[Any, ...] = (
+            (interval_us, tau_us, book_us, code) if cost == 1 else (interval_us, tau_us, book_us, code, cost)
         )
-        return RateReply(_RATE_VERDICT[int(res[0])], int(res[1]), int(res[2]))
+        res = self._run("throttle", key, scripts.THROTTLE, (self.lease_key(key) + (":ts" if shadow else ":t"),), args)
+        return RateReply(_RATE_VERDICT[int(res[0])], int(res[1]), int(res[2]), len(res) > 3 and int(res[3]) == 1)
 
     # -- clock, health, life cycle -------------------------------------------------------------------
     def server_time(self) -> float:

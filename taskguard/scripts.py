@@ -680,15 +680,24 @@ return 1
 )
 
 
-# A cluster-wide rate, by the generic cell rate algorithm (GCRA): one key holding the theoretical
-# arrival time (TAT) of the next call, in server microseconds; a call at ``now`` passes when
-# ``max(TAT, now) - tau <= now``, and moves TAT on by one emission interval.
-# KEYS[1] throttle; ARGV[1] emission interval µs (period / count), ARGV[2] tau µs ((burst - 1) x
-# interval), ARGV[3] booking horizon µs (0: never book), ARGV[4] '1' to check only (shadow mode:
-# the answer a call would get, nothing counted or booked; absent: '0')
-# -> {1, 0, remaining} passed; {0, wait µs, 0} denied; {2, wait µs, 0} denied and booked: the
-#    caller's turn is reserved ``wait`` from now (TAT moved on for it), so denied callers get
-#    distinct turns instead of all coming back at once.
+# A cluster-wide rate, by the generic cell rate algorithm (GCRA), weighted: one key holding the
+# theoretical arrival time (TAT) of the next cost unit, in server microseconds, and, while a back-off
+# pause is on, the instant it ends ("TAT" or "TAT PAUSE", both server µs). A call of cost ``c`` at
+# ``now`` passes when ``max(TAT, now) - tau <= now`` (``tau = (burst - c) x interval``) and no pause
+# is on, and moves TAT on by ``c`` emission intervals. A pause acts as if the rate's clock stood at
+# its end: ``tat = max(TAT, now, PAUSE)`` and the wait is at least until the pause ends, so a call
+# denied during a pause books a turn after it.
+# KEYS[1] throttle; ARGV[1] emission interval µs of one cost unit (period / count), ARGV[2] tau µs
+# ((burst - cost) x interval), ARGV[3] booking horizon µs (0: never book; mode '4': the pause µs),
+# ARGV[4] mode: '0' a call (counted; absent: '0'), '1' check only (shadow mode: the answer a call
+# would get, nothing counted or booked), '2' the re-check of a booked turn (passes, counting
+# nothing, unless a pause is on; then a call), '3' settle: add ARGV[5] cost units (may be
+# negative) to TAT without a check (never below now), '4' pause: no call passes for ARGV[3] µs
+# from now (a longer pause already on stays); ARGV[5] the call's cost in units (absent: 1)
+# -> {1, 0, remaining units, 0} passed; {0, wait µs, 0, paused} denied; {2, wait µs, 0, paused}
+#    denied and booked: the caller's turn is reserved ``wait`` from now (TAT moved on for it), so
+#    denied callers get distinct turns instead of all coming back at once; ``paused`` 1 when a pause
+#    is on (the wait lasts at least until it ends). Mode '4' answers {0, µs until the pause ends, 0, 1}.
 # Not idempotent under a client retry (a re-sent call counts twice, erring on the strict side).
 THROTTLE = Script(
     "throttle",
@@ -696,22 +705,51 @@ THROTTLE = Script(
     + """
 local interval = tonumber(ARGV[1])
 local tau = tonumber(ARGV[2])
-local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now_us)
-local wait = tat - tau - now_us
-local new_tat = tat + interval
-local peek = ARGV[4] == '1'
-if wait <= 0 then
-  if not peek then
-    redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.floor((new_tat - now_us) / 1000) + 1)
+local mode = ARGV[4] or '0'
+local cost = tonumber(ARGV[5] or '1')
+local raw = redis.call('GET', KEYS[1])
+local stored, pause = 0, 0
+if raw then
+  local a, b = string.match(raw, '^(%d+) ?(%d*)$')
+  stored = tonumber(a) or 0
+  pause = tonumber(b) or 0
+end
+local function store(tat, p)
+  local value = string.format('%.0f', tat)
+  local last = tat
+  if p > now_us then
+    value = value .. ' ' .. string.format('%.0f', p)
+    if p > last then last = p end
   end
-  local remaining = math.floor((now_us + tau - new_tat) / interval) + 1
+  redis.call('SET', KEYS[1], value, 'PX', math.floor((last - now_us) / 1000) + 1)
+end
+if mode == '4' then
+  local p = math.max(pause, now_us + tonumber(ARGV[3]))
+  store(math.max(stored, now_us), p)
+  return {0, p - now_us, 0, 1}
+end
+if mode == '3' then
+  store(math.max(math.max(stored, now_us) + cost * interval, now_us), pause)
+  return {1, 0, 0, 0}
+end
+local paused = 0
+if pause > now_us then paused = 1 end
+if mode == '2' and paused == 0 then
+  return {1, 0, 0, 0}
+end
+local tat = math.max(stored, now_us, pause)
+local wait = math.max(tat - tau - now_us, pause - now_us)
+local new_tat = tat + interval * cost
+if wait <= 0 then
+  if mode ~= '1' then store(new_tat, pause) end
+  local remaining = math.floor((now_us + tau - tat) / interval)
   if remaining < 0 then remaining = 0 end
-  return {1, 0, remaining}
+  return {1, 0, remaining, 0}
 end
-if tonumber(ARGV[3]) > 0 and wait <= tonumber(ARGV[3]) and not peek then
-  redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.floor((new_tat - now_us) / 1000) + 1)
-  return {2, wait, 0}
+if tonumber(ARGV[3]) > 0 and wait <= tonumber(ARGV[3]) and mode ~= '1' then
+  store(new_tat, pause)
+  return {2, wait, 0, paused}
 end
-return {0, wait, 0}
+return {0, wait, 0, paused}
 """,
 )

@@ -29,6 +29,8 @@ __all__ = [
     "check_run_id",
     "check_rate",
     "check_burst",
+    "check_cost",
+    "MAX_COST",
     "check_prefix",
     "check_callback",
     "check_setting_names",
@@ -218,15 +220,28 @@ def check_rate(rate: Any) -> tuple[int, float]:
 MAX_LIMIT = 100
 
 
-def check_limit(limit: Any) -> int:
+def check_limit(limit: Any, name: str = "limit") -> int:
     """A holder limit: an ``int`` from 1 (a lease) to :data:`MAX_LIMIT`."""
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise ConfigError(f"limit must be an int from 1 to {MAX_LIMIT} (how many holders at once), got {limit!r}")
+        raise ConfigError(f"{name} must be an int from 1 to {MAX_LIMIT} (how many holders at once), got {limit!r}")
     return limit
 
 
 def check_burst(burst: Any) -> int:
-    """A throttle's burst: a positive integer (how many calls may pass at once)."""
+    """A throttle's burst: a positive integer (how many cost units may pass at once; with
+    ``cost=1``, how many calls)."""
     if isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= 10**9:
-        raise ConfigError(f"burst must be an int from 1 to 10**9, got {burst!r}")
+        raise ConfigError(f"burst must be an int from 1 to 10**9 (cost units), got {burst!r}")
     return burst
+
+
+#: The largest cost of one call under a rate, in cost units (and of one :meth:`Locks.settle_cost`).
+MAX_COST = 10**9
+
+
+def check_cost(cost: Any, name: str = "cost") -> int:
+    """A call's cost under a rate: an ``int`` from 1 to :data:`MAX_COST` (cost units: tokens,
+    query points...)."""
+    if isinstance(cost, bool) or not isinstance(cost, int) or not 1 <= cost <= MAX_COST:
+        raise ConfigError(f"{name} must be an int from 1 to {MAX_COST} (cost units of one call), got {cost!r}")
+    return cost

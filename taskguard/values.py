@@ -39,6 +39,7 @@ class Reason(_Value):
     LIMIT = "limit"
     WAIT_TIMEOUT = "wait_timeout"
     RATE_LIMITED = "rate_limited"
+    BACKOFF = "backoff"
     ONCE = "once"
     RETRY_EXHAUSTED = "retry_exhausted"
     DUPLICATE = "duplicate"

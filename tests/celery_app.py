@@ -13,7 +13,7 @@ from celery import Celery, chain, group
 from celery.exceptions import Reject, SoftTimeLimitExceeded
 from celery.signals import task_prerun
 
-from taskguard import LeaseBackendError, RedisLocks
+from taskguard import LeaseBackendError, RateLimited, RedisLocks, settle_cost
 from taskguard_celery import GuardedTask, current_lease
 
 REDIS_URL = os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -599,6 +599,22 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         base=GuardedTask,
         bind=True,
         shared=False,
+        name="tg.export_tiered",
+        ttl=5,
+        key="export:{tenant}",
+        limit=lambda tenant, **_: int(r.get(f"{prefix}:limit:{tenant}") or 1),
+        on_skip="retry",
+        skip_retry_delay=0.2,
+        skip_max_retries=200,
+    )
+    def export_tiered(self, tenant, seconds=0.4):
+        # the tenant's limit is read per run (a plan change applies to the next run)
+        return export_body(self.lease, tenant, seconds)
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
         name="tg.api_call",
         ttl=5,
         key="api:{n}",
@@ -612,6 +628,70 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         turn = (self.request.headers or {}).get("taskguard_rate") or getattr(self.request, "taskguard_rate", None)
         admitted = turn["turn"] if isinstance(turn, dict) and turn.get("turn") else time.time()
         r.rpush(f"{prefix}:calls", f"{time.time():.6f} {n} {admitted:.6f}")
+        return n
+
+    def server_now() -> float:
+        secs, micros = r.time()
+        return secs + micros / 1e6
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.llm",
+        ttl=5,
+        key="llm:{n}",
+        rate=(400, 1.0),
+        rate_key="llm",
+        cost=lambda tokens, **_: tokens,
+        rate_burst=100,
+        max_retries=0,
+    )
+    def llm(self, n, tokens, actual=None):
+        # admitted: now, or the turn it booked (server clock); cost: what it was admitted at
+        turn = (self.request.headers or {}).get("taskguard_rate") or getattr(self.request, "taskguard_rate", None)
+        admitted = turn["turn"] if isinstance(turn, dict) and turn.get("turn") else server_now()
+        r.rpush(f"{prefix}:llm", f"{server_now():.6f} {n} {admitted:.6f} {tokens}")
+        if actual is not None:
+            settle_cost(actual)
+        return n
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.upstream",
+        ttl=5,
+        key="up:{n}",
+        rate=(10, 1.0),
+        rate_key="up",
+        rate_burst=2,
+        autoretry_for=(Exception,),
+        max_retries=0,
+    )
+    def upstream(self, n, fail_on=None, pause=2.0):
+        now = server_now()
+        r.rpush(f"{prefix}:up", f"{now:.6f} {n} {self.request.retries}")
+        if n == fail_on and r.set(f"{prefix}:429:{n}", 1, nx=True, ex=600):
+            r.rpush(f"{prefix}:up", f"{server_now():.6f} 429 {pause}")
+            raise RateLimited(retry_after=pause)
+        return n
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.upstream_shadow",
+        ttl=5,
+        key="ups:{n}",
+        rate=(100, 1.0),
+        rate_key="ups",
+        cost=lambda n, **_: 60,
+        enforce=False,
+    )
+    def upstream_shadow(self, n, pause=None):
+        if pause is not None:
+            raise RateLimited(retry_after=pause)
         return n
 
     @app.task(

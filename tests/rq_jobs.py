@@ -187,6 +187,35 @@ def api_call(n):
     return n
 
 
+def _server_now(r: redis.Redis) -> float:
+    secs, micros = r.time()
+    return secs + micros / 1e6
+
+
+@guarded_job(ttl=5, key="llm:{n}", rate=(400, 1.0), rate_key="llm", cost=lambda tokens, **_: tokens, rate_burst=100)
+def llm(n, tokens, actual=None):
+    from taskguard import settle_cost
+
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":llm}", f"{_server_now(r):.6f} {n} {tokens}")
+    if actual is not None:
+        settle_cost(actual)
+    return n
+
+
+@guarded_job(ttl=5, key="up:{n}", rate=(10, 1.0), rate_key="up", rate_burst=2)
+def upstream(n, fail_on=None, pause=2.0):
+    from taskguard import RateLimited
+
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    log = "{" + os.environ["TASKGUARD_PREFIX"] + ":up}"
+    r.rpush(log, f"{_server_now(r):.6f} {n}")
+    if n == fail_on and r.set("{" + os.environ["TASKGUARD_PREFIX"] + ":429}", 1, nx=True, ex=600):
+        r.rpush(log, f"{_server_now(r):.6f} 429")
+        raise RateLimited(retry_after=pause)
+    return n
+
+
 @guarded_job(ttl=5, key="apib:{n}", rate="1/m", rate_key="apib", rate_max_wait=1)
 def api_bounded(n):
     return n
@@ -289,3 +318,17 @@ def cron_guarded(entry: str) -> dict:
     lease = current_lease()
     _cron_entry(entry)
     return {"key": lease.key, "ttl": lease.ttl, "fence": lease.fencing_token}
+
+
+def _plan(tenant):
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    return int(r.get("{" + os.environ["TASKGUARD_PREFIX"] + ":limit:" + tenant + "}") or 1)
+
+
+@guarded_job(ttl=5, key="export:{tenant}", limit=lambda tenant, **_: _plan(tenant))
+def export_tiered(tenant, seconds=0.5):
+    lease = current_lease()
+    _ledger("in", f"export:{tenant}", lease)
+    time.sleep(seconds)
+    _ledger("out", f"export:{tenant}", lease)
+    return lease.slot

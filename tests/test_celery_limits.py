@@ -241,3 +241,149 @@ def test_a_beat_entry_template_is_bound_to_its_task_at_start_and_a_bad_field_dro
     guard = entry_guard(task, task.taskguard_options, {"limit": 3, "rate": [1, 60], "rate_key": "per:{nope}"})
     assert guard.limit == 3 and guard.rate == (1, 60.0) and guard.rate_key.render(("t",), {}) == "tg.export"
     assert "ignoring the beat entry's rate_key option" in caplog.text
+
+
+# -- weighted rates (cost=) and back-off on 429 (RateLimited) -----------------------------------
+
+
+def _rows(redis_url, key):
+    return [x.decode().split() for x in redis.Redis.from_url(redis_url).lrange(key, 0, -1)]
+
+
+def test_a_weighted_rate_holds_in_cost_units_across_two_worker_processes(app, redis_url, prefix):
+    """40 calls of 5-60 tokens (1,410 in all) under 400 tokens/s with a burst of 100, on two
+    prefork workers: every call runs once (max_retries=0: deferrals are not retries), over at
+    least (1410 - 100) / 400 s, and the tokens admitted in any window of w seconds stay within
+    100 + 400 w (+ one call's cost for the edges of the measurement)."""
+    import random
+
+    rnd = random.Random(26)
+    tokens = [rnd.randint(5, 60) for _ in range(40)]
+    with (
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w1,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w2,
+    ):
+        started = redis.Redis.from_url(redis_url).time()
+        started = started[0] + started[1] / 1e6
+        results = [app.tasks["tg.llm"].delay(n, t) for n, t in enumerate(tokens)]
+        values = [res.get(timeout=90) for res in results]
+        output = w1.output() + w2.output()
+    assert values == list(range(40)), output
+    rows = _rows(redis_url, f"{prefix}:llm")
+    assert sorted(int(x[1]) for x in rows) == list(range(40))  # each ran exactly once
+    admitted = sorted((float(x[2]), int(x[3])) for x in rows)
+    total = sum(tokens)
+    assert admitted[-1][0] - started >= (total - 100) / 400 - 0.1
+    for i, (t0, _) in enumerate(admitted):
+        for w in (0.25, 0.5, 1.0, 2.0):
+            units = sum(c for t, c in admitted[i:] if t < t0 + w)
+            assert units <= 100 + 400 * w + 60, (w, units, t0 - started)
+    # (0.02 s: a worker's estimate of the Redis clock, which its booked turn is on, against TIME)
+    early = [round(float(x[2]) - float(x[0]), 4) for x in rows if float(x[0]) < float(x[2]) - 0.02]
+    assert not early, early  # no body before its admission
+    assert "Traceback" not in output and "MaxRetriesExceeded" not in output
+
+
+def test_a_body_settles_its_actual_cost_and_the_rate_follows(app, redis_url, prefix):
+    """Admitted at 10 tokens, the call reports 300: the rate state moves on by 290 tokens, so a
+    call costing 1 must wait about (300 - 99) / 400 s after it, not pass at once."""
+    locks = app.conf.taskguard_locks
+    with embedded_worker(app):
+        assert app.tasks["tg.llm"].delay(0, 10, actual=300).get(timeout=10) == 0
+        after = locks.throttle("llm", rate=(400, 1.0), burst=100, consume=False)
+    assert not after.allowed and 0.2 < after.retry_after <= 0.51, after
+    time.sleep(after.retry_after + 0.3)
+    with embedded_worker(app):
+        bad = app.tasks["tg.llm"].delay(1, 10, actual=-1)
+        with pytest.raises(ConfigError, match="settle_cost: the actual cost must be an int"):
+            bad.get(timeout=10)
+
+
+def test_a_429_pauses_the_rate_cluster_wide_and_defers_the_run_without_consuming_retries(app, redis_url, prefix):
+    """30 calls under 10/s (burst 2) on two prefork workers; call 8 raises RateLimited(retry_after=2)
+    the first time. With autoretry_for=(Exception,) and max_retries=0 every call still ends with
+    its value (the 429 consumed no retry and autoretry did not catch it); on the Redis clock no
+    body starts between the 429 (plus 0.3 s for runs already admitted when it was raised) and the
+    end of the pause, although booked turns fell inside it; the deferral is reported as
+    task-skipped with reason "backoff"."""
+    with (
+        EventLog(app, tasks=["tg.upstream"]) as events,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w1,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=2) as w2,
+    ):
+        results = [app.tasks["tg.upstream"].delay(n, fail_on=8) for n in range(30)]
+        values = [res.get(timeout=90) for res in results]
+        output = w1.output() + w2.output()
+        backoffs = [e for e in events.wait_for("task-skipped", 1) if e["reason"] == "backoff"]
+    assert values == list(range(30)), output
+    rows = _rows(redis_url, f"{prefix}:up")
+    raised = [float(x[0]) for x in rows if x[1] == "429"]
+    assert len(raised) == 1
+    t429 = raised[0]
+    starts = [(float(x[0]), int(x[1]), int(x[2])) for x in rows if x[1] != "429"]
+    inside = [s for s in starts if t429 + 0.3 <= s[0] < t429 + 2.0]
+    assert inside == [], (inside, t429)
+    assert any(s[0] >= t429 + 2.0 for s in starts)  # the rest ran after the pause
+    assert [s[1] for s in starts].count(8) == 2 and all(s[2] == 0 for s in starts)  # no retry was counted
+    assert backoffs and backoffs[0]["retrying"], events
+    assert "Traceback" not in output and "MaxRetriesExceeded" not in output
+
+
+# -- a limit that depends on the call (limit= a callable) --------------------------------------
+
+
+def test_a_per_call_limit_applies_per_run_and_lowering_it_admits_nobody_beside_the_holders(app, redis_url, prefix):
+    """limit=lambda tenant: the tenant's plan, read per run. 20 exports of one tenant on two
+    prefork workers (3 children each) under a limit of 4; after 0.8 s the plan drops to 1: no run
+    starts after that while another holds the key (the ledger's occupancy at every later entry is
+    1), and every export runs in the end. A tenant whose plan says 0 fails with ConfigError."""
+    r = redis.Redis.from_url(redis_url)
+    r.set(f"{prefix}:limit:acme", 4, ex=600)
+    r.set(f"{prefix}:limit:broken", 0, ex=600)
+    with (
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w1,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w2,
+    ):
+        results = [app.tasks["tg.export_tiered"].delay("acme", seconds=0.4) for _ in range(20)]
+        time.sleep(0.8)
+        lowered = time.time()
+        r.set(f"{prefix}:limit:acme", 1, ex=600)
+        values = [res.get(timeout=90) for res in results]
+        broken = app.tasks["tg.export_tiered"].delay("broken")
+        with pytest.raises(ConfigError, match=r"tg.export_tiered': the limit callable's value .* 1 to 100 .*got 0"):
+            broken.get(timeout=20)
+        output = w1.output() + w2.output()
+    assert all(v in (0, 1, 2, 3) for v in values), (values, output)
+    entries = _ledger(redis_url, prefix, "export:acme")
+    assert len([e for e in entries if e[1] == 1]) == 20
+    assert ledger.peak(entries, 4) >= 3  # the first limit was used
+    inside = 0
+    late = 0
+    for at, step, _slot, _fence in entries:
+        inside += step
+        if step == 1 and at > lowered + 0.3:  # (a run whose limit was read just before the change)
+            late += 1
+            assert inside == 1, (at - lowered, inside)
+    assert late >= 5
+
+
+def test_shadow_mode_reports_a_weighted_rate_and_a_429_without_enforcing_them(app):
+    """enforce=False: two calls of cost 60 under 100/s (burst 60) run at once, the second reported
+    as would-be rate_limited; a body's RateLimited pauses the shadow state only (reported as
+    would-be backoff) and fails the call as the body's own exception; the enforced rate is untouched."""
+    from taskguard import RateLimited
+
+    locks = app.conf.taskguard_locks
+    task = app.tasks["tg.upstream_shadow"]
+    with EventLog(app, tasks=["tg.upstream_shadow"]) as events, embedded_worker(app):
+        calls = [events.track(task.delay(n)) for n in (1, 2)]
+        assert [c.get(timeout=10) for c in calls] == [1, 2]
+        with pytest.raises(RateLimited):
+            events.track(task.delay(3, pause=30)).get(timeout=10)
+        shadow = events.wait_for("task-guard-shadow", 3)
+    # calls 2 and 3 find the shadow state without room (60 units each, 100/s); call 3 then backs off
+    assert sorted(e["reason"] for e in shadow) == ["backoff", "rate_limited", "rate_limited"], shadow
+    assert not events.of("task-skipped")
+    assert locks.throttle("ups", rate=(100, 1.0), cost=60).allowed  # the enforced state: never consumed
+    paused = locks.throttle("ups", rate=(100, 1.0), cost=60, shadow=True, consume=False)
+    assert paused.paused and paused.retry_after > 25

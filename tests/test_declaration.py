@@ -167,3 +167,61 @@ def test_a_misspelt_celery_setting_is_refused(redis_url):
         ConfigError, match="app.conf: taskguard_prefx is not a taskguard setting; did you mean taskguard_prefix"
     ):
         task(1)
+
+
+def prompt_job(prompt, model="small"):
+    return prompt
+
+
+@pytest.mark.parametrize("adapter", ["celery", "rq"])
+@pytest.mark.parametrize(
+    "opts, match",
+    [
+        ({"cost": 5}, "cost needs rate="),
+        ({"rate": "100/m", "cost": 0}, "cost must be an int from 1"),
+        ({"rate": "100/m", "cost": 2.5}, "cost must be an int from 1"),
+        ({"rate": "100/m", "cost": 50, "rate_burst": 10}, "cost 50 exceeds rate_burst 10: such a run could never pass"),
+        ({"rate": "100/m", "cost": lambda nope: 1}, "does not take|nope"),
+    ],
+)
+def test_bad_cost_options_fail_at_declaration(adapter, opts, match):
+    with pytest.raises(ConfigError, match=match):
+        if adapter == "celery":
+            guarded_task(name="decl.cost", **opts)(prompt_job)
+        else:
+            guarded_job(**opts)(prompt_job)
+
+
+def test_a_cost_is_an_int_or_a_callable_of_the_call_and_sets_the_default_burst():
+    from taskguard.policy import GuardOptions
+
+    fixed = GuardOptions.build(prompt_job, name="t", rate="90000/m", cost=300)
+    assert fixed.cost_of(("hi",), {}) == 300 and fixed.rate_burst is None  # the throttle's default: the cost
+    weighted = GuardOptions.build(prompt_job, name="t", rate="90000/m", cost=lambda prompt, **_: len(prompt) * 10)
+    assert weighted.rate_burst == 90000  # a callable: one period's worth of cost units
+    assert weighted.cost_of(("hello",), {}) == 50 and weighted.cost_of((), {"prompt": "ab", "model": "m"}) == 20
+    bad = GuardOptions.build(prompt_job, name="t", rate="90000/m", cost=lambda prompt, **_: "many")
+    with pytest.raises(ConfigError, match="cost callable's value"):
+        bad.cost_of(("x",), {})
+    assert "cost" in OPTION_NAMES and "cost" in RQ_OPTIONS
+
+
+def export_job(tenant, rows=1):
+    return rows
+
+
+def test_a_limit_is_an_int_or_a_callable_of_the_call_checked_per_run():
+    from taskguard.policy import GuardOptions
+
+    per_tenant = GuardOptions.build(
+        export_job, name="t", key="export:{tenant}", limit=lambda tenant, **_: 10 if tenant == "premium" else 2
+    )
+    assert per_tenant.limit_of(("premium",), {}) == 10 and per_tenant.limit_of((), {"tenant": "free"}) == 2
+    for bad in (0, 101, "3", None):
+        out_of_range = GuardOptions.build(
+            export_job, name="t", key="export:{tenant}", limit=lambda tenant, v=bad, **_: v
+        )
+        with pytest.raises(ConfigError, match=r"the limit callable's value .* must be an int from 1 to 100"):
+            out_of_range.limit_of(("x",), {})
+    with pytest.raises(ConfigError, match="limit callable .* which it does not take"):
+        GuardOptions.build(export_job, name="t", key="export:{tenant}", limit=lambda customer: 2)

@@ -20,6 +20,7 @@ from taskguard import (
     LeaseBackendError,
     LeaseLost,
     MemoryLocks,
+    RateLimited,
     RedisLocks,
     Skipped,
     TaskguardError,
@@ -41,6 +42,8 @@ EXAMPLES = [
     TaskSkipped("k", "retry_exhausted", None, 0.0),
     IdempotencyConflict("charge:inv-7", "billing.charge"),
     IdempotencyConflict("charge:inv-8"),
+    RateLimited(30.0),
+    RateLimited(1.5, "openai"),
 ]
 
 

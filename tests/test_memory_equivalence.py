@@ -682,3 +682,81 @@ def test_memory_locks_handles_follow_the_injected_clock():
     now[0] += 11
     assert locks.holder("k") is None  # the backend follows the clock ...
     assert lease.lost  # ... and so does the handle
+
+
+# -- rates: the weighted GCRA, settling and back-off pauses give the same answers ----------------
+
+_RATE_OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("call"),
+            st.integers(1, 3),
+            st.sampled_from([None, 3, 5]),
+            st.sampled_from([0.0, 2.5, 6.5]),
+            st.booleans(),
+        ),
+        st.tuples(st.just("turn"), st.integers(1, 3), st.sampled_from([None, 3, 5]), st.sampled_from([0.0, 6.5])),
+        st.tuples(st.just("settle"), st.integers(-3, 3)),
+        st.tuples(st.just("pause"), st.sampled_from([1, 2, 4])),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+def test_memory_rates_match_redis_rates(redis_url):
+    """A random sequence of weighted calls (cost, burst, booking horizon, check only), booked
+    turns re-checked, settlements and back-off pauses, on MemoryLocks and RedisLocks side by side:
+    the same verdicts, remaining units and pause flags, and waits within 50 ms (both run on real
+    clocks a few ms apart; one unit is 1 s and horizons fall between whole units, so no answer
+    sits on a boundary)."""
+    from hypothesis import given
+
+    client = redis.Redis.from_url(redis_url)
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(ops=_RATE_OPS)
+    def check(ops):
+        prefix = f"tgtest-rates-{uuid.uuid4().hex[:12]}"
+        pair = (RedisLocks(client, prefix=prefix), MemoryLocks(prefix=prefix))
+        rate = (1, 1.0)
+        try:
+            for op in ops:
+                answers = []
+                for lk in pair:
+                    if op[0] == "call":
+                        _, cost, burst, book, peek = op
+                        if burst is not None and cost > burst:
+                            burst = cost
+                        answers.append(
+                            lk.throttle("r", rate=rate, cost=cost, burst=burst, book_within=book, consume=not peek)
+                        )
+                    elif op[0] == "turn":
+                        _, cost, burst, book = op
+                        burst = None if burst is None else max(burst, cost)
+                        answers.append(
+                            lk.rates.throttle("r", rate=rate, cost=cost, burst=burst, book_within=book, turn=True)
+                        )
+                    elif op[0] == "settle":
+                        answers.append(lk.settle_cost("r", rate=rate, by=op[1]))
+                    else:
+                        answers.append(round(lk.back_off("r", op[1]), 1))
+                red, mem = answers
+                if op[0] in ("call", "turn"):
+                    assert (red.allowed, red.booked, red.paused, red.remaining) == (
+                        mem.allowed,
+                        mem.booked,
+                        mem.paused,
+                        mem.remaining,
+                    ), op
+                    assert abs(red.retry_after - mem.retry_after) < 0.05, op
+                else:
+                    assert red == mem, op
+        finally:
+            for k in client.scan_iter(match="{" + prefix + ":*"):
+                client.delete(k)
+
+    try:
+        check()
+    finally:
+        client.close()

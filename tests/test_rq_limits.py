@@ -114,3 +114,82 @@ def test_bad_options_fail_at_declaration():
         guarded_job(limit=0)(lambda: None)
     with pytest.raises(ConfigError, match="need rate"):
         guarded_job(rate_max_wait=3)(lambda: None)
+
+
+# -- weighted rates (cost=) and back-off on 429 (RateLimited) -----------------------------------
+
+
+def _rows(queue, name):
+    return [
+        x.decode().split()
+        for x in queue.connection.lrange("{" + os.environ["TASKGUARD_PREFIX"] + ":" + name + "}", 0, -1)
+    ]
+
+
+def test_a_weighted_rate_holds_in_cost_units_across_two_workers(rq_env):
+    """16 jobs of 20-80 tokens under 400 tokens/s (burst 100) on two workers with RQ's scheduler:
+    each runs once, keeps its Retry, and the tokens whose bodies started in any window of w >= 1 s
+    stay within 100 + 400 w (+ one job's cost: a start is a little after its admission)."""
+    import random
+
+    rnd = random.Random(26)
+    tokens = [rnd.randint(20, 80) for _ in range(16)]
+    with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2:
+        jobs = [rq_env.enqueue(rq_jobs.llm, n, t, retry=Retry(max=1)) for n, t in enumerate(tokens)]
+        for job in jobs:
+            assert wait_done(job, timeout=60) == JobStatus.FINISHED
+        output = w1.output() + w2.output()
+    assert [job.return_value() for job in jobs] == list(range(16)), output
+    rows = sorted((float(x[0]), int(x[2])) for x in _rows(rq_env, "llm"))
+    assert len(rows) == 16
+    assert rows[-1][0] - rows[0][0] >= (sum(tokens) - 100) / 400 - 1.0  # (RQ's scheduler: whole seconds)
+    for i, (t0, _) in enumerate(rows):
+        for w in (1.0, 2.0):
+            assert sum(c for t, c in rows[i:] if t < t0 + w) <= 100 + 400 * w + 80
+    for job in jobs:
+        job.refresh()
+        assert job.retries_left == 1 and not job.number_of_retries
+
+
+def test_a_429_pauses_the_rate_for_every_worker_and_defers_the_job_without_consuming_its_retry(rq_env):
+    """12 jobs under 10/s (burst 2) on two workers; job 3 raises RateLimited(retry_after=3) once.
+    On the Redis clock no job body starts from the 429 (+ 0.3 s) until the pause ends; job 3 runs
+    again after it with its Retry untouched (it has none: Retry(max=0) would fail it)."""
+    with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2:
+        jobs = [rq_env.enqueue(rq_jobs.upstream, n, fail_on=3, pause=3.0) for n in range(12)]
+        for job in jobs:
+            assert wait_done(job, timeout=60) == JobStatus.FINISHED
+        output = w1.output() + w2.output()
+    assert [job.return_value() for job in jobs] == list(range(12)), output
+    rows = _rows(rq_env, "up")
+    t429 = [float(x[0]) for x in rows if x[1] == "429"]
+    assert len(t429) == 1
+    starts = [(float(x[0]), int(x[1])) for x in rows if x[1] != "429"]
+    assert [s for s in starts if t429[0] + 0.3 <= s[0] < t429[0] + 3.0] == []
+    assert [s[1] for s in starts].count(3) == 2
+    assert "backoff" in output
+    jobs[3].refresh()
+    assert jobs[3].meta["taskguard"]["outcome"] != "failed"
+
+
+def test_a_per_call_limit_is_read_per_job_and_lowering_it_admits_nobody_beside_the_holders(rq_env):
+    """limit=lambda tenant: the tenant's plan, read per job. Under a plan of 3, three exports run
+    at once on four workers; the plan drops to 1 while they run: the next two exports are skipped,
+    not admitted beside the three holders (reason "held": a limit of 1 is a plain lease)."""
+    r = rq_env.connection
+    plan = "{" + os.environ["TASKGUARD_PREFIX"] + ":limit:acme}"
+    r.set(plan, 3, ex=600)
+    with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2, RQWorker(rq_env) as w3, RQWorker(rq_env) as w4:
+        first = [rq_env.enqueue(rq_jobs.export_tiered, "acme", seconds=2.5) for _ in range(3)]
+        deadline = time.monotonic() + 10
+        while len(locks().holders("export:acme")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r.set(plan, 1, ex=600)
+        later = [rq_env.enqueue(rq_jobs.export_tiered, "acme", seconds=0.1) for _ in range(2)]
+        for job in first + later:
+            assert wait_done(job, timeout=30) == JobStatus.FINISHED
+        output = w1.output() + w2.output() + w3.output() + w4.output()
+    assert sorted(job.return_value() for job in first) == [0, 1, 2], output
+    skipped = [job.return_value() for job in later]
+    assert all(is_skipped(v) and v.reason == "held" for v in skipped), (skipped, output)
+    assert ledger.peak(_ledger(rq_env, "export:acme"), 3) == 3

@@ -94,3 +94,130 @@ def test_the_rate_holds_across_processes(redis_url, prefix):
         p.join(10)
     print(f"    observed: {total} calls passed in about 2.5 s at 50/s, burst 5, from 4 processes")
     assert 100 <= total <= 5 + 2.5 * 50 + 1
+
+
+# -- weighted rates (cost=), settling the actual cost, back-off pauses ---------------------------
+
+
+def test_a_call_costs_its_units_and_the_default_burst_admits_it(any_locks):
+    """rate 100 units/s: a call of cost 30 passes at once (default burst = its cost), the next
+    waits 0.3 s (30 units x 10 ms); remaining counts units."""
+    first = any_locks.throttle("w", rate="100/s", cost=30)
+    assert first.allowed and first.remaining == 0
+    second = any_locks.throttle("w", rate="100/s", cost=30)
+    assert not second.allowed and 0.25 < second.retry_after <= 0.3
+    roomy = any_locks.throttle("roomy", rate="100/s", cost=30, burst=100)
+    assert roomy.allowed and roomy.remaining == 70
+
+
+def test_a_burst_in_cost_units_admits_mixed_costs_up_to_it(any_locks):
+    costs = [40, 30, 20, 10, 5]
+    # 10 units a second: 100 ms a unit, so the calls' own duration refills nothing measurable
+    out = [any_locks.throttle("mix", rate=(10, 1.0), burst=100, cost=c) for c in costs]
+    assert [t.allowed for t in out] == [True, True, True, True, False]
+    assert [t.remaining for t in out[:4]] == [60, 30, 10, 0]
+    assert 0.4 < out[4].retry_after <= 0.5  # 5 units at 100 ms each
+
+
+@pytest.mark.parametrize("cost, burst", [(11, 10), (2, 1), (10**9, 10)])
+def test_a_cost_the_burst_can_never_admit_is_refused(cost, burst, any_locks):
+    with pytest.raises(ConfigError, match=rf"cost {cost} can never pass a rate whose burst is {burst}"):
+        any_locks.throttle("big", rate="1000/s", burst=burst, cost=cost)
+    assert any_locks.throttle("big", rate="1000/s", burst=burst).allowed  # nothing was counted
+
+
+@pytest.mark.parametrize("cost", [0, -1, 1.5, True, "3", 10**9 + 1])
+def test_bad_costs_are_config_errors(cost):
+    with pytest.raises(ConfigError, match="cost must be an int from 1"):
+        MemoryLocks().throttle("k", rate="10/s", cost=cost)
+
+
+def test_denied_weighted_callers_book_distinct_turns_a_cost_apart(any_locks):
+    assert any_locks.throttle("q", rate="100/s", cost=10).allowed
+    turns = [any_locks.throttle("q", rate="100/s", cost=10, book_within=2.0) for _ in range(5)]
+    assert all(t.booked for t in turns)
+    waits = [t.retry_after for t in turns]
+    assert all(0.09 < b - a < 0.11 for a, b in zip(waits, waits[1:], strict=False))  # 10 units x 10 ms
+
+
+def test_settling_the_actual_cost_corrects_the_rate_state(any_locks):
+    """Admitted at 10 units, it cost 40: the next call waits for 40 units, not 10. A refund lets
+    the next call sooner, but never beyond the burst."""
+    assert any_locks.throttle("s", rate="100/s", cost=10).allowed
+    any_locks.settle_cost("s", rate="100/s", by=30)
+    late = any_locks.throttle("s", rate="100/s", cost=10, consume=False)
+    assert not late.allowed and 0.35 < late.retry_after <= 0.4
+    any_locks.settle_cost("s", rate="100/s", by=-1000)  # a refund past now is cut at now
+    assert any_locks.throttle("s", rate="100/s", cost=10).allowed
+    assert not any_locks.throttle("s", rate="100/s", cost=10).allowed  # burst 10: no credit was banked
+    with pytest.raises(ConfigError, match="by must be an int"):
+        any_locks.settle_cost("s", rate="100/s", by=1.5)
+
+
+def test_a_back_off_pauses_every_call_then_books_turns_after_it(any_locks):
+    assert any_locks.throttle("p", rate="100/s", burst=50).allowed
+    assert 0.55 < any_locks.back_off("p", 0.6) <= 0.6
+    assert 0.55 < any_locks.back_off("p", 0.1) <= 0.6  # a longer pause already on is kept
+    denied = any_locks.throttle("p", rate="100/s", burst=50)
+    assert not denied.allowed and denied.paused and not denied.booked and 0.5 < denied.retry_after <= 0.6
+    booked = [any_locks.throttle("p", rate="100/s", book_within=2.0, cost=c) for c in (1, 1)]
+    assert all(b.booked and b.paused for b in booked)
+    assert booked[0].retry_after > 0.5 and 0.005 < booked[1].retry_after - booked[0].retry_after < 0.015
+    assert not any_locks.throttle("p", rate="100/s", burst=50, consume=False).allowed
+    time.sleep(0.62)
+    after = any_locks.throttle("p", rate="100/s", burst=50)
+    assert after.allowed and not after.paused
+    with pytest.raises(ConfigError, match="retry_after must be a finite number of seconds"):
+        any_locks.back_off("p", 0)
+
+
+def test_a_booked_turn_passes_unless_a_pause_is_on(any_locks):
+    """The re-check of a booked turn (``turn=True``) counts nothing when no pause is on; during a
+    pause it is a call like any other and books a new turn after the pause."""
+    rates = any_locks.rates
+    assert rates.throttle("t", rate="10/s", turn=True).allowed
+    assert rates.throttle("t", rate="10/s", turn=True).allowed  # counted nothing
+    assert any_locks.throttle("t", rate="10/s").allowed and not any_locks.throttle("t", rate="10/s").allowed
+    any_locks.back_off("t", 0.5)
+    again = rates.throttle("t", rate="10/s", turn=True, book_within=5.0)
+    assert not again.allowed and again.paused and again.booked and 0.45 < again.retry_after <= 0.5
+
+
+def _weighted_hammer(url, prefix, until, out, seed):
+    import random
+
+    rnd = random.Random(seed)
+    locks = RedisLocks.from_url(url, prefix=prefix)
+    clock = locks.server_clock()
+    admitted = []
+    while time.time() < until:
+        cost = rnd.randint(1, 40)
+        before = clock.time()
+        if locks.throttle("tokens", rate=(2000, 1.0), burst=200, cost=cost).allowed:
+            admitted.append((before, clock.time(), cost))
+    out.put(admitted)
+
+
+def test_the_weighted_rate_holds_across_processes(redis_url, prefix):
+    """Four processes with random costs (1-40 units) on 2000 units/s, burst 200, for 2.5 s: the
+    units admitted within any window of the Redis clock stay within burst + rate x window, and
+    the rate is used. (Each admission is known to lie between the clock read before its call and
+    the one after: a window is taken from the first call's "before" to the last one's "after".)"""
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    until = time.time() + 2.5
+    procs = [ctx.Process(target=_weighted_hammer, args=(redis_url, prefix, until, out, i)) for i in range(4)]
+    for p in procs:
+        p.start()
+    admitted = sorted(a for _ in procs for a in out.get(timeout=30))
+    for p in procs:
+        p.join(10)
+    total = sum(c for _, _, c in admitted)
+    print(f"    observed: {total} units admitted in about 2.5 s at 2000/s, burst 200, from 4 processes")
+    assert total >= 0.6 * 2.5 * 2000
+    for i, (start, _, _) in enumerate(admitted):  # every window starting at an admission
+        units = 0
+        for _, end, c in admitted[i:]:
+            units += c
+            # (+ 5 units, 2.5 ms: each process's estimate of the Redis clock's offset)
+            assert units <= 200 + (end - start) * 2000 + 5, (start, end, units)

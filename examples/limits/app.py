@@ -10,6 +10,14 @@ run at once, and calls to a partner API that allows a few calls a second across 
   RETRY): with ``max_retries=0`` this shows that being throttled never consumes a retry. One that
   would wait past ``rate_max_wait`` is skipped with reason ``"rate_limited"``.
 
+* ``limits.summarize``: an LLM-style API metered in *tokens*: ``rate="6000/m"`` tokens with
+  ``cost=`` the call's estimated tokens (a callable of the task's arguments), so a long text
+  takes more of the rate than a short one. The body settles the real count the API reports
+  (``taskguard.settle_cost``), and when the API answers 429 it raises
+  ``taskguard.RateLimited(retry_after=...)``: every worker stops calling the API for that long
+  (on the Redis clock) and this run comes back after the pause, without consuming a retry
+  (also with ``autoretry_for=(Exception,)``).
+
 Every body appends what it did to a Redis list, which the demo reads back.
 
 Configuration: ``TASKGUARD_REDIS_URL`` (broker, results and leases), ``LIMITS_QUEUE`` (queue
@@ -24,6 +32,7 @@ import time
 import redis
 from celery import Celery
 
+from taskguard import RateLimited, settle_cost
 from taskguard_celery import guarded_task
 
 REDIS_URL = os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -32,6 +41,9 @@ PREFIX = os.environ.get("LIMITS_PREFIX", "limits-demo")
 LEDGER = f"{PREFIX}:ledger"
 #: the API calls' records: "<time> <n>"
 CALLS = f"{PREFIX}:calls"
+
+#: the summaries' records: "<time> <n> <estimated tokens> <tokens used>"
+SUMMARIES = f"{PREFIX}:summaries"
 
 EXPORT_LIMIT = 2
 API_RATE = (2, 1.0)  # 2 calls a second ...
@@ -94,3 +106,51 @@ def call_api(self, n: int) -> int:
     is shared)."""
     store().rpush(CALLS, f"{time.time():.6f} {n}")
     return n
+
+
+TOKENS_RATE = "6000/m"  # what the API allows, in tokens (100 a second)
+TOKENS_BURST = 1000  # tokens that may go at once; also the largest call
+
+
+def estimate_tokens(text: str) -> int:
+    """A rough estimate (about 4 characters a token), capped at the burst."""
+    return max(1, min(len(text) // 4, TOKENS_BURST))
+
+
+class TooManyRequests(Exception):
+    """What an HTTP client raises for a 429 (``retry_after``: the response's Retry-After)."""
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(retry_after)
+        self.retry_after = retry_after
+
+
+def fake_llm(text: str) -> tuple[str, int]:
+    """Stands in for the provider: answers 429 the first time it is asked after the key
+    ``<prefix>:upstream-429`` is set, and reports the tokens it used."""
+    if store().delete(f"{PREFIX}:upstream-429"):
+        raise TooManyRequests(retry_after=2.0)
+    return text[:20], estimate_tokens(text) + len(text) % 7  # the real count differs a little
+
+
+@guarded_task(
+    name="limits.summarize",
+    bind=True,
+    ttl=30,
+    key="summarize:{n}",
+    rate=TOKENS_RATE,
+    rate_key="llm-api",
+    cost=lambda text, **_: estimate_tokens(text),
+    rate_burst=TOKENS_BURST,
+    autoretry_for=(Exception,),
+    max_retries=0,
+)
+def summarize(self, n: int, text: str) -> str:
+    """One call to the LLM API, paced in tokens cluster-wide; a 429 pauses every worker."""
+    try:
+        summary, used = fake_llm(text)
+    except TooManyRequests as e:
+        raise RateLimited(retry_after=e.retry_after) from e
+    settle_cost(used)  # the real count: later calls are paced by what was actually used
+    store().rpush(SUMMARIES, f"{time.time():.6f} {n} {estimate_tokens(text)} {used}")
+    return summary

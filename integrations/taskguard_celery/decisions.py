@@ -3,7 +3,8 @@ each of its decisions means for a Celery execution.
 
 * :class:`Run` — the task runs its body (``GuardedTask``);
 * :class:`Skip` — per ``on_skip`` (:func:`taskguard_celery.skipping.skip`);
-* :class:`Defer` for a rate turn — the request is re-published for its turn
+* :class:`Defer` for a rate turn (``"rate_limited"``) or past a back-off pause (``"backoff"``,
+  also after the body raised :class:`taskguard.RateLimited`) — the request is re-published for its turn
   (``signature_from_request`` with the request's own ``retries``, as ``on_skip="retry"`` does, so
   ``max_retries`` is not consumed) with the ``taskguard_rate`` header, and the execution ends with
   ``Retry`` (state RETRY). One deferral never lasts longer than half the broker's redelivery
@@ -273,13 +274,15 @@ def _defer_rate(task: Any, d: Defer) -> None:
         turn=None if d.state is None else d.state.get("turn"),
     )
     booked = d.state is not None and d.state.get("turn") is not None
+    what = "backing off (upstream rate limit)" if d.why == Reason.BACKOFF else "rate-limited"
     log.info(
-        "task %s[%s]: rate-limited; %s in %.2fs",
+        "task %s[%s]: %s; %s in %.2fs",
         task.name,
         req.id,
+        what,
         "its turn is booked" if booked else "it asks again",
         d.countdown,
     )
     sig = task.signature_from_request(req, countdown=d.countdown, retries=req.retries, headers=headers)
     sig.apply_async()
-    raise Retry(f"rate-limited; deferred {d.countdown:.2f}s", when=d.countdown, sig=sig)
+    raise Retry(f"{what}; deferred {d.countdown:.2f}s", when=d.countdown, sig=sig)

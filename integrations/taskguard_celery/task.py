@@ -17,11 +17,11 @@ from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 from celery.utils.time import get_exponential_backoff_interval, maybe_iso8601
 
-from taskguard import ConfigError, LeaseBackendError, Locks
+from taskguard import ConfigError, LeaseBackendError, Locks, RateLimited
 from taskguard.context import current_lease, current_runs, running
 from taskguard.errors import LeaseLost
 from taskguard.handoff import parse_handle, release_handle
-from taskguard.pipeline import Run, decide, replaced_skip
+from taskguard.pipeline import Run, backed_off, decide, replaced_skip
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 
@@ -75,7 +75,7 @@ class GuardedTask(Task):
     Guard options are task options (``@app.task(base=GuardedTask, ttl=30, key=...)`` or
     ``@guarded_task(...)``): ``key``, ``ttl``, ``wait``, ``blocking_wait``, ``renew``,
     ``on_skip``, ``on_lost``, ``skip_retry_delay``, ``skip_max_retries``, ``max_hold``,
-    ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``,
+    ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``, ``cost``,
     ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``, ``unique``, ``unique_ttl``,
     ``overlap``, ``replace_terminate``, ``debounce``, ``debounce_max``
     (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
@@ -103,6 +103,7 @@ class GuardedTask(Task):
     rate_key: Any = OPTION_DEFAULTS["rate_key"]
     rate_burst: int | None = OPTION_DEFAULTS["rate_burst"]
     rate_max_wait: float | None = OPTION_DEFAULTS["rate_max_wait"]
+    cost: Any = OPTION_DEFAULTS["cost"]
     once: bool = OPTION_DEFAULTS["once"]
     once_ttl: float = OPTION_DEFAULTS["once_ttl"]
     fingerprint: Any = OPTION_DEFAULTS["fingerprint"]
@@ -256,26 +257,35 @@ class GuardedTask(Task):
         handle = header if isinstance(header, dict) and "owner" in header else None
         # a retry's message carries its one-shot handle: a second copy of it is a copy, not a publish
         redelivered = not local and (identity.is_redelivery(req) or handle is not None)
-        decision = decide(
-            opts,
-            key,
-            args,
-            kwargs,
-            execution(self, req, local, redelivered, slot_run),
-            CeleryHooks(self, req, handle),
-            locks,
-        )
+        ex, hooks = execution(self, req, local, redelivered, slot_run), CeleryHooks(self, req, handle)
+        decision = decide(opts, key, args, kwargs, ex, hooks, locks)
         if not isinstance(decision, Run):
             return outcome(self, decision, skips, redelivered)
         identity.end_chain(self, decision.run)
         entered.append(True)
-        return self._run_body(decision.run, req, args, kwargs)
+        try:
+            return self._run_body(decision, req, args, kwargs)
+        except RateLimited as exc:  # an upstream 429: the pipeline pauses the rate and decides
+            after = backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)
+            if after is None:
+                raise
+            return outcome(self, after, skips, redelivered)
 
-    def _run_body(self, run: GuardedRun, req: Any, args: tuple, kwargs: dict) -> Any:
-        """The body under ``run``; how it ends (Celery's exceptions) says how the run ends."""
-        with run:
+    def _run_body(self, decision: Run, req: Any, args: tuple, kwargs: dict) -> Any:
+        """The body under the decision's run (and its rate charge); how it ends (Celery's
+        exceptions) says how the run ends. A :class:`taskguard.RateLimited` hands the run back
+        (in shadow mode: fails it); the caller asks the pipeline what follows."""
+        run = decision.run
+        with run, decision.charging():
             try:
                 result = self._body(req, args, kwargs)
+            except RateLimited:
+                if run.state == "running":
+                    if run.enforce:
+                        run.hand_back()  # it runs again after the pause
+                    else:
+                        run.fail()
+                raise
             except Retry:
                 if run.state == "running":  # a retry of another kind (on_skip of a nested call...)
                     run.hand_back()
@@ -410,6 +420,10 @@ class GuardedTask(Task):
         runs once this run has released the lease (see :mod:`taskguard_celery.identity`)."""
         run = self._current_run()
         req = self.request
+        if isinstance(exc, RateLimited) and run is not None and run.enforce and run.state == "running":
+            # an upstream 429 (autoretry_for=(Exception,) catches it in ``run`` first): not a
+            # retry; the guard defers the run past the pause without consuming max_retries
+            raise exc
         if run is None or req.called_directly or run.state != "running":
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         headers = {**(req.headers or {}), **(options.pop("headers", None) or {})}

@@ -34,15 +34,15 @@ from rq.command import send_stop_job_command
 from rq.job import Job
 from rq.registry import ScheduledJobRegistry
 
-from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
+from taskguard import ConfigError, LeaseBackendError, Locks, RateLimited, Skipped, TaskSkipped
 from taskguard.debounce import due as window_due, publish as window_publish
 from taskguard.errors import LeaseLost
 from taskguard.overlap import Pending
 from taskguard.pacing import parse_state
-from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide, replaced_skip
+from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, backed_off, decide, replaced_skip
 from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
-from taskguard.values import Reason
+from taskguard.values import Reason, plain
 
 from . import unique
 from .config import locks_for
@@ -139,7 +139,7 @@ def guarded_job(
     ``limit=N`` lets N jobs of one key run at once (a run finding every slot held is skipped,
     reason ``"limit"``); ``guarded.rate_limit_for(*args, **kwargs)`` gives RQ 3's own
     ``RateLimit`` for the same key and limit, so RQ parks jobs over it instead. ``rate=`` (with
-    ``rate_key``, ``rate_burst``, ``rate_max_wait``) defers a job over the rate to its booked turn
+    ``rate_key``, ``rate_burst``, ``rate_max_wait``, ``cost``) defers a job over the rate to its booked turn
     through RQ's scheduler (:mod:`taskguard.pipeline`), or skips it past ``rate_max_wait`` (reason
     ``"rate_limited"``).
     """
@@ -163,7 +163,7 @@ def guarded_job(
                 from rq import RateLimit
             except ImportError:
                 raise ConfigError("rate_limit_for needs RQ >= 3.0 (rq.RateLimit)") from None
-            return RateLimit(f"taskguard:{opts.key.render(args, kwargs)}", opts.limit)
+            return RateLimit(f"taskguard:{opts.key.render(args, kwargs)}", opts.limit_of(args, kwargs))
 
         guarded.taskguard_options = opts  # type: ignore[attr-defined]
         guarded.taskguard_locks = locks  # type: ignore[attr-defined]
@@ -262,9 +262,14 @@ def _run(
         return _outcome(job, locks, name, opts, key, decision)
     run = decision.run
     lease = run.lease
+    hooks = _Hooks(locks, job, name)
     if lease is None:  # shadow mode without the lease: the body runs unguarded
-        with run:
-            result = fn(*args, **kwargs)
+        with run, decision.charging():
+            try:
+                result = fn(*args, **kwargs)
+            except RateLimited as exc:
+                backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)  # (shadow: reported only)
+                raise
         return result
     saved = None
     if run_id is not None:  # for GuardedWorker, should the work-horse be killed
@@ -285,9 +290,21 @@ def _run(
             run.hand_back()  # the body never ran: nothing is left locked
             raise
     mirror_meta(job, key=key, fence=lease.fencing_token, slot=lease.slot, outcome="running")
-    with run:
+    with run, decision.charging():
         try:
             result = fn(*args, **kwargs)
+        except RateLimited as exc:  # an upstream 429: the pipeline pauses the rate and decides
+            if not opts.enforce:
+                retry_in = job.get_retry_interval() if job is not None and job.retries_left else None
+                _end(job, locks, run, retry_in, "failed", saved)
+            else:
+                run.hand_back()  # it runs again after the pause
+                if job is not None:
+                    _quietly(drop_handle, locks, job.id, saved)
+            after = backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)
+            if after is None:
+                raise
+            return _outcome(job, locks, name, opts, key, after)
         except BaseException as exc:
             replaced = replaced_skip(opts, run) if isinstance(exc, Exception) else None
             if replaced is not None:  # overlap="replace": another job took its lease over
@@ -366,7 +383,12 @@ class _Hooks:
 
     def shadow(self, key: str, reason: str, holder_ttl: float | None, leased: bool, rate: bool) -> None:
         if rate:
-            log.info("%s: shadow mode: would have been rate-limited (%r); running it", self.name, key)
+            log.info(
+                "%s: shadow mode: would have been %s (%r); running it",
+                self.name,
+                "rate-limited" if reason == Reason.RATE_LIMITED else "backing off",
+                key,
+            )
             return
         log.info("%s: shadow mode: would have been skipped (%s, lease %r); running it", self.name, reason, key)
         mirror_meta(self.job, key=key, shadow=reason)
@@ -482,14 +504,15 @@ def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d:
     # (number_of_retries, which RQ bumps for the returned Retry: it is set back first)
     job.meta[RATE_META_KEY] = d.state  # saved by mirror_meta below
     booked = d.state is not None and d.state.get("turn") is not None
-    log.info(
-        "job %s: rate-limited; %s in %.2fs", job.id, "its turn is booked" if booked else "it asks again", d.countdown
-    )
-    mirror_meta(job, key=key, outcome="rate_limited")
+    what = "backoff (upstream rate limit)" if d.why == Reason.BACKOFF else "rate-limited"
+    log.info("job %s: %s; %s in %.2fs", job.id, what, "its turn is booked" if booked else "it asks again", d.countdown)
+    mirror_meta(job, key=key, outcome=plain(d.why))
     job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
-    # whole seconds (RQ's Retry); rounded down, and the job waits out the rest of its turn on
-    # arrival, so the scheduler's rounding never bunches booked turns together
-    return Retry(max=10**9, interval=[int(d.countdown)])
+    # whole seconds (RQ's Retry): a turn rounded down (the job waits out the rest of its turn on
+    # arrival, so the scheduler's rounding never bunches booked turns together); a back-off pause
+    # rounded up (asking again inside the pause would only defer once more)
+    countdown = math.ceil(d.countdown) if d.why == Reason.BACKOFF else int(d.countdown)
+    return Retry(max=10**9, interval=[countdown])
 
 
 def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcome: str, saved: str | None) -> None:

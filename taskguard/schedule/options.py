@@ -113,4 +113,8 @@ def apply_entry_options(
     if "rate_key" in changes and "rate" not in changes and opts.rate is None:
         log.error("task %s: ignoring the beat entry's rate_key option: it needs rate", task)
         del changes["rate_key"]
+    if "limit" in changes:
+        changes["limit_fn"] = None  # the entry's limit replaces a task's limit callable
+    if "rate" in changes and opts.rate is None and not isinstance(opts.cost, int):
+        changes["cost"] = 1  # (a task without a rate has the default cost)
     return dataclasses.replace(opts, **changes) if changes else opts
