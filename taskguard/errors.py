@@ -149,8 +149,9 @@ class RateLimited(TaskguardError):
 class TaskSkipped(TaskguardError):
     """Raised instead of returning a :class:`~taskguard.Skipped` value (``on_skip="raise"``).
 
-    ``TaskSkipped(key, reason, task=None, holder_ttl=None)``: plain values only, so the error
-    rebuilds through a JSON result backend. :attr:`skipped` gives the equivalent ``Skipped``.
+    ``TaskSkipped(key, reason, task=None, holder_ttl=None, follow_up=None)``: plain values only,
+    so the error rebuilds through a JSON result backend (one stored by an earlier release, with
+    four values, too). :attr:`skipped` gives the equivalent ``Skipped``.
     """
 
     def __init__(
@@ -159,8 +160,12 @@ class TaskSkipped(TaskguardError):
         reason: str,
         task: str | None = None,
         holder_ttl: float | None = None,
+        follow_up: str | None = None,
     ) -> None:
-        super().__init__(key, reason, task, holder_ttl)
+        if follow_up is None:  # four values, as earlier releases stored it
+            super().__init__(key, reason, task, holder_ttl)
+        else:
+            super().__init__(key, reason, task, holder_ttl, follow_up)
 
     @property
     def key(self) -> str:
@@ -172,10 +177,11 @@ class TaskSkipped(TaskguardError):
 
     @property
     def skipped(self) -> Skipped:
-        return Skipped(key=self.args[0], reason=self.args[1], task=self.args[2], holder_ttl=self.args[3])
+        key, reason, task, ttl, *rest = self.args
+        return Skipped(key=key, reason=reason, task=task, holder_ttl=ttl, follow_up=rest[0] if rest else None)
 
     def __str__(self) -> str:
-        key, reason, task, ttl = self.args
+        key, reason, task, ttl, *_ = self.args
         who = f"{task} " if task else ""
         left = f", holder's lease has {ttl:.1f}s left" if ttl is not None else ""
         return f"{who}skipped: lease {key!r} {reason}{left}"

@@ -107,17 +107,24 @@ def test_attributes_follow_args():
 
 
 @pytest.mark.parametrize(
-    "args", [("k", "held", "t.name", 1.5), ("k", "wait_timeout", None, None), ("k", "retry_exhausted", "t", 0.0)]
+    "args",
+    [
+        ("k", "held", "t.name", 1.5),
+        ("k", "wait_timeout", None, None),
+        ("k", "retry_exhausted", "t", 0.0),
+        ("k", "coalesced", "t", None, "id-of-the-follow-up"),
+    ],
 )
 def test_task_skipped_gives_an_equal_valued_skipped(args):
     e = TaskSkipped(*args)
+    assert len(e.args) == len(args)  # four values unless a follow-up is named, as earlier releases stored it
     for err in (e, _pickle_round_trip(e, pickle.HIGHEST_PROTOCOL)):
         s = err.skipped
         assert isinstance(s, Skipped)
-        assert (s.key, s.reason, s.task, s.holder_ttl) == args
+        assert (s.key, s.reason, s.task, s.holder_ttl, s.follow_up) == (*args, None)[:5]
         assert not s  # a Skipped is falsy
         fields = {f.name for f in dataclasses.fields(Skipped)}
-        assert fields - {"key", "reason", "task", "holder_ttl"} == {"at"}
+        assert fields - {"key", "reason", "task", "holder_ttl", "follow_up"} == {"at"}
 
 
 # -- property: any plain values survive ----------------------------------------------------------

@@ -71,7 +71,7 @@ def skip(task: Any, skipped: Skipped, skips: int, locks: Locks) -> Any:
     locks.report_skip(skipped)
     send_skip_event(task, skipped)
     if opts.on_skip == "raise":
-        raise TaskSkipped(skipped.key, skipped.reason, task.name, skipped.holder_ttl)
+        raise TaskSkipped(skipped.key, skipped.reason, task.name, skipped.holder_ttl, skipped.follow_up)
     if opts.on_skip == "ignore":
         raise Ignore(skipped.describe())
     if not opts.continue_on_skip:

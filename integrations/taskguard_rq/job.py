@@ -571,5 +571,5 @@ def _report_skip(job: Any, locks: Locks, name: str, opts: GuardOptions, skipped:
     log.info("%s", skipped.describe())
     mirror_meta(job, key=skipped.key, outcome="skipped", reason=skipped.reason, holder_ttl=skipped.holder_ttl)
     if opts.on_skip == "raise":
-        raise TaskSkipped(skipped.key, skipped.reason, name, skipped.holder_ttl)
+        raise TaskSkipped(skipped.key, skipped.reason, name, skipped.holder_ttl, skipped.follow_up)
     return skipped
