@@ -474,7 +474,7 @@ class Locks:
         booked. ``shadow=True`` counts (and books) in the *shadow* state of ``key``, a rate state
         of its own that enforced calls never see and that never consumes theirs: shadow mode's
         calls, so that each gets the answer enforcement would have given it (see
-        :func:`taskguard.pacing.shadow_check`).
+        :func:`taskguard.pacing.shadow_reason`).
 
         Returns a :class:`~taskguard.throttle.Throttle`. Raises ConfigError for a bad rate,
         burst, cost or key, and for a ``cost`` above ``burst`` (such a call could never pass);

@@ -37,7 +37,7 @@ from .locks import Locks
 from .skipped import Skipped
 from .validate import MAX_COST
 
-__all__ = ["Pace", "pace", "back_off", "charging", "settle_cost", "parse_state", "shadow_check", "shadow_reason"]
+__all__ = ["Pace", "pace", "back_off", "charging", "settle_cost", "parse_state", "shadow_reason"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,26 +239,6 @@ def settle_cost(actual: int) -> int:
         c.locks.settle_cost(c.key, rate=c.rate, by=by, shadow=c.shadow)
         c.cost = actual
     return by
-
-
-def shadow_check(
-    locks: Locks,
-    key: str,
-    *,
-    rate: tuple[int, float],
-    burst: int | None,
-    max_wait: float | None,
-    max_countdown: float,
-    task: str | None,
-    cost: int = 1,
-) -> bool:
-    """:func:`shadow_reason` as a ``bool``: ``True`` when a would-be deferral or skip was reported."""
-    return (
-        shadow_reason(
-            locks, key, rate=rate, burst=burst, max_wait=max_wait, max_countdown=max_countdown, task=task, cost=cost
-        )
-        is not None
-    )
 
 
 def shadow_reason(

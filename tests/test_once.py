@@ -176,15 +176,15 @@ def test_skipped_reason_once_is_reported(any_locks):
 
 def test_a_shadow_rate_check_reports_without_consuming_and_never_raises(any_locks):
     from taskguard import RedisLocks
-    from taskguard.pacing import shadow_check
+    from taskguard.pacing import shadow_reason
 
     from .servers import free_port
 
     seen = _events(any_locks)
     kw = dict(rate=(1, 60.0), burst=None, max_wait=None, max_countdown=30, task="t.api")
-    assert shadow_check(any_locks, "api", **kw) is False  # room: nothing to report, nothing counted
+    assert shadow_reason(any_locks, "api", **kw) is None  # room: nothing to report, nothing counted
     assert any_locks.throttle("api", rate=(1, 60.0)).allowed  # the check took no turn
-    assert shadow_check(any_locks, "api", **kw) is True
+    assert shadow_reason(any_locks, "api", **kw) == "rate_limited"
     assert [(e.status, e.shadow, e.key) for e in seen if e.kind == "skip"] == [("rate_limited", True, "api")]
     down = RedisLocks.from_url(f"redis://127.0.0.1:{free_port()}/0", connect_timeout=0.3, retries=0)
-    assert shadow_check(down, "api", **kw) is False
+    assert shadow_reason(down, "api", **kw) is None

@@ -16,7 +16,7 @@ import pytest
 
 from taskguard import IdempotencyConflict
 from taskguard.once import OncePolicy, fingerprint_of
-from taskguard.pacing import pace, shadow_check
+from taskguard.pacing import pace, shadow_reason
 from taskguard.run import GuardedRun
 
 
@@ -104,7 +104,7 @@ def rate_sequence(locks, key, enforce, max_wait, gaps=(0, 0, 0, 0)):
         if enforce:
             out.append(None if pace(locks, key, **kw).go else "rate_limited")
         else:
-            out.append("rate_limited" if shadow_check(locks, key, task="t.rated", **kw) else None)
+            out.append(shadow_reason(locks, key, task="t.rated", **kw))
     return out
 
 
