@@ -375,6 +375,10 @@ class GuardedTask(Task):
         in_canvas = (
             link is not None or link_error is not None or any(options.get(k) for k in ("chain", "group_id", "chord"))
         )
+
+        def send(tid: str | None, o: dict[str, Any]) -> Any:  # the publish itself, as Celery makes it
+            return super(GuardedTask, self).apply_async(args, kwargs, tid, producer, link, link_error, shadow, **o)
+
         if (
             opts is not None
             and opts.debounce is not None
@@ -383,27 +387,9 @@ class GuardedTask(Task):
             and not debouncing.is_window_message(headers)
             and not self.app.conf.task_always_eager
         ):
-            return debouncing.publish(
-                self,
-                args,
-                kwargs,
-                task_id,
-                options,
-                lambda tid, o: super(GuardedTask, self).apply_async(
-                    args, kwargs, tid, producer, link, link_error, shadow, **o
-                ),
-            )
+            return debouncing.publish(self, args, kwargs, task_id, options, send)
         if opts is not None and (opts.unique if unique is None else unique) and not own_copy and not in_canvas:
-            return uniqueness.publish(
-                self,
-                args,
-                kwargs,
-                task_id,
-                options,
-                lambda tid, o: super(GuardedTask, self).apply_async(
-                    args, kwargs, tid, producer, link, link_error, shadow, **o
-                ),
-            )
+            return uniqueness.publish(self, args, kwargs, task_id, options, send)
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
 
     # -- retries keep the lease -------------------------------------------------------------------
