@@ -271,7 +271,9 @@ class GuardOptions:
         if on_lost not in ON_LOST:
             raise bad(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
         if overlap not in OVERLAP:
-            raise bad(f"overlap must be one of {OVERLAP}, got {overlap!r}")
+            close = difflib.get_close_matches(str(overlap), OVERLAP_BUILT, n=1, cutoff=0.75)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise bad(f"overlap must be one of {OVERLAP_BUILT}, got {overlap!r}{hint}")
         if overlap not in OVERLAP_BUILT:
             raise bad(f"overlap={overlap!r} is not available in this release (available: {OVERLAP_BUILT})")
         if overlap in (Overlap.COALESCE, Overlap.REPLACE):

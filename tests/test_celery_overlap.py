@@ -178,6 +178,10 @@ def test_coalesce_is_refused_at_declaration_where_it_cannot_work(extra, conflict
     "value, message",
     [
         ("bogus", "overlap must be one of"),
+        (
+            "coalese",
+            r"overlap must be one of \('skip', 'coalesce', 'replace'\), got 'coalese' \(did you mean 'coalesce'\?\)",
+        ),
         ("allow", "overlap=.allow. is not available"),
     ],
 )
