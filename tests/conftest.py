@@ -4,6 +4,7 @@ per test, suite-owned redis-server processes and a 3-primary Redis Cluster."""
 from __future__ import annotations
 
 import os
+import re
 import uuid
 
 import pytest
@@ -43,6 +44,20 @@ def _untimed(c, patterns):
     return {k for pattern in patterns for k in c.scan_iter(match=pattern, count=1000) if c.ttl(k) == -1}
 
 
+_PREFIX_IN_KEY = re.compile(rb"tgtest-[0-9a-f]{12}")
+
+
+def _untimed_of_session(c):
+    """Keys without a TTL that name one of this session's prefixes: one SCAN of the keyspace
+    (a SCAN per prefix would read a large shared keyspace once per test)."""
+    mine = {p.encode() for p in _SESSION_PREFIXES}
+    keys = [k for k in c.scan_iter(match="*tgtest-*", count=5000) if mine & set(_PREFIX_IN_KEY.findall(k))]
+    pipe = c.pipeline(transaction=False)
+    for k in keys:
+        pipe.ttl(k)
+    return {k for k, ttl in zip(keys, pipe.execute(), strict=True) if ttl == -1}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_untimed_keys_left_behind():
     """After the session: no key without a TTL that the suite made stays in the shared Redis —
@@ -58,7 +73,7 @@ def no_untimed_keys_left_behind():
     if before is None:
         return
     try:
-        ours = _untimed(c, [f"*{p}*" for p in sorted(_SESSION_PREFIXES)])
+        ours = _untimed_of_session(c)
         ours |= _untimed(c, SHARED_BOOKKEEPING) - before
         for key in ("rq:queues", "rq:workers"):  # sets that existed before: drop the suite's members
             if key in before:
