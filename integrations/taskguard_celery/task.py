@@ -10,7 +10,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, cast
+from typing import Any
 
 from celery import Task, shared_task
 from celery.app.task import Context
@@ -19,9 +19,8 @@ from celery.utils.time import get_exponential_backoff_interval, maybe_iso8601
 
 from taskguard import ConfigError, LeaseBackendError, Locks, RateLimited
 from taskguard.context import current_lease, current_runs, running
-from taskguard.errors import LeaseLost
 from taskguard.handoff import parse_handle, release_handle
-from taskguard.pipeline import Run, backed_off, decide, replaced_skip
+from taskguard.pipeline import Run, decide, perform
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 
@@ -263,57 +262,8 @@ class GuardedTask(Task):
             return outcome(self, decision, skips, redelivered)
         identity.end_chain(self, decision.run)
         entered.append(True)
-        try:
-            return self._run_body(decision, req, args, kwargs)
-        except RateLimited as exc:  # an upstream 429: the pipeline pauses the rate and decides
-            after = backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)
-            if after is None:
-                raise
-            return outcome(self, after, skips, redelivered)
-
-    def _run_body(self, decision: Run, req: Any, args: tuple, kwargs: dict) -> Any:
-        """The body under the decision's run (and its rate charge); how it ends (Celery's
-        exceptions) says how the run ends. A :class:`taskguard.RateLimited` hands the run back
-        (in shadow mode: fails it); the caller asks the pipeline what follows."""
-        run = decision.run
-        with run, decision.charging():
-            try:
-                result = self._body(req, args, kwargs)
-            except RateLimited:
-                if run.state == "running":
-                    if run.enforce:
-                        run.hand_back()  # it runs again after the pause
-                    else:
-                        run.fail()
-                raise
-            except Retry:
-                if run.state == "running":  # a retry of another kind (on_skip of a nested call...)
-                    run.hand_back()
-                raise
-            except Reject as exc:
-                if exc.requeue:
-                    run.hand_back()
-                else:
-                    run.fail()
-                raise
-            except Exception:
-                run.fail()  # acked (acks_on_failure or not, the message is not requeued)
-                replaced = replaced_skip(cast(GuardOptions, self.taskguard_options), run)
-                if replaced is not None:  # overlap="replace": another run took its lease over
-                    return skipping.skip(self, replaced, 0, self.taskguard_locks)
-                raise
-            except BaseException:
-                run.hand_back()  # the worker is going down: an acks_late message comes back
-                raise
-        if run.state == "running":
-            try:
-                run.finish(result)
-            except LeaseLost:
-                replaced = replaced_skip(cast(GuardOptions, self.taskguard_options), run)
-                if replaced is None:
-                    raise
-                return skipping.skip(self, replaced, 0, self.taskguard_locks)
-        return result
+        done = perform(decision, lambda: self._body(req, args, kwargs), opts, key, args, kwargs, ex, hooks, locks)
+        return done.value if done.instead is None else outcome(self, done.instead, skips, redelivered)
 
     def _body(self, req: Any, args: tuple, kwargs: dict) -> Any:
         if self._plain_call and not req.called_directly:
