@@ -542,7 +542,8 @@ def check_beat(log: list[str], runs: list[str], entries: list[str], first: int, 
     Slots are ``every<s>s:<n>``; those with ``first <= n <= last`` of every entry in ``entries``
     must be published. Returns ``lost``, ``after_confirm`` (published again after a confirmation, by a
     leader whose fence is not lower), ``late`` (published again after it by a deposed leader: run
-    once), ``republished`` (published more than once) and ``twice`` (run more than once)."""
+    once), ``republished`` (published more than once), ``twice`` (run more than once), ``slots``
+    (published) and ``terms`` (the leader fences that published)."""
     published: dict[tuple[str, str], int] = defaultdict(int)
     confirmed: dict[tuple[str, str], int] = {}
     after_confirm = late = 0
@@ -570,6 +571,7 @@ def check_beat(log: list[str], runs: list[str], entries: list[str], first: int, 
         "republished": sum(n - 1 for n in published.values() if n > 1),
         "twice": sum(1 for n in count.values() if n > 1),
         "slots": len(published),
+        "terms": len({line.split()[3] for line in log if line.startswith("p ")}),
     }
 
 
@@ -579,7 +581,8 @@ def beat_report(admin, prefix: str, first: int, last: int) -> tuple[list[str], i
     r = check_beat(log, runs, [f"e{i}" for i in range(ENTRIES)], first, last)
     bad = r["lost"] + r["after_confirm"] + r["twice"]
     return [
-        f"slots published {r['slots']:,} ({ENTRIES} entries every {INTERVAL:g} s), runs {len(runs):,}; "
+        f"slots published {r['slots']:,} ({ENTRIES} entries every {INTERVAL:g} s) by {r['terms']} leader terms "
+        f"(fencing tokens), runs {len(runs):,}; "
         f"checked for loss: slots {first}-{last} of every entry",
         f"published again: {r['republished']} (claimed but not confirmed when the leader was stopped or cut; "
         f"{r['late']} by a deposed leader after its successor confirmed): each run once by its run id",
