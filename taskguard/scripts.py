@@ -22,8 +22,9 @@ everything that is not a key goes in ARGV):
                    a holder's owner token ends in ``#i`` for slot ``i > 0``, so every per-holder
                    script finds the slot from the token alone. The key
                    carries an idle TTL (``fence_idle_ttl``, default 7 days, never shorter than the
-                   lease), set at every acquisition, so Redis memory per distinct key is bounded and
-                   the fence lives at least as long as the lease it fences.
+                   lease), set again by an acquisition that finds it run down by more than 1% (or
+                   shorter than the lease), so Redis memory per distinct key is bounded and the
+                   fence lives at least as long as the lease it fences.
 * ``{P:K}:signal`` a one-element list pushed after a release when someone waits; waiters ``BLPOP``
                    it, so a waiter wakes on release instead of by polling. It expires by itself.
 * ``{P:K}:done:R`` the finished marker of run ``R`` (a Celery task id and its publish stamp),
@@ -241,7 +242,12 @@ if m ~= slots then
     redis.call('HSET', KEYS[1], 'm', m)
   end
 end
-redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[4]), ttl))
+-- the key's idle TTL, set again once it has run down by 1% (a read instead of a write when the
+-- key is acquired often), and always when it would end before the lease
+local idle = math.max(tonumber(ARGV[4]), ttl)
+if redis.call('PTTL', KEYS[1]) < math.max(idle - math.floor(idle / 100), ttl) then
+  redis.call('PEXPIRE', KEYS[1], idle)
+end
 if KEYS[2] and ARGV[7] == '0' then
   redis.call('DEL', KEYS[2])
 end
