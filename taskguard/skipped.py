@@ -84,6 +84,8 @@ class Skipped:
         left = f" (holder has {self.holder_ttl:.1f}s left)" if self.holder_ttl is not None else ""
         if self.reason == "limit":
             return f"{who}skipped, every slot of lease {self.key!r} held (limit){left}"
+        if self.reason == "limit_total":
+            return f"{who}skipped, every place in the total {self.key!r} held (limit_total){left}"
         if self.reason == "coalesced":
             return f"{who}coalesced into the pending follow-up {self.follow_up} of lease {self.key!r}"
         if self.reason == "rate_limited":

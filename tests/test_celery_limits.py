@@ -388,3 +388,63 @@ def test_shadow_mode_reports_a_weighted_rate_and_a_429_without_enforcing_them(ap
     assert locks.throttle("ups", rate=(100, 1.0), cost=60).allowed  # the enforced state: never consumed
     paused = locks.throttle("ups", rate=(100, 1.0), cost=60, shadow=True, consume=False)
     assert paused.paused and paused.retry_after > 25
+
+
+# -- a limit per key and a total (limit_total=) ------------------------------------------------
+
+
+def test_a_limit_per_key_and_a_total_hold_across_two_worker_processes(app, redis_url, prefix):
+    """Two prefork workers (3 children each) run 24 exports of 4 tenants under limit=2 per tenant
+    and limit_total=3, with on_skip="retry": every export runs in the end; the ledgers show at
+    most 2 inside per tenant and 3 inside in all (both reached), each slot's fences growing; the
+    refusals were reported as "limit" and "limit_total"; nothing is left held."""
+    tenants = ["t1", "t1", "t1", "t2", "t2", "t3", "t4"] * 3 + ["t1", "t2", "t3"]
+    with (
+        EventLog(app, tasks=["tg.export_total"]) as events,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w1,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w2,
+    ):
+        results = [app.tasks["tg.export_total"].delay(t, seconds=0.3) for t in tenants]
+        values = [res.get(timeout=120) for res in results]
+        output = w1.output() + w2.output()
+        skips = events.wait_for("task-skipped", 2)
+    assert all(v in (0, 1, 2) for v in values), (values, output)
+    total = _ledger(redis_url, prefix, "exports")
+    assert len([e for e in total if e[1] == 1]) == len(tenants)
+    assert ledger.peak(total, 3) == 3
+    per_key = {t: _ledger(redis_url, prefix, f"export:{t}") for t in set(tenants)}
+    assert sum(len([e for e in entries if e[1] == 1]) for entries in per_key.values()) == len(tenants)
+    assert ledger.peak(per_key["t1"], 2) == 2
+    for entries in per_key.values():
+        ledger.peak(entries, 2)
+    assert "limit_total" in {e["reason"] for e in skips}, skips
+    locks = app.conf.taskguard_locks
+    assert locks.holders("exports") == [] and all(locks.holders(f"export:{t}") == [] for t in per_key)
+    assert "Traceback" not in output
+
+
+def test_a_retry_keeps_both_holds_and_claims_them_with_the_same_fences(app, redis_url, prefix):
+    """self.retry() keeps the run's lease on its key and its place in the total: the retried
+    run claims both from its taskguard header (one handle, the total's nested), with the same
+    fencing tokens; meanwhile the kept place counts against the total."""
+    locks = app.conf.taskguard_locks
+    with embedded_worker(app):
+        res = app.tasks["tg.export_total"].delay("t1", seconds=0.0, retry_first=True)
+        assert res.get(timeout=15) in (0, 1, 2)
+    fences = redis.Redis.from_url(redis_url).lrange(f"{prefix}:fences:{res.id}", 0, -1)
+    assert len(fences) == 2 and fences[0] == fences[1], fences
+    assert locks.holders("exports") == [] and locks.holders("export:t1") == []
+
+
+def test_total_options_fail_at_declaration_with_did_you_mean():
+    with pytest.raises(ConfigError, match="did you mean 'limit_total'"):
+
+        @guarded_task(key="export:{tenant}", limit_totl=3)
+        def job(tenant):
+            return tenant
+
+    with pytest.raises(ConfigError, match=r"limit \(4\) exceeds limit_total \(3\)"):
+
+        @guarded_task(key="export:{tenant}", limit=4, limit_total=3)
+        def job2(tenant):
+            return tenant

@@ -37,6 +37,7 @@ from rq.registry import ScheduledJobRegistry
 from taskguard import ConfigError, LeaseBackendError, Locks, RateLimited, Skipped, TaskSkipped
 from taskguard.debounce import due as window_due, publish as window_publish
 from taskguard.errors import LeaseLost
+from taskguard.handoff import handle_of, release_handle
 from taskguard.overlap import Pending
 from taskguard.pacing import parse_state
 from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, backed_off, decide, replaced_skip
@@ -277,13 +278,7 @@ def _run(
             saved = save_handle(
                 locks,
                 run_id,
-                {
-                    "key": key,
-                    "owner": lease.owner_token,
-                    "fence": lease.fencing_token,
-                    "expires": lease.expires_at,
-                    "running": True,
-                },
+                {**handle_of(lease), "running": True},  # (with its place in the total, if any)
                 ttl=_job_timeout(job) + opts.ttl,
             )
         except BaseException:
@@ -349,7 +344,7 @@ class _Hooks:
     def release_handle(self, handle: Any) -> None:
         """Release the lease a failed execution of the job kept for its retry."""
         try:
-            self.locks.restore(handle["key"], handle["owner"], ttl=1.0).release()
+            release_handle(self.locks, handle)  # (and its place in the total, if any)
             drop_handle(self.locks, self.job.id)
         except (LeaseBackendError, ConfigError) as e:
             log.warning("job %s: could not release its kept lease before a rate wait: %s", self.job.id, e)
