@@ -627,6 +627,24 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         base=GuardedTask,
         bind=True,
         shared=False,
+        name="tg.export_total_shadow",
+        ttl=5,
+        key="export:{tenant}",
+        limit=1,
+        limit_total=1,
+        limit_total_key="exports-shadow",
+        enforce=False,
+    )
+    def export_total_shadow(self, tenant, seconds=1.0):
+        # shadow mode: always runs; "<tenant> <held: 1 | 0>"
+        r.rpush(f"{prefix}:shadow-runs", f"{tenant} {int(self.lease is not None)}")
+        time.sleep(seconds)
+        return tenant
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
         name="tg.export_tiered",
         ttl=5,
         key="export:{tenant}",

@@ -436,6 +436,28 @@ def test_a_retry_keeps_both_holds_and_claims_them_with_the_same_fences(app, redi
     assert locks.holders("exports") == [] and locks.holders("export:t1") == []
 
 
+def test_shadow_mode_reports_a_would_be_limit_total_and_runs_holding_nothing(app, redis_url, prefix):
+    """enforce=False, limit_total=1: a second tenant's run while the first runs goes ahead
+    without a lease (its key's slot given back), reported as a task-guard-shadow event with
+    reason limit_total, never as task-skipped."""
+    locks = app.conf.taskguard_locks
+    task = app.tasks["tg.export_total_shadow"]
+    with EventLog(app, tasks=["tg.export_total_shadow"]) as events, embedded_worker(app, concurrency=2):
+        first = events.track(task.delay("t1", seconds=1.5))
+        deadline = time.monotonic() + 10
+        while not locks.holders("exports-shadow") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = events.track(task.delay("t2", seconds=0.0))
+        assert second.get(timeout=10) == "t2"
+        assert locks.holders("export:t2") == []
+        assert first.get(timeout=10) == "t1"
+        shadow = events.wait_for("task-guard-shadow", 1)
+    assert [e["reason"] for e in shadow] == ["limit_total"], shadow
+    assert not events.of("task-skipped")
+    runs = sorted(x.decode() for x in redis.Redis.from_url(redis_url).lrange(f"{prefix}:shadow-runs", 0, -1))
+    assert runs == ["t1 1", "t2 0"]
+
+
 def test_total_options_fail_at_declaration_with_did_you_mean():
     with pytest.raises(ConfigError, match="did you mean 'limit_total'"):
 
