@@ -645,6 +645,22 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         base=GuardedTask,
         bind=True,
         shared=False,
+        name="tg.export_total_overrun",
+        ttl=30,
+        key="export:{tenant}",
+        limit=2,
+        limit_total=3,
+        limit_total_key="exports",
+        time_limit=1,
+    )
+    def export_total_overrun(self, tenant):
+        # killed by the hard time limit: the worker's main process releases both holds by task id
+        time.sleep(10)
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
         name="tg.export_tiered",
         ttl=5,
         key="export:{tenant}",

@@ -154,6 +154,17 @@ def export_total_flaky(tenant):
     return lease.total.slot
 
 
+@guarded_job(ttl=30, key="export:{tenant}", limit=2, limit_total=3, limit_total_key="exports")
+def export_total_killed(tenant):
+    """Its work-horse dies (SIGKILL) on the first attempt: "<attempt> <key fence> <total fence>"."""
+    lease = current_lease()
+    attempt = _attempt("export_total_killed:" + tenant)
+    _log(f"ek:{tenant}:{attempt}:{lease.fencing_token}:{lease.total.fencing_token}")
+    if attempt == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return lease.total.fencing_token
+
+
 @guarded_job(ttl=3, key="index:{shop}", overlap="coalesce")
 def rebuild(shop, n, seconds=0.3):
     """overlap="coalesce": ledger entries for the key, and the calls that ran (``n``) with when."""

@@ -458,6 +458,24 @@ def test_shadow_mode_reports_a_would_be_limit_total_and_runs_holding_nothing(app
     assert runs == ["t1 1", "t2 0"]
 
 
+def test_a_hard_time_limit_releases_both_holds_from_the_main_process(app, prefix):
+    """A prefork child killed by the hard time limit runs no finally: the worker's main process
+    releases the run's lease and its place in the total by task id, well before their 30 s TTL."""
+    locks = app.conf.taskguard_locks
+    with WorkerProcess(f"q-{prefix}", prefix, concurrency=1):
+        res = app.tasks["tg.export_total_overrun"].delay("t1")
+        deadline = time.monotonic() + 10
+        while not locks.holders("exports") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert locks.holders("exports")
+        with pytest.raises(Exception, match="TimeLimitExceeded|time limit"):
+            res.get(timeout=15)
+        deadline = time.monotonic() + 3
+        while (locks.holders("exports") or locks.holders("export:t1")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert locks.holders("exports") == [] and locks.holders("export:t1") == []
+
+
 def test_total_options_fail_at_declaration_with_did_you_mean():
     with pytest.raises(ConfigError, match="did you mean 'limit_total'"):
 

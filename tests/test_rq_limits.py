@@ -233,3 +233,23 @@ def test_a_retry_claims_both_holds_from_the_handle_record(rq_env):
     fences = _rows(rq_env, "fences:t1")
     assert len(fences) == 2 and fences[0] == fences[1], fences
     assert locks().holders("exports") == [] and locks().holders("export:t1") == []
+
+
+def test_a_killed_work_horse_settles_both_holds(rq_env):
+    """GuardedWorker settles a killed work-horse's lease and its place in the total from the
+    job's handle record: kept for its retry (which claims both with the same fencing tokens),
+    or, without a retry, released at once (the TTL is 30 s)."""
+    from .test_rq import log
+
+    with RQWorker(rq_env) as worker:
+        kept = rq_env.enqueue(rq_jobs.export_total_killed, "k", retry=Retry(max=1, interval=1))
+        assert wait_done(kept, timeout=30) == JobStatus.FINISHED, worker.output()
+        entries = [e.split(":") for e in log(rq_env) if e.startswith("ek:k:")]
+        assert len(entries) == 2 and entries[0][3:] == entries[1][3:], entries
+        assert kept.return_value() == int(entries[0][4])
+        gone = rq_env.enqueue(rq_jobs.export_total_killed, "n")
+        assert wait_done(gone, timeout=30) == JobStatus.FAILED
+        time.sleep(0.3)
+        assert locks().holders("export:n") == [] and locks().holders("exports") == []
+        output = worker.output()
+    assert "lease 'export:k' kept" in output and "lease 'export:n' released" in output
