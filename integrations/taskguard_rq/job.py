@@ -142,7 +142,12 @@ def guarded_job(
     ``RateLimit`` for the same key and limit, so RQ parks jobs over it instead. ``rate=`` (with
     ``rate_key``, ``rate_burst``, ``rate_max_wait``, ``cost``) defers a job over the rate to its booked turn
     through RQ's scheduler (:mod:`taskguard.pipeline`), or skips it past ``rate_max_wait`` (reason
-    ``"rate_limited"``).
+    ``"rate_limited"``). ``limit_total=M`` (with ``limit_total_key``) also caps the jobs of every
+    key together: a job needs a place in both, gives its key's slot back when the total is full
+    and is skipped with reason ``"limit_total"``. :func:`current_lease` is then the lease on the
+    job's key (the key's fencing token) and ``current_lease().total`` its place in the total (its
+    own fencing token); the job's handle record nests the total's handle, so a retry and
+    :class:`GuardedWorker` settle both. ``rate_limit_for`` parks by the key's ``limit`` only.
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
