@@ -22,11 +22,15 @@ finished (``Hooks.finished``)
                                                             :class:`Run` carries the rate charge
                                                             (the call's ``cost``)
 ``limit``: an int, or its callable's value for this call    the lease's slots
+``limit_total``: the key's slot, then a place in the total  both held, or :class:`Skip`
+                                                            (``"limit_total"``; the key's slot
+                                                            given back at once)
 ``once``: the key's work done (same fingerprint)            :class:`Stored` (the stored value)
 lease refused: this copy's run already finished             :class:`Duplicate` (with the run)
 lease held by another execution of the same run id          :class:`Defer` (``"running"``;
                                                             countdown: holder's TTL, >= 0.5 s)
-lease refused otherwise (held, limit, wait_timeout)         :class:`Skip` (not yet reported)
+lease refused otherwise (held, limit, limit_total,           :class:`Skip` (not yet reported)
+wait_timeout)
 lease taken after waiting, redelivered, and finished        :class:`Duplicate` (lease handed back)
 meanwhile (``wait > 0``)
 lease taken (or shadow mode: whatever the guard said)       :class:`Run` (shadow: reported first)
@@ -391,6 +395,7 @@ def decide(
                 stamp,
                 once,
                 opts.enforce,
+                opts.total_of(args, kwargs),
             ),
             on_lost_report=hooks.lost,
             tag=ex.tag,

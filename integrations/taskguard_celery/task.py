@@ -74,7 +74,8 @@ class GuardedTask(Task):
     Guard options are task options (``@app.task(base=GuardedTask, ttl=30, key=...)`` or
     ``@guarded_task(...)``): ``key``, ``ttl``, ``wait``, ``blocking_wait``, ``renew``,
     ``on_skip``, ``on_lost``, ``skip_retry_delay``, ``skip_max_retries``, ``max_hold``,
-    ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``, ``cost``,
+    ``continue_on_skip``, ``limit``, ``limit_total``, ``limit_total_key``, ``rate``, ``rate_key``,
+    ``rate_burst``, ``rate_max_wait``, ``cost``,
     ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``, ``unique``, ``unique_ttl``,
     ``overlap``, ``replace_terminate``, ``debounce``, ``debounce_max``
     (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
@@ -82,7 +83,10 @@ class GuardedTask(Task):
     validated when the task class is made; a bad one raises :class:`taskguard.ConfigError`.
 
     The body reaches its lease as ``self.lease`` (``bind=True``) or :func:`current_lease`; both
-    are local to the running request, so the threads pool stays correct.
+    are local to the running request, so the threads pool stays correct. Under ``limit_total``
+    that is the run's lease on its key (its fencing token is the key's); its place in the
+    total is ``self.lease.total`` (a lease with its own fencing token). A retry keeps both: the
+    ``taskguard`` header carries the key's handle with the total's nested under ``"total"``.
     """
 
     # defaults: taskguard.policy.OPTION_DEFAULTS (the one place they live)
@@ -98,6 +102,8 @@ class GuardedTask(Task):
     max_hold: float | None = OPTION_DEFAULTS["max_hold"]
     continue_on_skip: bool = OPTION_DEFAULTS["continue_on_skip"]
     limit: int = OPTION_DEFAULTS["limit"]
+    limit_total: int | None = OPTION_DEFAULTS["limit_total"]
+    limit_total_key: Any = OPTION_DEFAULTS["limit_total_key"]
     rate: Any = OPTION_DEFAULTS["rate"]
     rate_key: Any = OPTION_DEFAULTS["rate_key"]
     rate_burst: int | None = OPTION_DEFAULTS["rate_burst"]

@@ -36,6 +36,7 @@ from rq.registry import ScheduledJobRegistry
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
 from taskguard.debounce import due as window_due, publish as window_publish
+from taskguard.handoff import handle_of, release_handle
 from taskguard.overlap import Pending
 from taskguard.pacing import parse_state
 from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide, perform
@@ -140,7 +141,12 @@ def guarded_job(
     ``RateLimit`` for the same key and limit, so RQ parks jobs over it instead. ``rate=`` (with
     ``rate_key``, ``rate_burst``, ``rate_max_wait``, ``cost``) defers a job over the rate to its booked turn
     through RQ's scheduler (:mod:`taskguard.pipeline`), or skips it past ``rate_max_wait`` (reason
-    ``"rate_limited"``).
+    ``"rate_limited"``). ``limit_total=M`` (with ``limit_total_key``) also caps the jobs of every
+    key together: a job needs a place in both, gives its key's slot back when the total is full
+    and is skipped with reason ``"limit_total"``. :func:`current_lease` is then the lease on the
+    job's key (the key's fencing token) and ``current_lease().total`` its place in the total (its
+    own fencing token); the job's handle record nests the total's handle, so a retry and
+    :class:`GuardedWorker` settle both. ``rate_limit_for`` parks by the key's ``limit`` only.
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -269,13 +275,7 @@ def _run(
                 saved = save_handle(
                     locks,
                     run_id,
-                    {
-                        "key": key,
-                        "owner": lease.owner_token,
-                        "fence": lease.fencing_token,
-                        "expires": lease.expires_at,
-                        "running": True,
-                    },
+                    {**handle_of(lease), "running": True},  # (with its place in the total, if any)
                     ttl=_job_timeout(job) + opts.ttl,
                 )
             except BaseException:
@@ -334,7 +334,7 @@ class _Hooks:
     def release_handle(self, handle: Any) -> None:
         """Release the lease a failed execution of the job kept for its retry."""
         try:
-            self.locks.restore(handle["key"], handle["owner"], ttl=1.0).release()
+            release_handle(self.locks, handle)  # (and its place in the total, if any)
             drop_handle(self.locks, self.job.id)
         except (LeaseBackendError, ConfigError) as e:
             log.warning("job %s: could not release its kept lease before a rate wait: %s", self.job.id, e)
