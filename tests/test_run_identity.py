@@ -396,8 +396,8 @@ def test_rq_second_execution_waits_for_a_live_earlier_one_then_runs(rq_env):
     """An earlier execution of the same job id holds the lease on another host (not known dead):
     the new execution waits for it (bounded by its TTL), then runs; it never ends as Skipped."""
     job_id = f"held-{uuid.uuid4().hex[:8]}"
-    rq_locks().acquire("slow:5", ttl=2.0, run_id=job_id, holder={"host": "another-host", "pid": 1})
-    with RQWorker(rq_env):
+    with RQWorker(rq_env):  # (the earlier execution's lease taken once the worker is up: its TTL counts from here)
+        rq_locks().acquire("slow:5", ttl=2.0, run_id=job_id, holder={"host": "another-host", "pid": 1})
         started = time.monotonic()
         job = rq_env.enqueue(rq_jobs.slow, 5, seconds=0.1, job_id=job_id)
         assert wait_done(job, timeout=30) == JobStatus.FINISHED
