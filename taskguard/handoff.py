@@ -80,6 +80,8 @@ def resume(
     delivery: str | None = None,
     markers: bool = True,
     limit: int = 1,
+    replicas: int | None = None,
+    replica_timeout: float | None = None,
 ) -> Acquisition:
     """Take over the persisted ``handle`` for ``key``, else acquire ``key`` afresh when free.
 
@@ -88,9 +90,11 @@ def resume(
     another owner holds ``key``, ``holder_run`` says which run; the caller must not run). A handle
     for a different key (the retry's arguments changed the key) is released and ``key`` acquired.
 
-    ``refuse_finished``, ``delivery``, ``markers`` and ``limit`` are passed on (see
-    :meth:`Locks.acquire`). Under ``limit > 1``, a handle whose slot another holder took meanwhile
-    falls back to acquiring any free slot (a larger fence), as an expired one does.
+    ``refuse_finished``, ``delivery``, ``markers``, ``limit``, ``replicas`` and
+    ``replica_timeout`` are passed on (see :meth:`Locks.acquire`; a claim the replicas did not
+    acknowledge in time answers ``reason="unreplicated"``). Under ``limit > 1``, a handle whose
+    slot another holder took meanwhile falls back to acquiring any free slot (a larger fence), as
+    an expired one does.
 
     Raises ConfigError for a malformed handle, LeaseBackendError when Redis fails."""
     h = parse_handle(handle)
@@ -107,11 +111,22 @@ def resume(
             delivery=delivery,
             markers=markers,
             limit=limit,
+            replicas=replicas,
+            replica_timeout=replica_timeout,
         )
     acq = locks.claim(
-        key, h["owner"], ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id, delivery=delivery
+        key,
+        h["owner"],
+        ttl=ttl,
+        holder=holder,
+        renew=renew,
+        max_hold=max_hold,
+        run_id=run_id,
+        delivery=delivery,
+        replicas=replicas,
+        replica_timeout=replica_timeout,
     )
-    if acq.acquired:
+    if acq.acquired or acq.reason == "unreplicated":
         return acq
     if acq.reason == "expired" or limit > 1:  # (or already claimed and released by another copy of the handle)
         return locks.acquire(
@@ -125,6 +140,8 @@ def resume(
             delivery=delivery,
             markers=markers,
             limit=limit,
+            replicas=replicas,
+            replica_timeout=replica_timeout,
         )
     slot = slot_of(h["owner"])  # who took it: another execution of this run, or another run?
     info = next((i for i in locks.holders(key) if i.slot == slot), None)

@@ -355,6 +355,8 @@ def decide(
                 stamp,
                 once,
                 opts.enforce,
+                opts.replicas,
+                opts.replica_timeout,
             ),
             on_lost_report=hooks.lost,
             tag=ex.tag,

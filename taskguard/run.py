@@ -71,6 +71,8 @@ class RunRequest:
     delivery: str | None = None
     once: Any = None
     enforce: bool = True
+    replicas: int | None = None
+    replica_timeout: float | None = None
 
 
 class GuardedRun:
@@ -109,12 +111,15 @@ class GuardedRun:
             policy, a shadow run that would have run and completes records its fingerprint's
             digest in a shadow record of its own (:data:`SHADOW_ONCE`), against which later
             shadow runs report ``"once"`` or ``"idempotency_conflict"`` as enforcement would.
+        replicas, replica_timeout: the durability option of the lease's acquisition or claim
+            (see :meth:`~taskguard.Locks.acquire`); ``None``: the locks' own.
 
     Attributes:
         lease: the held :class:`~taskguard.Lease` after a successful :meth:`begin`, else ``None``.
         reason: why :meth:`begin` did not get the lease (a :class:`~taskguard.values.Reason`
             where it is one of them): ``"held"``, ``"limit"``, ``"wait_timeout"``,
-            ``"duplicate"`` (this copy's run already finished), ``"running"`` (another
+            ``"duplicate"`` (this copy's run already finished), ``"unreplicated"`` (fewer replicas
+            than asked acknowledged the lease in time; it was released), ``"running"`` (another
             execution of this run id holds it) or ``"once"`` (the key's work is done: see
             :meth:`stored_value`). In shadow mode: what the guard would have done (the body
             runs anyway), or ``None``.
@@ -244,6 +249,8 @@ class GuardedRun:
                     delivery=self.delivery,
                     markers=self.finished_ttl is not None,
                     limit=self.limit,
+                    replicas=self.request.replicas,
+                    replica_timeout=self.request.replica_timeout,
                 )
             except ConfigError as e:
                 log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
@@ -333,6 +340,8 @@ class GuardedRun:
                         delivery=self.delivery,
                         markers=self.finished_ttl is not None,
                         limit=self.limit,
+                        replicas=self.request.replicas,
+                        replica_timeout=self.request.replica_timeout,
                     )
                 except ConfigError as e:
                     log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
@@ -382,6 +391,8 @@ class GuardedRun:
             delivery=self.delivery,
             markers=self.finished_ttl is not None,
             limit=self.limit,
+            replicas=self.request.replicas,
+            replica_timeout=self.request.replica_timeout,
         )
 
     def _same_run(self, acq: Acquisition, mode: str, bound: float, refuse_finished: bool) -> Acquisition:
