@@ -36,6 +36,7 @@ class Pair:
         self.proxy = TcpProxy(self.primary.port, nodelay=True)
         self.replica = RedisServer(extra=("--replicaof", "127.0.0.1", str(self.proxy.port))).start()
         self.replica_client = redis.Redis(port=self.replica.port, socket_timeout=2)
+        self.primary_client = redis.Redis(port=self.primary.port, socket_timeout=2, decode_responses=True)
         deadline = time.monotonic() + 10
         while self.replica_client.info("replication").get("master_link_status") != "up" or not acknowledged(
             self.primary.port
@@ -51,6 +52,7 @@ class Pair:
 
     def close(self) -> None:
         self.replica_client.close()
+        self.primary_client.close()
         self.proxy.close()
         self.replica.close()
         self.primary.close()
@@ -101,6 +103,53 @@ def test_an_acquisition_no_replica_acknowledges_is_given_back_and_reported(pair)
     finally:
         pair.proxy.blackhole = False
         locks.close()
+
+
+class RoundRobinPool(redis.ConnectionPool):
+    """Hands out the idle connection released longest ago (redis-py's pool: the latest), as a
+    busy multi-threaded client's pool effectively does: a command sent on its own is then not on
+    the connection of the command before it."""
+
+    def get_connection(self, *args, **kwargs):
+        with self._lock:
+            idle = self._available_connections
+            if len(idle) > 1:
+                idle.insert(0, idle.pop())
+        return super().get_connection(*args, **kwargs)
+
+
+def test_the_wait_rides_the_connection_of_the_acquisition(pair):
+    """WAIT counts what the replicas acknowledged of its own connection's writes (Redis 6.2; 7.x
+    also waits for what it saw of others): sent apart from the acquisition, on whatever connection
+    the pool hands out next, it could answer for another connection's older writes. With a pool
+    that hands out the connection released longest ago, each connection's last command shows that
+    the script and its WAIT went down one connection."""
+    pool = RoundRobinPool(port=pair.primary.port, socket_timeout=2, client_name="tgwaitprobe")
+    client = redis.Redis(connection_pool=pool)
+    locks = RedisLocks(client, prefix="tgdurable", replicas=1)
+    try:
+        first, second = pool.get_connection(), pool.get_connection()
+        for conn in (first, second):
+            conn.send_command("PING")
+            conn.read_response()
+        pool.release(first)
+        pool.release(second)
+        held = []
+        for i in range(4):  # (no release in between: a release is a script of its own)
+            acq = locks.acquire(f"rr{i}", ttl=60)
+            assert acq.acquired
+            held.append(acq.lease)
+            last = sorted(c["cmd"] for c in pair.primary_client.client_list() if c["name"] == "tgwaitprobe")
+            assert not {"evalsha", "eval"} & set(last) and "wait" in last, last  # each script followed by WAIT
+        for lease in held:
+            assert lease.release()
+        pair.proxy.blackhole = True
+        acq = locks.acquire("rr-cut", ttl=60)
+        assert not acq.acquired and acq.reason == "unreplicated"
+    finally:
+        pair.proxy.blackhole = False
+        locks.close()
+        client.close()
 
 
 def test_a_claim_no_replica_acknowledges_is_given_back(pair):
@@ -251,3 +300,36 @@ def test_a_failover_loses_a_lease_unless_a_replica_acknowledged_it(replicas):
         # the promoted primary has no replica: its own WAIT refuses a new durable acquisition
         assert not trial.second and trial.second_reason == "unreplicated"
     assert MASTER  # (the sentinels' name for the primary, used by the trial)
+
+
+def _body():
+    return None
+
+
+def test_celery_reads_the_sentinel_and_durability_settings():
+    from celery import Celery
+
+    from taskguard_celery import guarded_task
+    from taskguard_celery.config import locks_for
+
+    app = Celery("failover", set_as_current=False)
+    app.conf.taskguard_redis_url = "sentinel://:Q9secretpw@127.0.0.1:26379;sentinel://127.0.0.1:26380"
+    with pytest.raises(ConfigError, match="app.conf.taskguard_sentinel_master") as info:
+        locks_for(app)
+    assert "Q9secretpw" not in str(info.value)
+    app.conf.taskguard_sentinel_master = "tgm"
+    app.conf.taskguard_sentinel_password = "Q9sentinelpw"
+    app.conf.taskguard_replicas = 1
+    app.conf.taskguard_replica_timeout = 0.25
+    locks = locks_for(app)
+    assert (locks.replicas, locks.replica_timeout) == (1, 0.25)
+    assert locks.client.connection_pool.service_name == "tgm"
+    bad = Celery("failover-bad", set_as_current=False)
+    bad.conf.taskguard_redis_url = "redis://127.0.0.1:6379/0"
+    bad.conf.taskguard_replicas = 99
+    with pytest.raises(ConfigError, match=r"app.conf.taskguard_replicas must be an int from 0 to 16"):
+        locks_for(bad)
+    with pytest.raises(ConfigError, match=r"unknown option 'replica_timout'; did you mean 'replica_timeout'\?"):
+        guarded_task(name="failover.t", replica_timout=1)(_body)
+    task = guarded_task(name="failover.t2", replicas=2, replica_timeout=0.5)(_body)
+    assert (task.taskguard_options.replicas, task.taskguard_options.replica_timeout) == (2, 0.5)
