@@ -115,6 +115,11 @@ class RedisBackend:
         fence_idle_ttl: seconds a key's fencing counter is kept after its last acquisition.
     """
 
+    #: The locks' durability option (set by :class:`~taskguard.RedisLocks`): what lease records
+    #: (:meth:`put_lease_record`) wait for. Acquisitions and claims carry their own.
+    replicas: int = 0
+    replica_timeout: float = 0.1
+
     def __init__(self, client: Any, prefix: str, poll_interval: float, fence_idle_ttl: float) -> None:
         self.client = client
         self.prefix = prefix
@@ -464,17 +469,25 @@ class RedisBackend:
     def put_lease_record(
         self, key: str, owner: str, name: str, value: str, cond: RecordCondition, expect: str
     ) -> LeaseWrite:
-        return _LEASE_WRITE[
-            int(
-                self._run(
-                    "record",
-                    key,
-                    scripts.PUT_LEASE_RECORD,
-                    (self.lease_key(key),),
-                    (owner, "d:" + name, value, cond.value, expect),
-                )
+        """With :attr:`replicas` > 0 (the locks' durability option) the write is ``WAIT`` ed for
+        like an acquisition (beat's and ``rq-cron``'s slot claims are lease records: a slot is
+        published only once its claim is on the replicas); a write fewer replicas acknowledged
+        in time raises LeaseBackendError (it stays written on the primary)."""
+        keys, args = (self.lease_key(key),), (owner, "d:" + name, value, cond.value, expect)
+        if not self.replicas:
+            return _LEASE_WRITE[int(self._run("record", key, scripts.PUT_LEASE_RECORD, keys, args))]
+        res, acked = self._run_waiting(
+            "record", key, scripts.PUT_LEASE_RECORD, keys, args, self.replicas, self.replica_timeout
+        )
+        outcome = _LEASE_WRITE[int(res)]
+        if outcome is LeaseWrite.WRITTEN and acked < self.replicas:
+            raise LeaseBackendError(
+                "record",
+                key,
+                f"lease record {name!r} written but acknowledged by {acked} of the {self.replicas} replicas "
+                f"asked for within {self.replica_timeout} s (unreplicated): a failover may lose it",
             )
-        ]
+        return outcome
 
     def get_lease_record(self, key: str, name: str) -> str | None:
         return _text_or_none(self._call("record", key, self.client.hget, self.lease_key(key), "d:" + name))

@@ -85,6 +85,7 @@ class RedisLocks(Locks):
             shutdown_timeout=shutdown_timeout,
             listeners=listeners,
         )
+        self.backend.replicas, self.backend.replica_timeout = self.replicas, self.replica_timeout
         self.client = client
         self._owns_client = False
         self._server_clock: ServerClock | None = None

@@ -172,6 +172,37 @@ def test_a_claim_no_replica_acknowledges_is_given_back(pair):
         locks.close()
 
 
+def test_a_slot_claim_is_a_lease_record_waited_for_like_an_acquisition(pair):
+    """Beat's and rq-cron's slot claims are lease records of the leader lease: with replicas=1 a
+    claim the replica did not acknowledge raises (the scheduler tries again in a second, and
+    publishes only once a claim is on the replica)."""
+    from taskguard import LeaseBackendError
+    from taskguard.schedule.claims import claim, read_record
+
+    locks = pair.locks(replicas=1)
+    try:
+        leader = locks.acquire("beat-leader:failover", ttl=60).lease
+        assert leader is not None
+        first = claim(leader, "report", 100.0, "beat-a", read_record(locks, "beat-leader:failover", "report"))
+        assert first is not None
+        assert pair.replica_client.hget(locks.backend.lease_key("beat-leader:failover"), "d:slot:report") is not None
+        pair.proxy.blackhole = True
+        with pytest.raises(LeaseBackendError, match=r"acknowledged by 0 of the 1 replicas.*unreplicated"):
+            claim(leader, "report", 160.0, "beat-a", read_record(locks, "beat-leader:failover", "report"))
+        pair.proxy.blackhole = False
+        plain = pair.locks()  # replicas=0: records are not waited for
+        try:
+            pair.proxy.blackhole = True
+            held = plain.acquire("beat-leader:plain", ttl=60).lease
+            assert held.put_record("slot:report", "1.0 claimed 1 beat-b")
+        finally:
+            pair.proxy.blackhole = False
+            plain.close()
+    finally:
+        pair.proxy.blackhole = False
+        locks.close()
+
+
 def test_a_guarded_run_is_skipped_with_reason_unreplicated(pair):
     locks = pair.locks(replicas=1)
     skips = []
