@@ -56,6 +56,9 @@ class AcquireRequest:
         finished_id: what a finished run is recorded under (``run_id`` or ``run_id#delivery``).
         markers: with ``refuse_finished``, also look for the run's own finished marker.
         limit: holders admitted at once (1: a plain lease).
+        replicas: replicas that must acknowledge the acquisition before it counts (0: none
+            waited for; see :class:`~taskguard.RedisLocks`).
+        replica_timeout: the longest wait for them, seconds.
     """
 
     key: str
@@ -67,12 +70,15 @@ class AcquireRequest:
     finished_id: str | None = None
     markers: bool = True
     limit: int = 1
+    replicas: int = 0
+    replica_timeout: float = 0.1
 
 
 class AcquireStatus(enum.Enum):
     ACQUIRED = 1
     HELD = 0
     FINISHED = 2  # the run ``finished_id`` already finished under the key (a duplicate)
+    UNREPLICATED = 3  # acquired, but fewer replicas than asked acknowledged it in time: given back
 
 
 class AcquireReply(NamedTuple):
@@ -89,12 +95,14 @@ class AcquireReply(NamedTuple):
 
 class ClaimReply(NamedTuple):
     """``claimed`` with the kept ``fencing_token``; else ``expired`` (no lease exists) or held by
-    another owner with ``holder_ttl`` seconds left."""
+    another owner with ``holder_ttl`` seconds left; ``unreplicated``: claimed, but fewer replicas
+    than asked acknowledged it in time, so it was given back."""
 
     claimed: bool
     fencing_token: int | None = None
     holder_ttl: float | None = None
     expired: bool = False
+    unreplicated: bool = False
 
 
 class RateVerdict(enum.Enum):
@@ -198,8 +206,18 @@ class Backend(Protocol):
         """:meth:`release` and write the key's completion record in one atomic step."""
 
     def claim(
-        self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str, run_id: str | None = None
-    ) -> ClaimReply: ...
+        self,
+        key: str,
+        owner: str,
+        new_owner: str,
+        ttl: float,
+        holder_json: str,
+        run_id: str | None = None,
+        replicas: int = 0,
+        replica_timeout: float = 0.1,
+    ) -> ClaimReply:
+        """Swap ``owner`` for ``new_owner`` if ``owner`` holds ``key``; with ``replicas`` > 0, give
+        the claim back unless that many replicas acknowledge it within ``replica_timeout`` s."""
 
     def release_run(self, key: str, run_id: str) -> bool: ...
 

@@ -117,12 +117,15 @@ def doctor_checks(locks: RedisLocks) -> list[dict[str, Any]]:
             )
         cluster = _info(c, "cluster").get("cluster_enabled")
         add("cluster", "ok", "Redis Cluster" if cluster else "standalone")
-        role = _info(c, "replication").get("role")
+        replication = _info(c, "replication")
+        role = replication.get("role")
         add(
             "role",
             "ok" if role == "master" else "fail",
             f"{role}" + ("" if role == "master" else ": leases must be written to a primary"),
         )
+        if role == "master" and not cluster:
+            _replica_checks(locks, replication, add)
         samples = []
         for _ in range(20):
             t0 = time.perf_counter()
@@ -133,6 +136,48 @@ def doctor_checks(locks: RedisLocks) -> list[dict[str, Any]]:
     except redis.RedisError as e:
         add("inspection", "fail", f"{type(e).__name__}: {e}")
     return checks
+
+
+def _replica_checks(locks: RedisLocks, replication: dict[str, Any], add: Any) -> None:
+    """The connected replicas (``INFO replication``) and whether the durability option
+    (``replicas=``) can be met: a probe key (1 s TTL) written and ``WAIT`` ed for on one
+    connection, as an acquisition does."""
+    connected = int(replication.get("connected_slaves", 0) or 0)
+    online = sum(
+        1
+        for k, v in replication.items()
+        if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online"
+    )
+    want, timeout = locks.replicas, locks.replica_timeout
+    add(
+        "replicas",
+        "ok" if connected else "warn",
+        f"{connected} connected ({online} online)"
+        + ("" if connected else ": a failover loses every lease; nothing to promote either"),
+    )
+    if want == 0:
+        add(
+            "durability",
+            "ok" if not connected else "warn",
+            "replicas=0: acquisitions do not wait for replicas"
+            + (", so a failover may lose a lease just taken (set TASKGUARD_REPLICAS=1)" if connected else ""),
+        )
+        return
+    pipe = locks.client.pipeline(transaction=False)
+    pipe.set(f"{{{locks.prefix}:doctor}}:wait-probe", "1", px=1000)
+    pipe.execute_command("WAIT", want, max(1, round(timeout * 1000)))
+    started = time.perf_counter()
+    acked = int(pipe.execute()[1])
+    took_ms = (time.perf_counter() - started) * 1000
+    if acked >= want:
+        add("durability", "ok", f"replicas={want} met: {acked} acknowledged a probe write in {took_ms:.1f} ms")
+    else:
+        add(
+            "durability",
+            "fail",
+            f"replicas={want} cannot be met: {acked} of {connected} connected replicas acknowledged a probe write "
+            f"within replica_timeout={timeout} s, so every acquisition is refused (reason 'unreplicated')",
+        )
 
 
 @click.group()
@@ -155,7 +200,8 @@ _json = click.option("--json", "as_json", is_flag=True, help="Machine-readable o
 @click.option("--strict", is_flag=True, help="Treat warnings as failures.")
 def doctor(url: str | None, prefix: str | None, as_json: bool, strict: bool) -> None:
     """Check the Redis that holds the leases: reachable, version, noeviction, persistence,
-    primary, cluster or not, round-trip latency. Exits 1 when a check fails."""
+    primary, cluster or not, connected replicas and whether TASKGUARD_REPLICAS can be met,
+    round-trip latency. Exits 1 when a check fails."""
     locks = _locks(url, prefix)
     checks = doctor_checks(locks)
     bad = [c for c in checks if c["status"] == "fail" or (strict and c["status"] == "warn")]

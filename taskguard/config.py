@@ -3,7 +3,15 @@
 =============================  =============================================  ==============
 variable                       accepted form                                  default
 =============================  =============================================  ==============
-``TASKGUARD_REDIS_URL``        ``redis://``, ``rediss://`` or ``unix://`` URL  required
+``TASKGUARD_REDIS_URL``        ``redis://``, ``rediss://``, ``unix://`` or    required
+                               ``sentinel://h:26379;sentinel://h2:26379``
+``TASKGUARD_SENTINEL_MASTER``  the master name Sentinel monitors               required with
+                                                                              ``sentinel://``
+``TASKGUARD_SENTINEL_PASSWORD`` the sentinels' own password (not the           none
+                               primary's: that one goes in the URL)
+``TASKGUARD_REPLICAS``         int 0-16: replicas that must acknowledge each  ``0``
+                               acquisition (``WAIT``) before a body starts
+``TASKGUARD_REPLICA_TIMEOUT``  seconds, number > 0, at most 60                ``0.1``
 ``TASKGUARD_PREFIX``           1-64 chars of ``A-Z a-z 0-9 _ - . :``          ``taskguard``
 ``TASKGUARD_DB``               int >= 0 (overrides the URL's database)        from the URL
 ``TASKGUARD_CONNECT_TIMEOUT``  seconds, number > 0                            ``5``
@@ -24,9 +32,18 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+from .redis_client import check_master_name
 from .redis_locks import RedisLocks
-from .urls import check_url
-from .validate import MAX_SECONDS, check_fraction, check_prefix, check_seconds, check_setting_names
+from .urls import check_url, is_sentinel_url, redact_url
+from .validate import (
+    MAX_REPLICAS,
+    MAX_SECONDS,
+    check_fraction,
+    check_prefix,
+    check_replicas,
+    check_seconds,
+    check_setting_names,
+)
 
 if TYPE_CHECKING:  # redis_locks imports this module
     from .redis_locks import RedisLocks
@@ -74,6 +91,25 @@ def _url(name: str, raw: str) -> str:
     return check_url(raw, name)
 
 
+def _master(name: str, raw: str) -> str:
+    return check_master_name(name, raw.strip())
+
+
+def _secret(name: str, raw: str) -> str:
+    if not raw:
+        raise ConfigError(f"{name} is set but empty (got ''): unset it when the sentinels need no password")
+    return raw
+
+
+def _replica_timeout(name: str, raw: str) -> float:
+    try:
+        return check_replicas(0, float(raw.strip()))[1]
+    except (ValueError, ConfigError):
+        raise ConfigError(
+            f"{name} must be a number of seconds > 0 and at most 60 (e.g. '0.1'), got {_show(raw)}"
+        ) from None
+
+
 #: variable -> (option name, parser)
 ENV_VARS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "TASKGUARD_REDIS_URL": ("url", _url),
@@ -84,6 +120,10 @@ ENV_VARS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "TASKGUARD_RETRIES": ("retries", _int_range(0, 100)),
     "TASKGUARD_SHUTDOWN_TIMEOUT": ("shutdown_timeout", _seconds),
     "TASKGUARD_RENEW_FRACTION": ("renew_fraction", _fraction),
+    "TASKGUARD_SENTINEL_MASTER": ("sentinel_master", _master),
+    "TASKGUARD_SENTINEL_PASSWORD": ("sentinel_password", _secret),
+    "TASKGUARD_REPLICAS": ("replicas", _int_range(0, MAX_REPLICAS)),
+    "TASKGUARD_REPLICA_TIMEOUT": ("replica_timeout", _replica_timeout),
 }
 
 
@@ -143,13 +183,30 @@ def from_env(environ: Mapping[str, str] | None = None, *, client: Any = None, **
     opts.update(overrides)
     url = opts.pop("url", None)
     if client is not None:
-        for conn_opt in ("db", "connect_timeout", "socket_timeout", "retries"):
+        for conn_opt in ("db", "connect_timeout", "socket_timeout", "retries", "sentinel_master", "sentinel_password"):
             opts.pop(conn_opt, None)
         return RedisLocks(client, **opts)
     if url is None:
         raise ConfigError(
             "TASKGUARD_REDIS_URL is not set: set it to a Redis URL (e.g. redis://127.0.0.1:6379/0) "
             "or pass client= to from_env()"
+        )
+    for opt, var in (
+        ("sentinel_master", "TASKGUARD_SENTINEL_MASTER"),
+        ("sentinel_password", "TASKGUARD_SENTINEL_PASSWORD"),
+    ):
+        if opts.get(opt) is not None and not is_sentinel_url(url):
+            raise ConfigError(f"{var} is set, but TASKGUARD_REDIS_URL is not a sentinel:// URL ({redact_url(url)})")
+    if is_sentinel_url(url) and opts.get("sentinel_master") is None:
+        raise ConfigError(
+            f"TASKGUARD_REDIS_URL is a sentinel:// URL ({redact_url(url)}): set TASKGUARD_SENTINEL_MASTER to the "
+            "name the sentinels monitor the primary under"
+        )
+    socket_timeout = opts.get("socket_timeout", 5.0)
+    if opts.get("replica_timeout", 0.1) >= socket_timeout:
+        raise ConfigError(
+            f"TASKGUARD_REPLICA_TIMEOUT ({opts.get('replica_timeout')} s) must be below TASKGUARD_SOCKET_TIMEOUT "
+            f"({socket_timeout} s): WAIT blocks that long on the client's socket"
         )
     try:
         return RedisLocks.from_url(url, **opts)

@@ -33,9 +33,11 @@ class LeaseEvent:
     Attributes:
         kind: ``"acquire"``, ``"renew"``, ``"release"``, ``"claim"``, ``"skip"`` or ``"lost"``.
         key: the user's lease key.
-        status: outcome, per kind: acquire ``"acquired" | "held" | "wait_timeout" | "error"``;
+        status: outcome, per kind: acquire ``"acquired" | "held" | "wait_timeout" | "error"`` or
+            ``"unreplicated"`` (given back: fewer replicas than asked acknowledged it in time);
             renew ``"renewed" | "not_owner" | "error" | "max_hold"``; release
-            ``"released" | "not_owner" | "error"``; claim ``"claimed" | "not_owner" | "error"``;
+            ``"released" | "not_owner" | "error"``; claim ``"claimed" | "not_owner" | "error"``
+            or ``"unreplicated"``;
             skip: the skip reason; lost: the reason the lease was found lost; publish
             ``"suppressed"`` (``unique=True`` found a run queued or running).
         duration: seconds (float) the operation took (for acquire: including any wait).

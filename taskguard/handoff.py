@@ -130,6 +130,8 @@ def resume(
     markers: bool = True,
     limit: int = 1,
     total: tuple[str, int] | None = None,
+    replicas: int | None = None,
+    replica_timeout: float | None = None,
 ) -> Acquisition:
     """Take over the persisted ``handle`` for ``key``, else acquire ``key`` afresh when free.
 
@@ -138,9 +140,11 @@ def resume(
     another owner holds ``key``, ``holder_run`` says which run; the caller must not run). A handle
     for a different key (the retry's arguments changed the key) is released and ``key`` acquired.
 
-    ``refuse_finished``, ``delivery``, ``markers`` and ``limit`` are passed on (see
-    :meth:`Locks.acquire`). Under ``limit > 1``, a handle whose slot another holder took meanwhile
-    falls back to acquiring any free slot (a larger fence), as an expired one does.
+    ``refuse_finished``, ``delivery``, ``markers``, ``limit``, ``replicas`` and
+    ``replica_timeout`` are passed on (see :meth:`Locks.acquire`; a claim the replicas did not
+    acknowledge in time answers ``reason="unreplicated"``). Under ``limit > 1``, a handle whose
+    slot another holder took meanwhile falls back to acquiring any free slot (a larger fence), as
+    an expired one does.
 
     ``total``: ``(total key, limit_total)`` of a task with a total: once ``key`` is held, the
     handle's nested total handle is taken over the same way (or a place in the total acquired
@@ -153,7 +157,9 @@ def resume(
     by this call is given back first)."""
     h = parse_handle(handle)
     th = h.pop("total", None)
-    common: dict[str, Any] = dict(holder=holder, renew=renew, max_hold=max_hold, run_id=run_id)
+    common: dict[str, Any] = dict(
+        holder=holder, renew=renew, max_hold=max_hold, run_id=run_id, replicas=replicas, replica_timeout=replica_timeout
+    )
     acq = _resume_one(
         locks,
         h,
@@ -180,7 +186,8 @@ def resume(
         raise
     if not tacq.acquired:
         _release_quietly(locks, lease)
-        return Acquisition(False, None, "limit_total", tacq.holder_ttl, tacq.holder_run)
+        why = "unreplicated" if tacq.reason == "unreplicated" else "limit_total"
+        return Acquisition(False, None, why, tacq.holder_ttl, tacq.holder_run)
     lease.total = tacq.lease
     return acq
 
@@ -199,6 +206,8 @@ def _resume_one(
     delivery: str | None = None,
     markers: bool = True,
     limit: int = 1,
+    replicas: int | None = None,
+    replica_timeout: float | None = None,
 ) -> Acquisition:
     """:func:`resume` for one parsed handle ``h`` (without a nested total)."""
     again: dict[str, Any] = dict(
@@ -211,14 +220,25 @@ def _resume_one(
         delivery=delivery,
         markers=markers,
         limit=limit,
+        replicas=replicas,
+        replica_timeout=replica_timeout,
     )
     if h["key"] != key:
         release_handle(locks, h, ttl=ttl)
         return locks.acquire(key, **again)
     acq = locks.claim(
-        key, h["owner"], ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id, delivery=delivery
+        key,
+        h["owner"],
+        ttl=ttl,
+        holder=holder,
+        renew=renew,
+        max_hold=max_hold,
+        run_id=run_id,
+        delivery=delivery,
+        replicas=replicas,
+        replica_timeout=replica_timeout,
     )
-    if acq.acquired:
+    if acq.acquired or acq.reason == "unreplicated":
         return acq
     if acq.reason == "expired" or limit > 1:  # (or already claimed and released by another copy of the handle)
         return locks.acquire(key, **again)

@@ -26,6 +26,7 @@ from .validate import (
     check_key,
     check_limit,
     check_name,
+    check_replicas,
     check_run_id,
     check_seconds,
     check_token,
@@ -114,6 +115,8 @@ class LeaseRequest(AcquireRequest):
         delivery: str | None = None,
         markers: bool = True,
         limit: int = 1,
+        replicas: int = 0,
+        replica_timeout: float = 0.1,
     ) -> LeaseRequest:
         """Validate the arguments of :meth:`~taskguard.Locks.acquire` (see there; ``max_hold``:
         ``None`` for no bound) and draw a fresh owner token. Raises ConfigError."""
@@ -123,6 +126,7 @@ class LeaseRequest(AcquireRequest):
         max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
         run_id = check_run_id(run_id)
         limit = check_limit(limit)
+        replicas, replica_timeout = check_replicas(replicas, replica_timeout)
         fid = finished_id(run_id, delivery)
         meta, meta_json = holder_meta(holder)
         return cls(
@@ -135,6 +139,8 @@ class LeaseRequest(AcquireRequest):
             fid,
             markers,
             limit,
+            replicas,
+            replica_timeout,
             wait,
             renew,
             max_hold,
@@ -219,6 +225,11 @@ class Leases:
                         task=_task_of(meta),
                     )
                 return Acquisition(True, lease)
+            if status is AcquireStatus.UNREPLICATED:
+                self._emit(
+                    "acquire", key, "unreplicated", duration=time.monotonic() - started, ttl=ttl, task=_task_of(meta)
+                )
+                return Acquisition(False, None, "unreplicated")
             if status is AcquireStatus.FINISHED:
                 self._emit(
                     "acquire", key, "duplicate", duration=time.monotonic() - started, ttl=ttl, task=_task_of(meta)
@@ -276,6 +287,8 @@ class Leases:
         max_hold: float | None = None,
         run_id: str | None = None,
         delivery: str | None = None,
+        replicas: int = 0,
+        replica_timeout: float = 0.1,
     ) -> Acquisition:
         """See :meth:`Locks.claim`."""
         key = check_key(key)
@@ -283,18 +296,19 @@ class Leases:
         check_token(owner_token)
         max_hold = self.max_hold if max_hold is None else check_seconds("max_hold", max_hold)
         run_id = check_run_id(run_id)
+        replicas, replica_timeout = check_replicas(replicas, replica_timeout)
         meta, meta_json = holder_meta(holder)
         new_owner = new_owner_token() + slot_suffix(slot_of(owner_token))  # the claim keeps the slot
         started = time.monotonic()
         sent_mono, sent_at = self.clock.monotonic(), self.clock.time()
         try:
-            reply = self.backend.claim(key, owner_token, new_owner, ttl, meta_json, run_id)
+            reply = self.backend.claim(key, owner_token, new_owner, ttl, meta_json, run_id, replicas, replica_timeout)
         except LeaseBackendError as e:
             self._emit("claim", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e))
             raise
         took = time.monotonic() - started
         if not reply.claimed:
-            reason = "expired" if reply.expired else "not_owner"
+            reason = "unreplicated" if reply.unreplicated else "expired" if reply.expired else "not_owner"
             self._emit("claim", key, reason, duration=took, ttl=ttl)
             return Acquisition(False, None, reason, None if reply.expired else reply.holder_ttl)
         fence = reply.fencing_token

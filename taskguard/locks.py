@@ -56,6 +56,12 @@ class Locks:
     informational ``expires_at`` of handles.
     """
 
+    #: Replicas that must acknowledge each acquisition and claim before it counts (``int``; 0:
+    #: none waited for) and the longest wait for them (seconds): the defaults of
+    #: :meth:`acquire` and :meth:`claim` (see :class:`~taskguard.RedisLocks`).
+    replicas: int = 0
+    replica_timeout: float = 0.1
+
     def __init__(
         self,
         backend: Backend,
@@ -131,6 +137,8 @@ class Locks:
         delivery: str | None = None,
         markers: bool = True,
         limit: int = 1,
+        replicas: int | None = None,
+        replica_timeout: float | None = None,
     ) -> Acquisition:
         """Try to take the lease on ``key`` for ``ttl`` seconds, waiting up to ``wait`` seconds.
 
@@ -173,17 +181,25 @@ class Locks:
             limit: how many holders may hold ``key`` at once (``int``, 1 to
                 :data:`~taskguard.validate.MAX_LIMIT`; default 1, a plain lease). Every caller
                 of one key should pass the same limit.
+            replicas: how many replicas must acknowledge the acquisition (Redis ``WAIT``, on
+                the connection that took it) before it is returned as acquired (``int`` 0 to
+                16; default: the object's :attr:`replicas`). When fewer do within
+                ``replica_timeout`` seconds (default: the object's), the lease is released
+                again and the reason is ``"unreplicated"``.
+            replica_timeout: seconds (float > 0, at most 60) to wait for those replicas.
 
         Returns:
             :class:`~taskguard.Acquisition`; when not acquired, ``reason`` is ``"held"``
             (``wait == 0``, limit 1), ``"limit"`` (``wait == 0``, limit > 1: N holders are in),
-            ``"wait_timeout"`` or ``"duplicate"``, ``holder_ttl`` the time left on the holder
+            ``"wait_timeout"``, ``"duplicate"`` or ``"unreplicated"``, ``holder_ttl`` the time left on the holder
             whose lease ends first and ``holder_run`` the holder's run id (when one holder is
             in; under a limit, another execution of ``run_id`` if one holds a slot, else
             ``None``).
 
         Raises:
-            ConfigError: invalid ``key``, ``ttl``, ``wait``, ``max_hold``, ``limit`` or ``holder``.
+            ConfigError: invalid ``key``, ``ttl``, ``wait``, ``max_hold``, ``limit``,
+                ``replicas``, ``replica_timeout`` or ``holder``; ``replicas`` > 0 on a Redis
+                Cluster client.
             LeaseBackendError: Redis unreachable or failing. Never reported as "held".
         """
         leasing = self.leasing
@@ -200,6 +216,8 @@ class Locks:
                 delivery,
                 markers,
                 limit,
+                self.replicas if replicas is None else replicas,
+                self.replica_timeout if replica_timeout is None else replica_timeout,
             )
         )
 
@@ -240,6 +258,8 @@ class Locks:
         max_hold: float | None = None,
         run_id: str | None = None,
         delivery: str | None = None,
+        replicas: int | None = None,
+        replica_timeout: float | None = None,
     ) -> Acquisition:
         """One-shot takeover of a persisted handle (e.g. by a retry of the task that held it).
 
@@ -251,12 +271,23 @@ class Locks:
         Returns an :class:`~taskguard.Acquisition` holding the new handle, or, when not claimed,
         ``reason="not_owner"`` (another owner holds the key; ``holder_ttl`` its time left) or
         ``reason="expired"`` (no lease exists: acquire afresh, which gives a larger fence).
-        ``run_id`` and ``delivery`` are recorded on the new handle (see :meth:`acquire`).
+        ``run_id`` and ``delivery`` are recorded on the new handle (see :meth:`acquire`), and
+        ``replicas`` / ``replica_timeout`` apply as there: a claim fewer replicas acknowledged in
+        time is released (the persisted token is spent) with ``reason="unreplicated"``.
 
         Raises ConfigError for bad arguments, LeaseBackendError when Redis fails.
         """
         return self.leasing.claim(
-            key, owner_token, ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id, delivery=delivery
+            key,
+            owner_token,
+            ttl=ttl,
+            holder=holder,
+            renew=renew,
+            max_hold=max_hold,
+            run_id=run_id,
+            delivery=delivery,
+            replicas=self.replicas if replicas is None else replicas,
+            replica_timeout=self.replica_timeout if replica_timeout is None else replica_timeout,
         )
 
     def release_run(self, key: str, run_id: str) -> bool:

@@ -163,8 +163,17 @@ class MemoryBackend:
             return self.release(key, owner, finished_run or None, finished_ttl)
 
     def claim(
-        self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str, run_id: str | None = None
+        self,
+        key: str,
+        owner: str,
+        new_owner: str,
+        ttl: float,
+        holder_json: str,
+        run_id: str | None = None,
+        replicas: int = 0,
+        replica_timeout: float = 0.1,
     ) -> ClaimReply:
+        # (an in-process store has no replicas: ``replicas`` has nothing to wait for)
         with self._cond:
             e = self._live_entry(key, slot_of(owner))
             if e is None:

@@ -90,7 +90,7 @@ class Metrics:
     def __call__(self, event: LeaseEvent) -> None:
         task = event.task or "-"
         if event.kind == "acquire":
-            if event.status in ("acquired", "held", "limit", "wait_timeout", "duplicate"):
+            if event.status in ("acquired", "held", "limit", "wait_timeout", "duplicate", "unreplicated"):
                 self.acquire_duration.observe(event.duration)
             if event.status == "acquired":
                 self.acquired.labels(task=task).inc()

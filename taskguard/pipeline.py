@@ -396,6 +396,8 @@ def decide(
                 once,
                 opts.enforce,
                 opts.total_of(args, kwargs),
+                opts.replicas,
+                opts.replica_timeout,
             ),
             on_lost_report=hooks.lost,
             tag=ex.tag,

@@ -11,7 +11,7 @@ from typing import Any, cast
 from .errors import ConfigError
 from .keys import KeyTemplate
 from .once import Fingerprint, OncePolicy
-from .validate import check_burst, check_cost, check_limit, check_rate, check_seconds, check_ttl
+from .validate import check_burst, check_cost, check_limit, check_rate, check_replicas, check_seconds, check_ttl
 from .values import OnLost, OnSkip, Overlap
 
 __all__ = [
@@ -81,6 +81,8 @@ class GuardOptions:
     limit_fn: PerCall | None = None  # limit= given as a callable of the call's arguments
     limit_total: int | None = None
     limit_total_key: KeyTemplate | None = None
+    replicas: int | None = None  # None: the locks' own
+    replica_timeout: float | None = None
 
     @classmethod
     def build(
@@ -119,6 +121,8 @@ class GuardOptions:
         cost: int | Callable[..., int] = 1,
         limit_total: int | None = None,
         limit_total_key: str | Callable[..., str] | None = None,
+        replicas: int | None = None,
+        replica_timeout: float | None = None,
         allowed_on_skip: tuple[str, ...] = ON_SKIP,
     ) -> GuardOptions:
         """Validate options for the task ``name`` whose body is ``fn``.
@@ -219,6 +223,13 @@ class GuardOptions:
             debounce_max: the longest a window stays open, seconds from its first call, so a
                 steady stream of calls still runs at least this often (>= ``debounce``; needs
                 ``debounce``; default :data:`DEBOUNCE_MAX_DEFAULT`).
+            replicas: the durability option: how many Redis replicas must acknowledge the
+                run's lease (``WAIT``) before its body starts (``int`` 0-16; ``None``, the
+                default: the locks' own, :class:`~taskguard.RedisLocks` ``replicas=``). A lease
+                fewer replicas acknowledged within ``replica_timeout`` is released and the run
+                skipped with reason ``"unreplicated"`` (``on_skip`` applies).
+            replica_timeout: the longest wait for those replicas, seconds (float > 0, at most
+                60; ``None``: the locks' own).
             replace_terminate: with ``overlap="replace"``, also stop the replaced run's
                 execution (Celery: ``revoke(terminate=True)``, refused on the threads and solo
                 pools, which cannot terminate; RQ: ``send_stop_job_command``).
@@ -290,6 +301,12 @@ class GuardOptions:
             if not once and fingerprint is not None:
                 raise ConfigError("fingerprint= needs once=True")
             fingerprint = Fingerprint(fingerprint, template) if once else None
+            if replicas is not None or replica_timeout is not None:
+                checked = check_replicas(
+                    0 if replicas is None else replicas, 0.1 if replica_timeout is None else replica_timeout
+                )
+                replicas = None if replicas is None else checked[0]
+                replica_timeout = None if replica_timeout is None else checked[1]
             if isinstance(once_max_bytes, bool) or not isinstance(once_max_bytes, int) or once_max_bytes < 1:
                 raise ConfigError(f"once_max_bytes must be an int >= 1, got {once_max_bytes!r}")
         except ConfigError as e:
@@ -388,6 +405,8 @@ class GuardOptions:
             limit_fn,
             limit_total,
             total_template,
+            replicas,
+            replica_timeout,
         )
 
     def once_policy(self, args: tuple[Any, ...], kwargs: dict[str, Any], dumps: Any = None, loads: Any = None) -> Any:

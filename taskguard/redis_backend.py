@@ -33,8 +33,8 @@ from .backend import (
     RenewItem,
     not_a_counter,
 )
-from .errors import LeaseBackendError, TaskguardError
-from .lease import HolderInfo
+from .errors import ConfigError, LeaseBackendError, TaskguardError
+from .lease import HolderInfo, slot_suffix
 
 __all__ = ["RedisBackend", "backend_error", "DEFAULT_FENCE_IDLE_TTL", "RENEW_BATCH", "SIGNAL_TTL"]
 
@@ -46,6 +46,12 @@ DEFAULT_FENCE_IDLE_TTL = 7 * 24 * 3600.0
 RENEW_BATCH = 1000
 #: How long a release signal waits for a waiter, seconds. Longer only costs a spurious wake-up.
 SIGNAL_TTL = 10.0
+
+#: What a replica option on a Redis Cluster client is refused with.
+CLUSTER_REPLICAS = (
+    "replicas > 0 needs a standalone or Sentinel-managed Redis: redis-py's RedisCluster sends WAIT to "
+    "an arbitrary node, not the one that took the write"
+)
 
 _ACQUIRE_STATUS = {1: AcquireStatus.ACQUIRED, 0: AcquireStatus.HELD, 2: AcquireStatus.FINISHED}
 _RATE_VERDICT = {1: RateVerdict.ALLOWED, 0: RateVerdict.DENIED, 2: RateVerdict.BOOKED}
@@ -109,6 +115,11 @@ class RedisBackend:
         fence_idle_ttl: seconds a key's fencing counter is kept after its last acquisition.
     """
 
+    #: The locks' durability option (set by :class:`~taskguard.RedisLocks`): what lease records
+    #: (:meth:`put_lease_record`) wait for. Acquisitions and claims carry their own.
+    replicas: int = 0
+    replica_timeout: float = 0.1
+
     def __init__(self, client: Any, prefix: str, poll_interval: float, fence_idle_ttl: float) -> None:
         self.client = client
         self.prefix = prefix
@@ -169,6 +180,53 @@ class RedisBackend:
             time.sleep(pause)
             pause = min(pause * 2, 0.2)
 
+    def _run_waiting(
+        self,
+        op: str,
+        key: str,
+        script: scripts.Script,
+        keys: Sequence[str],
+        args: Sequence[Any],
+        replicas: int,
+        timeout: float,
+    ) -> tuple[Any, int]:
+        """``script`` and then ``WAIT replicas timeout`` in one non-transactional pipeline, so both
+        go down one connection: ``WAIT`` counts the replicas that acknowledged the writes of *its
+        own* connection (a ``WAIT`` sent on another pooled connection may answer at once, and
+        inside ``MULTI`` it never waits). Returns the script's reply and how many replicas
+        acknowledged. Raises ConfigError on a Redis Cluster client, LeaseBackendError when Redis fails."""
+        if self.cluster:
+            raise ConfigError(CLUSTER_REPLICAS)
+
+        def send(use_eval: bool) -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            (script.queue_eval if use_eval else script.queue)(pipe, keys, args)
+            pipe.execute_command("WAIT", replicas, ms(timeout))
+            return list(pipe.execute(raise_on_error=False))
+
+        def run() -> tuple[Any, int]:
+            replies = send(False)
+            if isinstance(replies[0], NoScriptError):
+                replies = send(True)
+            for r in replies:
+                if isinstance(r, Exception):
+                    raise r
+            return replies[0], int(replies[1])
+
+        return self._call(op, key, run)
+
+    def _give_back(self, key: str, owner: str, acked: int, wanted: int) -> None:
+        """Release a lease that fewer than ``wanted`` replicas acknowledged in time (fenced by its
+        owner token). When the release fails the lease expires by its TTL; the caller still
+        reports it as not acquired."""
+        log.warning(
+            "lease %r was acknowledged by %d of the %d replicas asked for in time: given back", key, acked, wanted
+        )
+        try:
+            self.release(key, owner)
+        except LeaseBackendError as e:
+            log.warning("could not give back the unreplicated lease %r (it expires by its TTL): %s", key, e)
+
     def _drop_idle_pool_connections(self) -> None:
         """After a call through ``client.execute_command`` was interrupted by a non-Redis
         exception (a signal handler raising between send and read, e.g. Celery's soft time
@@ -193,26 +251,31 @@ class RedisBackend:
         if finished_id is not None and request.markers and request.refuse_finished:
             keys += (self.done_key(request.key, finished_id),)
         wait_ms = ms(wait + 1.0) if wait > 0 else 0  # the waiting mark outlives the wait by a second
-        res = self._run(
-            "acquire",
-            request.key,
-            scripts.ACQUIRE,
-            keys,
-            (
-                request.owner,
-                ms(request.ttl),
-                request.holder_json,
-                self._idle_ms,
-                wait_ms,
-                request.run_id or "",
-                "1" if request.refuse_finished else "0",
-                finished_id or "",
-                request.limit,
-            ),
+        args = (
+            request.owner,
+            ms(request.ttl),
+            request.holder_json,
+            self._idle_ms,
+            wait_ms,
+            request.run_id or "",
+            "1" if request.refuse_finished else "0",
+            finished_id or "",
+            request.limit,
         )
+        acked = None
+        if request.replicas > 0:
+            res, acked = self._run_waiting(
+                "acquire", request.key, scripts.ACQUIRE, keys, args, request.replicas, request.replica_timeout
+            )
+        else:
+            res = self._run("acquire", request.key, scripts.ACQUIRE, keys, args)
         status = _ACQUIRE_STATUS[int(res[0])]
         if status is AcquireStatus.ACQUIRED:  # (a retried acquire that ran: its expiry may be older)
-            return AcquireReply(status, int(res[1]), slot=int(res[3]))
+            slot = int(res[3])
+            if acked is not None and acked < request.replicas:
+                self._give_back(request.key, request.owner + slot_suffix(slot), acked, request.replicas)
+                return AcquireReply(AcquireStatus.UNREPLICATED, slot=slot)
+            return AcquireReply(status, int(res[1]), slot=slot)
         if status is AcquireStatus.FINISHED:
             return AcquireReply(status)
         return AcquireReply(status, None, int(res[1]) / 1000.0, _text(res[2]) or None)
@@ -327,15 +390,25 @@ class RedisBackend:
         return code >= 1
 
     def claim(
-        self, key: str, owner: str, new_owner: str, ttl: float, holder_json: str, run_id: str | None = None
+        self,
+        key: str,
+        owner: str,
+        new_owner: str,
+        ttl: float,
+        holder_json: str,
+        run_id: str | None = None,
+        replicas: int = 0,
+        replica_timeout: float = 0.1,
     ) -> ClaimReply:
-        res = self._run(
-            "claim",
-            key,
-            scripts.CLAIM,
-            (self.lease_key(key),),
-            (owner, new_owner, ms(ttl), holder_json, run_id or "", self._idle_ms),
-        )
+        keys = (self.lease_key(key),)
+        args = (owner, new_owner, ms(ttl), holder_json, run_id or "", self._idle_ms)
+        if replicas > 0:
+            res, acked = self._run_waiting("claim", key, scripts.CLAIM, keys, args, replicas, replica_timeout)
+            if int(res[0]) == 1 and acked < replicas:
+                self._give_back(key, new_owner, acked, replicas)
+                return ClaimReply(False, unreplicated=True)
+        else:
+            res = self._run("claim", key, scripts.CLAIM, keys, args)
         if int(res[0]) == 1:
             return ClaimReply(True, int(res[1]) if res[1] is not None else None)
         pttl = int(res[1])
@@ -396,17 +469,25 @@ class RedisBackend:
     def put_lease_record(
         self, key: str, owner: str, name: str, value: str, cond: RecordCondition, expect: str
     ) -> LeaseWrite:
-        return _LEASE_WRITE[
-            int(
-                self._run(
-                    "record",
-                    key,
-                    scripts.PUT_LEASE_RECORD,
-                    (self.lease_key(key),),
-                    (owner, "d:" + name, value, cond.value, expect),
-                )
+        """With :attr:`replicas` > 0 (the locks' durability option) the write is ``WAIT`` ed for
+        like an acquisition (beat's and ``rq-cron``'s slot claims are lease records: a slot is
+        published only once its claim is on the replicas); a write fewer replicas acknowledged
+        in time raises LeaseBackendError (it stays written on the primary)."""
+        keys, args = (self.lease_key(key),), (owner, "d:" + name, value, cond.value, expect)
+        if not self.replicas:
+            return _LEASE_WRITE[int(self._run("record", key, scripts.PUT_LEASE_RECORD, keys, args))]
+        res, acked = self._run_waiting(
+            "record", key, scripts.PUT_LEASE_RECORD, keys, args, self.replicas, self.replica_timeout
+        )
+        outcome = _LEASE_WRITE[int(res)]
+        if outcome is LeaseWrite.WRITTEN and acked < self.replicas:
+            raise LeaseBackendError(
+                "record",
+                key,
+                f"lease record {name!r} written but acknowledged by {acked} of the {self.replicas} replicas "
+                f"asked for within {self.replica_timeout} s (unreplicated): a failover may lose it",
             )
-        ]
+        return outcome
 
     def get_lease_record(self, key: str, name: str) -> str | None:
         return _text_or_none(self._call("record", key, self.client.hget, self.lease_key(key), "d:" + name))

@@ -11,9 +11,9 @@ from .errors import ConfigError
 from .events import Listener
 from .lease import HolderInfo
 from .locks import Locks
-from .redis_backend import DEFAULT_FENCE_IDLE_TTL, RedisBackend
+from .redis_backend import CLUSTER_REPLICAS, DEFAULT_FENCE_IDLE_TTL, RedisBackend, socket_timeout_of
 from .redis_client import client_from_url
-from .validate import check_prefix, check_seconds
+from .validate import check_prefix, check_replicas, check_seconds
 
 __all__ = ["RedisLocks", "DEFAULT_FENCE_IDLE_TTL"]
 
@@ -34,6 +34,15 @@ class RedisLocks(Locks):
             it expires because of the server-clock floor (see :mod:`taskguard.scripts`).
         max_hold: default bound on heartbeat renewal per lease, seconds (``None``: none).
         listeners: callables receiving :class:`~taskguard.events.LeaseEvent` s.
+        replicas: the durability option: how many replicas must acknowledge each acquisition
+            and claim (``WAIT``, sent with the script on one connection) before a body may start
+            on it (``int`` 0-16; default 0, none waited for). When fewer do within
+            ``replica_timeout``, the lease is released again and the acquisition answers
+            ``reason="unreplicated"`` (a guarded run is skipped, or raises, per ``on_skip``).
+            Renewals and releases are not waited for. A guard or a call may set its own.
+            Refused (ConfigError) on a Redis Cluster client.
+        replica_timeout: the longest wait for those replicas, seconds (float > 0, at most 60 and
+            below the client's ``socket_timeout``; default 0.1).
 
     Raises ConfigError for invalid options. No round trip is made at construction.
     """
@@ -51,10 +60,21 @@ class RedisLocks(Locks):
         max_hold: float | None = None,
         shutdown_timeout: float = 5.0,
         listeners: Iterable[Listener] = (),
+        replicas: int = 0,
+        replica_timeout: float = 0.1,
     ) -> None:
         prefix = check_prefix(prefix)
         if client is None or not hasattr(client, "evalsha"):
             raise ConfigError("client must be a redis-py client (redis.Redis or redis.cluster.RedisCluster)")
+        self.replicas, self.replica_timeout = check_replicas(replicas, replica_timeout)
+        if self.replicas and hasattr(client, "nodes_manager"):
+            raise ConfigError(CLUSTER_REPLICAS)
+        st = socket_timeout_of(client)
+        if st is not None and self.replica_timeout >= st:
+            raise ConfigError(
+                f"replica_timeout ({self.replica_timeout} s) must be below the client's socket_timeout ({st} s): "
+                "WAIT blocks that long"
+            )
         self.poll_interval = check_seconds("poll_interval", poll_interval)
         self.fence_idle_ttl = check_seconds("fence_idle_ttl", fence_idle_ttl)
         super().__init__(
@@ -65,6 +85,7 @@ class RedisLocks(Locks):
             shutdown_timeout=shutdown_timeout,
             listeners=listeners,
         )
+        self.backend.replicas, self.backend.replica_timeout = self.replicas, self.replica_timeout
         self.client = client
         self._owns_client = False
         self._server_clock: ServerClock | None = None
@@ -80,19 +101,33 @@ class RedisLocks(Locks):
         socket_timeout: float = 5.0,
         retries: int = 1,
         cluster: bool = False,
+        sentinel_master: str | None = None,
+        sentinel_password: str | None = None,
         **opts: Any,
     ) -> RedisLocks:
-        """Build from a ``redis://``, ``rediss://`` or ``unix://`` URL.
+        """Build from a ``redis://``, ``rediss://``, ``unix://`` or ``sentinel://`` URL.
 
         ``connect_timeout`` and ``socket_timeout`` are seconds (float > 0); ``retries`` is how
         many times redis-py retries a command after a connection error or timeout (int >= 0,
         exponential backoff capped at 0.5 s); ``cluster=True`` builds a ``RedisCluster``.
+        A ``sentinel://host:26379;sentinel://host2:26379`` URL (kombu's form; the user,
+        password and ``/db`` given in it are the primary's) reaches the primary the sentinels
+        manage under ``sentinel_master`` (required then) through redis-py's
+        ``Sentinel.master_for``; ``sentinel_password`` is the sentinels' own password, if any.
+        After a failover the next command goes to the new primary.
         Remaining keyword options go to :class:`RedisLocks`. No round trip is made.
 
         Raises ConfigError (the URL is shown with its password masked) for an invalid URL or option.
         """
         client = client_from_url(
-            url, db=db, connect_timeout=connect_timeout, socket_timeout=socket_timeout, retries=retries, cluster=cluster
+            url,
+            db=db,
+            connect_timeout=connect_timeout,
+            socket_timeout=socket_timeout,
+            retries=retries,
+            cluster=cluster,
+            sentinel_master=sentinel_master,
+            sentinel_password=sentinel_password,
         )
         locks = cls(client, prefix=prefix, **opts)
         locks._owns_client = True

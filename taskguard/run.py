@@ -72,6 +72,8 @@ class RunRequest:
     once: Any = None
     enforce: bool = True
     total: tuple[str, int] | None = None
+    replicas: int | None = None
+    replica_timeout: float | None = None
 
 
 class GuardedRun:
@@ -117,13 +119,16 @@ class GuardedRun:
             policy, a shadow run that would have run and completes records its fingerprint's
             digest in a shadow record of its own (:data:`SHADOW_ONCE`), against which later
             shadow runs report ``"once"`` or ``"idempotency_conflict"`` as enforcement would.
+        replicas, replica_timeout: the durability option of the lease's acquisition or claim
+            (see :meth:`~taskguard.Locks.acquire`); ``None``: the locks' own.
 
     Attributes:
         lease: the held :class:`~taskguard.Lease` after a successful :meth:`begin`, else ``None``.
         reason: why :meth:`begin` did not get the lease (a :class:`~taskguard.values.Reason`
             where it is one of them): ``"held"``, ``"limit"``, ``"limit_total"`` (no place left
             in the total), ``"wait_timeout"``,
-            ``"duplicate"`` (this copy's run already finished), ``"running"`` (another
+            ``"duplicate"`` (this copy's run already finished), ``"unreplicated"`` (fewer replicas
+            than asked acknowledged the lease in time; it was released), ``"running"`` (another
             execution of this run id holds it) or ``"once"`` (the key's work is done: see
             :meth:`stored_value`). In shadow mode: what the guard would have done (the body
             runs anyway), or ``None``.
@@ -255,6 +260,8 @@ class GuardedRun:
                     markers=self.finished_ttl is not None,
                     limit=self.limit,
                     total=self.total,
+                    replicas=self.request.replicas,
+                    replica_timeout=self.request.replica_timeout,
                 )
             except ConfigError as e:
                 log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
@@ -345,6 +352,8 @@ class GuardedRun:
                         markers=self.finished_ttl is not None,
                         limit=self.limit,
                         total=self.total,
+                        replicas=self.request.replicas,
+                        replica_timeout=self.request.replica_timeout,
                     )
                 except ConfigError as e:
                     log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
@@ -408,11 +417,15 @@ class GuardedRun:
                 lease.total = tacq.lease
                 return acq
             self._give_back(lease)  # no place in the total: nothing is held while waiting for it
+            if tacq.reason == Reason.UNREPLICATED:  # the total's place was not on the replicas in time
+                return tacq
             left = deadline - time.monotonic()
             if left <= 0:
                 reason = Reason.WAIT_TIMEOUT.value if wait > 0 else Reason.LIMIT_TOTAL.value
                 return Acquisition(False, None, reason, tacq.holder_ttl, tacq.holder_run)
             tacq = self._acquire_total(total_key, total_limit, left)  # woken when a place frees
+            if tacq.reason == Reason.UNREPLICATED:
+                return tacq
             if not tacq.acquired:
                 return Acquisition(False, None, Reason.WAIT_TIMEOUT.value, tacq.holder_ttl, tacq.holder_run)
             total = cast(Lease, tacq.lease)
@@ -441,6 +454,8 @@ class GuardedRun:
             run_id=self.run_id,
             markers=False,
             limit=total_limit,
+            replicas=self.request.replicas,
+            replica_timeout=self.request.replica_timeout,
         )
 
     def _give_back(self, lease: Lease) -> None:
@@ -464,6 +479,8 @@ class GuardedRun:
             delivery=self.delivery,
             markers=self.finished_ttl is not None,
             limit=self.limit,
+            replicas=self.request.replicas,
+            replica_timeout=self.request.replica_timeout,
         )
 
     def _same_run(self, acq: Acquisition, mode: str, bound: float, refuse_finished: bool) -> Acquisition:

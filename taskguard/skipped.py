@@ -38,7 +38,9 @@ class Skipped:
             out of attempts; ``"duplicate"``: a redelivered copy of a run that already finished;
             ``"running"``: another execution of the same run id still holds the lease;
             ``"coalesced"``: ``overlap="coalesce"``, a later call of the key superseded this one as
-            the pending follow-up (``follow_up`` names it);
+            the pending follow-up (``follow_up`` names it); ``"unreplicated"``: fewer Redis
+            replicas than the guard's ``replicas=`` acknowledged the lease in time, so it was
+            released before the body started;
             ``"stale_leader"``: no longer produced — beat claims its slots against the leader
             lease now — and kept so results stored by earlier releases still read; adapters may
             add others).

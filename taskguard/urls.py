@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import re
-from urllib.parse import parse_qsl, urlsplit
+from typing import NamedTuple
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
 
 from .errors import ConfigError
 
-__all__ = ["check_url", "redact_url", "redacted", "scrub"]
+__all__ = ["check_url", "redact_url", "redacted", "scrub", "is_sentinel_url", "SentinelURL", "parse_sentinel_url"]
 
 SCHEMES = ("redis", "rediss", "unix")
-ACCEPTED = "redis://[user[:password]@]host[:port][/db], rediss://... or unix:///path/to.sock"
+ACCEPTED = (
+    "redis://[user[:password]@]host[:port][/db], rediss://..., unix:///path/to.sock or "
+    "sentinel://[user[:password]@]host[:port][/db];sentinel://host2[:port]..."
+)
+#: The port of a sentinel address without one (Sentinel's own default).
+SENTINEL_PORT = 26379
 _SECRET_QUERY = ("password", "username", "user", "pass")
 # user-info anywhere in the string, also where urlsplit finds no netloc ("redis:u:pw@host")
 _USERINFO = re.compile(r"(?<=:)[^:@/?#]*(?=@)")
@@ -29,6 +35,12 @@ def redact_url(url: object) -> str:
 
 def redacted(url: str) -> str:
     """``url`` with any password replaced by ``***``, unquoted (for JSON output and tables)."""
+    if is_sentinel_url(url):
+        return ";".join(_redacted_one(part) for part in url.split(";"))
+    return _redacted_one(url)
+
+
+def _redacted_one(url: str) -> str:
     try:
         parts = urlsplit(url)
         host = parts.hostname or ""
@@ -62,11 +74,76 @@ def redacted(url: str) -> str:
 
 def scrub(text: str, url: str) -> str:
     """``text`` (an error message that may quote parts of ``url``) without ``url``'s password."""
-    try:
-        secret = urlsplit(url).password
-    except ValueError:
-        return "invalid URL"
-    return text.replace(secret, "***") if secret else text
+    for part in url.split(";") if is_sentinel_url(url) else (url,):
+        try:
+            secret = urlsplit(part).password
+        except ValueError:
+            return "invalid URL"
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
+def is_sentinel_url(url: object) -> bool:
+    """Is ``url`` a ``sentinel://`` URL (kombu's form: addresses joined by ``;``)?"""
+    return isinstance(url, str) and url.strip().lower().startswith("sentinel://")
+
+
+class SentinelURL(NamedTuple):
+    """A parsed ``sentinel://`` URL: the sentinels' ``(host, port)`` addresses, and the user
+    name, password and database of the *primary* they manage (given once, on any address; as
+    kombu's ``sentinel://`` transport takes them). The master name and Sentinel's own password
+    are settings, not part of the URL."""
+
+    sentinels: list[tuple[str, int]]
+    username: str | None
+    password: str | None
+    db: int
+
+
+def parse_sentinel_url(url: str, name: str) -> SentinelURL:
+    """Parse a ``sentinel://host:26379;sentinel://host2:26379`` URL (the port defaults to
+    26379; ``[user[:password]@]`` and ``/db`` may be given on one address, or the same on
+    several). Raises ConfigError naming ``name``, the password masked."""
+    shown = redact_url(url)
+    sentinels: list[tuple[str, int]] = []
+    creds: set[tuple[str | None, str | None]] = set()
+    dbs: set[int] = set()
+    for part in (p.strip() for p in url.strip().split(";")):
+        if not part:
+            continue
+        try:
+            parts = urlsplit(part)
+            port = parts.port
+        except ValueError:
+            raise ConfigError(
+                f"{name}: each sentinel address must be sentinel://host[:port] with a port 1-65535 ({ACCEPTED}), "
+                f"got {shown}"
+            ) from None
+        if parts.scheme.lower() != "sentinel":
+            raise ConfigError(
+                f"{name}: every address of a sentinel URL must start with sentinel:// ({ACCEPTED}), got {shown}"
+            )
+        if not parts.hostname:
+            raise ConfigError(f"{name}: a sentinel address has no host ({ACCEPTED}), got {shown}")
+        if parts.query or parts.fragment:
+            raise ConfigError(f"{name}: a sentinel URL takes no query string, got {shown}")
+        db = parts.path.lstrip("/")
+        if db:
+            if not (db.isdigit() and db.isascii() and len(db) <= 9):
+                raise ConfigError(f"{name}: the path must be a database number, got {shown}")
+            dbs.add(int(db))
+        if parts.username or parts.password:
+            creds.add((unquote(parts.username) if parts.username else None, unquote(parts.password or "") or None))
+        sentinels.append((parts.hostname, SENTINEL_PORT if port is None else port))
+    if not sentinels:
+        raise ConfigError(f"{name}: a sentinel URL needs at least one sentinel://host[:port], got {shown}")
+    if len(creds) > 1 or len(dbs) > 1:
+        raise ConfigError(
+            f"{name}: the addresses of a sentinel URL give different credentials or databases, got {shown}"
+        )
+    username, password = next(iter(creds), (None, None))
+    return SentinelURL(sentinels, username, password, next(iter(dbs), 0))
 
 
 def _split_broken(url: str) -> tuple[str, bool, str, str]:
@@ -112,6 +189,9 @@ def check_url(url: object, name: str) -> str:
     shown = redact_url(url)
     if not isinstance(url, str) or not url.strip():
         raise ConfigError(f"{name} must be a Redis URL ({ACCEPTED}), got {shown}")
+    if is_sentinel_url(url):
+        parse_sentinel_url(url, name)
+        return url
     problem = None
     try:
         parts = urlsplit(url)

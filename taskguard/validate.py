@@ -34,6 +34,8 @@ __all__ = [
     "check_prefix",
     "check_callback",
     "check_setting_names",
+    "check_replicas",
+    "MAX_REPLICAS",
     "encodable",
 ]
 
@@ -247,3 +249,21 @@ def check_cost(cost: Any, name: str = "cost") -> int:
     if isinstance(cost, bool) or not isinstance(cost, int) or not 1 <= cost <= MAX_COST:
         raise ConfigError(f"{name} must be an int from 1 to {MAX_COST} (cost units of one call), got {cost!r}")
     return cost
+
+
+#: The most replicas an acquisition can wait for (``replicas=``).
+MAX_REPLICAS = 16
+
+
+def check_replicas(replicas: Any, replica_timeout: Any) -> tuple[int, float]:
+    """The durability option: ``replicas`` an ``int`` from 0 (none waited for) to
+    :data:`MAX_REPLICAS`, ``replica_timeout`` seconds (float > 0, at most 60). Raises ConfigError."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 0 <= replicas <= MAX_REPLICAS:
+        raise ConfigError(
+            f"replicas must be an int from 0 to {MAX_REPLICAS} (replicas that must acknowledge an "
+            f"acquisition before its body starts), got {replicas!r}"
+        )
+    timeout = check_seconds("replica_timeout", replica_timeout)
+    if timeout > 60:
+        raise ConfigError(f"replica_timeout must be at most 60 seconds, got {replica_timeout!r}")
+    return replicas, timeout

@@ -50,6 +50,7 @@ class Reason(_Value):
     COALESCED = "coalesced"
     REPLACED = "replaced"
     DEBOUNCED = "debounced"
+    UNREPLICATED = "unreplicated"  # the lease was not on enough replicas in time (``replicas=``)
 
 
 class RunState(_Value):

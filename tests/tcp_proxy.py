@@ -11,7 +11,10 @@ from .servers import free_port
 
 
 class TcpProxy:
-    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1") -> None:
+    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1", *, nodelay: bool = False) -> None:
+        # nodelay: TCP_NODELAY on both legs, so that the proxy adds no Nagle / delayed-ACK stall
+        # (about 40 ms) to small request-reply exchanges such as a replica's REPLCONF ACK
+        self.nodelay = nodelay
         self.upstream = (upstream_host, upstream_port)
         self.port = free_port()
         self.delay = 0.0
@@ -41,6 +44,9 @@ class TcpProxy:
             except OSError:
                 client.close()
                 continue
+            if self.nodelay:
+                for s in (client, upstream):
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._conns.append((client, upstream))
             for src, dst in ((client, upstream), (upstream, client)):
@@ -49,8 +55,8 @@ class TcpProxy:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             src.settimeout(0.2)
-        except OSError:  # cut before this thread started: the recv below fails, both sides are closed
-            pass
+        except OSError:  # closed by cut() or close() before this thread started
+            return
         while not self._stop.is_set():
             try:
                 data = src.recv(65536)

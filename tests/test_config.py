@@ -19,7 +19,10 @@ from taskguard import ConfigError, MemoryLocks, RedisLocks, TaskguardError, from
 from taskguard.config import ENV_VARS
 
 URL_VAR = "TASKGUARD_REDIS_URL"
-ACCEPTED_URL = "redis://[user[:password]@]host[:port][/db], rediss://... or unix:///path/to.sock"
+ACCEPTED_URL = (
+    "redis://[user[:password]@]host[:port][/db], rediss://..., unix:///path/to.sock or "
+    "sentinel://[user[:password]@]host[:port][/db];sentinel://host2[:port]..."
+)
 PASSWORD = "s3cr3tPW"
 
 PROPERTY = settings(
@@ -141,6 +144,14 @@ MALFORMED = [
     # a URL that passes check_url but that redis-py refuses must be named too (from_url says
     # "cannot build a Redis client from ...: ValueError", naming neither the variable nor the form)
     (URL_VAR, "redis://127.0.0.1:6379/0?socket_timeout=abc", ACCEPTED_URL),
+    (URL_VAR, "sentinel://127.0.0.1:26379;redis://127.0.0.1:6379", ACCEPTED_URL),
+    ("TASKGUARD_SENTINEL_MASTER", "my master", "the name Sentinel monitors"),
+    ("TASKGUARD_SENTINEL_MASTER", "", "the name Sentinel monitors"),
+    ("TASKGUARD_SENTINEL_PASSWORD", "", "is set but empty"),
+    ("TASKGUARD_REPLICAS", "17", "integer from 0 to 16"),
+    ("TASKGUARD_REPLICAS", "-1", "integer from 0 to 16"),
+    ("TASKGUARD_REPLICA_TIMEOUT", "0", "at most 60"),
+    ("TASKGUARD_REPLICA_TIMEOUT", "61", "at most 60"),
 ] + [
     (var, raw, SECONDS_FORM)
     for var in ("TASKGUARD_CONNECT_TIMEOUT", "TASKGUARD_SOCKET_TIMEOUT", "TASKGUARD_SHUTDOWN_TIMEOUT")
@@ -156,7 +167,7 @@ def _id(var: str, raw: str) -> str:
 
 @pytest.mark.parametrize("var,raw,form", MALFORMED, ids=[_id(v, r) for v, r, _ in MALFORMED])
 def test_each_malformed_variable_is_a_config_error_naming_it_and_the_accepted_form(redis_url, var, raw, form):
-    environ = {URL_VAR: redis_url, var: raw}
+    environ = {**_base(var, redis_url), var: raw}
     with pytest.raises(ConfigError) as info:
         from_env(environ)
     msg = str(info.value)
@@ -177,6 +188,10 @@ def test_every_documented_variable_is_checked():
         "TASKGUARD_RETRIES",
         "TASKGUARD_SHUTDOWN_TIMEOUT",
         "TASKGUARD_RENEW_FRACTION",
+        "TASKGUARD_SENTINEL_MASTER",
+        "TASKGUARD_SENTINEL_PASSWORD",
+        "TASKGUARD_REPLICAS",
+        "TASKGUARD_REPLICA_TIMEOUT",
     }
     covered = {var for var, _, _ in MALFORMED}
     assert covered == set(ENV_VARS)
@@ -536,7 +551,20 @@ VALID = {
     "TASKGUARD_RETRIES": st.integers(0, 100).map(str),
     "TASKGUARD_SHUTDOWN_TIMEOUT": _SECONDS,
     "TASKGUARD_RENEW_FRACTION": st.floats(1e-9, 0.5).map(str),
+    "TASKGUARD_SENTINEL_MASTER": st.from_regex(r"[A-Za-z0-9_.\-]{1,30}", fullmatch=True),
+    "TASKGUARD_SENTINEL_PASSWORD": st.text(min_size=1),
+    "TASKGUARD_REPLICAS": st.integers(0, 16).map(str),
+    "TASKGUARD_REPLICA_TIMEOUT": st.one_of(st.sampled_from(["0.05", "0.1", "1", "2.5"]), st.floats(1e-3, 4.9).map(str)),
 }
+#: The variables that only go with a sentinel:// URL (and the master name that URL needs).
+SENTINEL_VARS = {"TASKGUARD_SENTINEL_MASTER", "TASKGUARD_SENTINEL_PASSWORD"}
+SENTINEL_ENV = {URL_VAR: "sentinel://127.0.0.1:26379;sentinel://127.0.0.1:26380", "TASKGUARD_SENTINEL_MASTER": "tgm"}
+
+
+def _base(var, redis_url):
+    """A good environment beside ``var``: a sentinel:// URL and its master name for the Sentinel
+    variables, else the suite's Redis URL."""
+    return dict(SENTINEL_ENV) if var in SENTINEL_VARS else {URL_VAR: redis_url}
 
 
 def _outcome(environ):
@@ -556,7 +584,7 @@ def test_any_text_in_one_variable_is_a_config_error_or_works(redis_url):
     @given(var=st.sampled_from(sorted(ENV_VARS)), data=st.data())
     def check(var, data):
         raw = data.draw(st.one_of(ANY_TEXT, VALID[var]), label="raw")
-        out = _outcome({URL_VAR: redis_url, var: raw})
+        out = _outcome({**_base(var, redis_url), var: raw})
         seen[var].add("ok" if out == "ok" else "error")
 
     check()
@@ -573,7 +601,7 @@ def test_any_text_in_one_variable_that_is_refused_is_named_in_the_error(redis_ur
     @given(var=st.sampled_from(sorted(ENV_VARS)), data=st.data())
     def check(var, data):
         raw = data.draw(st.one_of(ANY_TEXT, VALID[var]), label="raw")
-        out = _outcome({URL_VAR: redis_url, var: raw})
+        out = _outcome({**_base(var, redis_url), var: raw})
         if out != "ok":
             assert var in str(out), (var, raw, str(out))
 
@@ -607,7 +635,7 @@ def test_property_a_url_password_never_appears_in_an_error():
 
     @PROPERTY
     @given(
-        scheme=st.sampled_from(["redis", "rediss", "unix", "http", "REDIS", "redis+sentinel"]),
+        scheme=st.sampled_from(["redis", "rediss", "unix", "http", "REDIS", "redis+sentinel", "sentinel"]),
         user=st.sampled_from(["u", "", "default"]),
         # alphanumeric, >= 6 characters; the "Q9" start keeps it from matching fixed message text
         # by chance (hypothesis readily tries passwords like "prefix" or "password")

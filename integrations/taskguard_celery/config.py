@@ -4,7 +4,10 @@ Precedence, first match wins:
 
 1. the task's own ``locks=`` option (a :class:`taskguard.Locks`);
 2. ``app.conf.taskguard_locks`` (a :class:`taskguard.Locks`);
-3. ``app.conf.taskguard_redis_url`` (with ``taskguard_prefix``, default ``"taskguard"``);
+3. ``app.conf.taskguard_redis_url`` (with ``taskguard_prefix``, default ``"taskguard"``; a
+   ``sentinel://h:26379;sentinel://h2:26379`` URL, as kombu takes it, with
+   ``taskguard_sentinel_master`` and, if the sentinels have one, ``taskguard_sentinel_password``;
+   the durability option ``taskguard_replicas`` / ``taskguard_replica_timeout``);
 4. :func:`taskguard.from_env` (``TASKGUARD_REDIS_URL`` and friends).
 
 Resolved once per Celery app and cached, so two apps in one process may use different Redis.
@@ -22,6 +25,7 @@ from typing import Any
 import taskguard
 from taskguard import ConfigError, Locks, RedisLocks
 from taskguard.config import parse_prefix
+from taskguard.redis_client import check_master_name
 from taskguard.schedule.settings import (
     LEADER_TTL,
     LEADER_TTL_MAX,
@@ -31,7 +35,7 @@ from taskguard.schedule.settings import (
     schedule_settings,
 )
 from taskguard.urls import check_url
-from taskguard.validate import check_setting_names
+from taskguard.validate import check_replicas, check_setting_names
 
 __all__ = [
     "locks_for",
@@ -59,6 +63,10 @@ SETTINGS = frozenset(
         "taskguard_beat_leader_ttl",
         "taskguard_beat_catch_up",
         "taskguard_beat_name",
+        "taskguard_sentinel_master",
+        "taskguard_sentinel_password",
+        "taskguard_replicas",
+        "taskguard_replica_timeout",
     }
 )
 
@@ -93,7 +101,7 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
             try:
                 url = check_url(url, "app.conf.taskguard_redis_url")
                 prefix = parse_prefix("app.conf.taskguard_prefix", prefix)
-                locks = RedisLocks.from_url(url, prefix=prefix)
+                locks = RedisLocks.from_url(url, prefix=prefix, **_redis_settings(conf))
             except ConfigError as e:
                 msg = str(e)
                 raise ConfigError(
@@ -109,6 +117,29 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
                 ) from None
         _cache[app] = locks
         return locks
+
+
+def _redis_settings(conf: Any) -> dict[str, Any]:
+    """The Sentinel and durability settings given in ``conf``, checked, as
+    :meth:`taskguard.RedisLocks.from_url` options. Raises ConfigError naming the setting."""
+    out: dict[str, Any] = {}
+    master = conf.get("taskguard_sentinel_master")
+    if master is not None:
+        out["sentinel_master"] = check_master_name("app.conf.taskguard_sentinel_master", master)
+    password = conf.get("taskguard_sentinel_password")
+    if password is not None:
+        if not isinstance(password, str) or not password:
+            raise ConfigError("app.conf.taskguard_sentinel_password must be a non-empty str")
+        out["sentinel_password"] = password
+    replicas, timeout = conf.get("taskguard_replicas"), conf.get("taskguard_replica_timeout")
+    try:
+        if replicas is not None:
+            out["replicas"] = check_replicas(replicas, 0.1)[0]
+        if timeout is not None:
+            out["replica_timeout"] = check_replicas(0, timeout)[1]
+    except ConfigError as e:  # "replicas must be ..." -> "app.conf.taskguard_replicas must be ..."
+        raise ConfigError(f"app.conf.taskguard_{e}") from None
+    return out
 
 
 def use_locks(app: Any, locks: Locks) -> None:

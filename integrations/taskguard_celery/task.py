@@ -77,8 +77,8 @@ class GuardedTask(Task):
     ``continue_on_skip``, ``limit``, ``limit_total``, ``limit_total_key``, ``rate``, ``rate_key``,
     ``rate_burst``, ``rate_max_wait``, ``cost``,
     ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``, ``unique``, ``unique_ttl``,
-    ``overlap``, ``replace_terminate``, ``debounce``, ``debounce_max``
-    (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
+    ``overlap``, ``replace_terminate``, ``debounce``, ``debounce_max``, ``replicas``,
+    ``replica_timeout`` (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
     :class:`taskguard.Locks`; see :mod:`taskguard_celery.config` for the default). They are
     validated when the task class is made; a bad one raises :class:`taskguard.ConfigError`.
 
@@ -120,6 +120,8 @@ class GuardedTask(Task):
     replace_terminate: bool = OPTION_DEFAULTS["replace_terminate"]
     debounce: float | None = OPTION_DEFAULTS["debounce"]
     debounce_max: float | None = OPTION_DEFAULTS["debounce_max"]
+    replicas: int | None = OPTION_DEFAULTS["replicas"]
+    replica_timeout: float | None = OPTION_DEFAULTS["replica_timeout"]
     locks: Locks | None = None
 
     #: The guard's options, validated when the class is made (``None``: a class without a guard).
