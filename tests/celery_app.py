@@ -16,6 +16,8 @@ from celery.signals import task_prerun
 from taskguard import LeaseBackendError, RateLimited, RedisLocks, settle_cost
 from taskguard_celery import GuardedTask, current_lease
 
+from .timed_redis import TimedRedis
+
 REDIS_URL = os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
@@ -46,7 +48,7 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         worker_hijack_root_logger=False,
     )
     app.conf.update(conf)
-    r = redis.Redis.from_url(REDIS_URL)
+    r = TimedRedis.from_url(REDIS_URL)
     log = f"{prefix}:log"  # what bodies did, in order: "name:fence" entries
 
     def note(entry: str) -> None:

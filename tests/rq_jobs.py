@@ -12,16 +12,18 @@ from rq import Retry
 
 from taskguard_rq import current_lease, guarded_job
 
+from .timed_redis import TimedRedis
+
 
 def _attempt(name: str) -> int:
     """How many times the job of ``name`` started so far, this start included."""
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r = TimedRedis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     return int(r.incr("{" + os.environ["TASKGUARD_PREFIX"] + ":attempts:" + name + "}"))
 
 
 def _log(entry: str) -> None:
     # TG_TEST_LOG_URL: a log kept apart from the leases (a test that fills the lease store)
-    r = redis.Redis.from_url(
+    r = TimedRedis.from_url(
         os.environ.get("TG_TEST_LOG_URL") or os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0")
     )
     key = "{" + os.environ["TASKGUARD_PREFIX"] + ":log}"
@@ -114,7 +116,7 @@ def long_running(name, seconds=20.0):
 
 
 def _ledger(kind: str, key: str, lease) -> None:
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r = TimedRedis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     r.rpush(
         "{" + os.environ["TASKGUARD_PREFIX"] + ":ledger:" + key + "}",
         f"{kind} {time.time():.6f} {os.getpid()} {lease.slot} {lease.fencing_token}",
@@ -146,7 +148,7 @@ def export_total(tenant, seconds=0.5):
 def export_total_flaky(tenant):
     """Fails its first attempt (a Retry keeps both holds): "<key fence> <total fence>" per attempt."""
     lease = current_lease()
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r = TimedRedis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     fences = "{" + os.environ["TASKGUARD_PREFIX"] + ":fences:" + tenant + "}"
     r.pipeline().rpush(fences, f"{lease.fencing_token} {lease.total.fencing_token}").expire(fences, 600).execute()
     if _attempt("export_total_flaky:" + tenant) == 1:
@@ -170,7 +172,7 @@ def rebuild(shop, n, seconds=0.3):
     """overlap="coalesce": ledger entries for the key, and the calls that ran (``n``) with when."""
     lease = current_lease()
     _ledger("in", f"index:{shop}", lease)
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r = TimedRedis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":ran:" + shop + "}", f"{n} {time.time():.6f}")
     time.sleep(seconds)
     _ledger("out", f"index:{shop}", lease)
@@ -180,7 +182,7 @@ def rebuild(shop, n, seconds=0.3):
 @guarded_job(ttl=5, key="search:{shop}", debounce=1.0, debounce_max=2.5)
 def search(shop, n):
     """debounce=: the calls that ran (n) and when."""
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r = TimedRedis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":searched:" + shop + "}", f"{n} {time.time():.6f}")
     return n
 
@@ -190,7 +192,7 @@ def _report(user, n, seconds):
     from taskguard import LeaseLost
 
     lease = current_lease()
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r = TimedRedis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     entries = "{" + os.environ["TASKGUARD_PREFIX"] + ":reportlog:" + user + "}"
     r.rpush(entries, f"start {n} {lease.fencing_token} {time.time():.6f}")
     end = time.monotonic() + seconds
@@ -217,7 +219,7 @@ def report_stopping(user, n, seconds=5.0):
 
 @guarded_job(ttl=5, key="api:{n}", rate=(3, 1.0), rate_key="api")
 def api_call(n):
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r = TimedRedis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":calls}", f"{time.time():.6f} {n}")
     return n
 
@@ -231,7 +233,7 @@ def _server_now(r: redis.Redis) -> float:
 def llm(n, tokens, actual=None):
     from taskguard import settle_cost
 
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r = TimedRedis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":llm}", f"{_server_now(r):.6f} {n} {tokens}")
     if actual is not None:
         settle_cost(actual)
@@ -242,7 +244,7 @@ def llm(n, tokens, actual=None):
 def upstream(n, fail_on=None, pause=2.0):
     from taskguard import RateLimited
 
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r = TimedRedis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     log = "{" + os.environ["TASKGUARD_PREFIX"] + ":up}"
     r.rpush(log, f"{_server_now(r):.6f} {n}")
     if n == fail_on and r.set("{" + os.environ["TASKGUARD_PREFIX"] + ":429}", 1, nx=True, ex=600):
@@ -356,7 +358,7 @@ def cron_guarded(entry: str) -> dict:
 
 
 def _plan(tenant):
-    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    r = TimedRedis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     return int(r.get("{" + os.environ["TASKGUARD_PREFIX"] + ":limit:" + tenant + "}") or 1)
 
 
