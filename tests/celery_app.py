@@ -861,11 +861,41 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         time.sleep(seconds)
         return {"name": name, "leased": self.lease is not None}
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.overlap_tick", ttl=2, key="otick")
+    def overlap_tick(self, seconds=0.0):
+        """A guarded beat task for the per-entry overlap tests: logs ``otick|start|slot|fence|time|id``
+        (fence ``-`` without a lease), then ``lost`` (its lease taken over) or ``end`` likewise."""
+        beat = (self.request.headers or {}).get("taskguard_beat") or getattr(self.request, "taskguard_beat", None) or {}
+        lease = self.lease
+        fence = "-" if lease is None else str(lease.fencing_token)
+
+        def mark(what: str) -> None:
+            note(f"otick|{what}|{beat.get('slot')}|{fence}|{time.time():.3f}|{self.request.id}")
+
+        mark("start")
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end:
+                if lease is not None:
+                    lease.ensure_held()
+                time.sleep(0.05)
+        except LeaseBackendError:
+            raise
+        except Exception:
+            mark("lost")
+            raise
+        mark("end")
+        return fence
+
     if os.environ.get("TG_TEST_BEAT"):
+        import json
+
         app.conf.beat_schedule = {
             "tick": {
                 "task": os.environ.get("TG_TEST_BEAT_TASK", "tg.tick"),
                 "schedule": float(os.environ["TG_TEST_BEAT"]),
+                "kwargs": json.loads(os.environ.get("TG_TEST_BEAT_KWARGS", "{}")),
+                "options": json.loads(os.environ.get("TG_TEST_BEAT_OPTIONS", "{}")),
             },
         }
 

@@ -182,7 +182,7 @@ def test_coalesce_is_refused_at_declaration_where_it_cannot_work(extra, conflict
             "coalese",
             r"overlap must be one of \('skip', 'coalesce', 'replace'\), got 'coalese' \(did you mean 'coalesce'\?\)",
         ),
-        ("allow", "overlap=.allow. is not available"),
+        ("allow", "overlap='allow' is for periodic entries only"),
     ],
 )
 def test_overlap_values_are_checked_at_declaration(value, message):

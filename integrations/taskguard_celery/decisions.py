@@ -215,13 +215,15 @@ class CeleryHooks:
         """``replace_terminate=True``: revoke the replaced task with terminate (its worker's pool
         kills the execution; the lease it held is this run's already)."""
         task = self.task
-        if not task.taskguard_options.replace_terminate or holder.run_id is None:
+        # the holder's task id (a beat slot's run is named by its slot, its execution by its task id)
+        task_id = (holder.holder or {}).get("task_id") or holder.run_id
+        if not task.taskguard_options.replace_terminate or not isinstance(task_id, str):
             return
         try:
-            task.app.control.revoke(holder.run_id, terminate=True)
-            log.info("task %s[%s]: revoked the replaced run %s (terminate)", task.name, self.req.id, holder.run_id)
+            task.app.control.revoke(task_id, terminate=True)
+            log.info("task %s[%s]: revoked the replaced run %s (terminate)", task.name, self.req.id, task_id)
         except Exception as e:
-            log.warning("task %s: could not revoke the replaced run %s: %s", task.name, holder.run_id, e)
+            log.warning("task %s: could not revoke the replaced run %s: %s", task.name, task_id, e)
 
 
 def outcome(task: Any, decision: Decision, skips: int, redelivered: bool) -> Any:

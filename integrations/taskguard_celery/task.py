@@ -10,7 +10,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, cast
+from typing import Any
 
 from celery import Task, shared_task
 from celery.app.task import Context
@@ -264,17 +264,18 @@ class GuardedTask(Task):
         identity.end_chain(self, decision.run)
         entered.append(True)
         try:
-            return self._run_body(decision, req, args, kwargs)
+            return self._run_body(decision, req, args, kwargs, opts)
         except RateLimited as exc:  # an upstream 429: the pipeline pauses the rate and decides
             after = backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)
             if after is None:
                 raise
             return outcome(self, after, skips, redelivered)
 
-    def _run_body(self, decision: Run, req: Any, args: tuple, kwargs: dict) -> Any:
+    def _run_body(self, decision: Run, req: Any, args: tuple, kwargs: dict, opts: GuardOptions) -> Any:
         """The body under the decision's run (and its rate charge); how it ends (Celery's
         exceptions) says how the run ends. A :class:`taskguard.RateLimited` hands the run back
-        (in shadow mode: fails it); the caller asks the pipeline what follows."""
+        (in shadow mode: fails it); the caller asks the pipeline what follows. ``opts``: this
+        run's guard options (a beat entry's laid over the task's)."""
         run = decision.run
         with run, decision.charging():
             try:
@@ -298,7 +299,7 @@ class GuardedTask(Task):
                 raise
             except Exception:
                 run.fail()  # acked (acks_on_failure or not, the message is not requeued)
-                replaced = replaced_skip(cast(GuardOptions, self.taskguard_options), run)
+                replaced = replaced_skip(opts, run)
                 if replaced is not None:  # overlap="replace": another run took its lease over
                     return skipping.skip(self, replaced, 0, self.taskguard_locks)
                 raise
@@ -309,7 +310,7 @@ class GuardedTask(Task):
             try:
                 run.finish(result)
             except LeaseLost:
-                replaced = replaced_skip(cast(GuardOptions, self.taskguard_options), run)
+                replaced = replaced_skip(opts, run)
                 if replaced is None:
                     raise
                 return skipping.skip(self, replaced, 0, self.taskguard_locks)
