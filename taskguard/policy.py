@@ -211,8 +211,11 @@ class GuardOptions:
                 steady stream of calls still runs at least this often (>= ``debounce``; needs
                 ``debounce``; default :data:`DEBOUNCE_MAX_DEFAULT`).
             replace_terminate: with ``overlap="replace"``, also stop the replaced run's
-                execution (Celery: ``revoke(terminate=True)``, refused on the threads and solo
-                pools, which cannot terminate; RQ: ``send_stop_job_command``).
+                execution (Celery: its result is stored as ``Skipped(reason="replaced")``, then
+                it is revoked with ``terminate=True`` — a key-value result backend keeps that
+                SUCCESS over the REVOKED the worker writes, while event consumers see
+                ``task-revoked`` — refused on the threads and solo pools, which cannot
+                terminate; RQ: ``send_stop_job_command``, the job ends STOPPED).
 
         Raises:
             ConfigError: naming the task and the bad option.

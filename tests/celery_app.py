@@ -564,8 +564,11 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         base=GuardedTask, bind=True, shared=False, name="tg.report", ttl=1.5, key="report:{user}", overlap="replace"
     )
     def report(self, user, n, seconds=5.0):
+        return report_body(self.lease, user, n, seconds)
+
+    def report_body(lease, user, n, seconds):
         # overlap="replace": "<start|lost|end> <n> <fence> <time>" entries
-        lease, entries = self.lease, f"{prefix}:report:{user}"
+        entries = f"{prefix}:report:{user}"
         r.pipeline().rpush(entries, f"start {n} {lease.fencing_token} {time.time():.6f}").expire(entries, 600).execute()
         end = time.monotonic() + seconds
         try:
@@ -579,6 +582,22 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
             raise
         r.rpush(entries, f"end {n} {lease.fencing_token} {time.time():.6f}")
         return {"n": n, "fence": lease.fencing_token}
+
+    if os.environ.get("TG_TEST_REPLACE_TERMINATE"):  # (a worker with it refuses the threads and solo pools)
+
+        @app.task(
+            base=GuardedTask,
+            bind=True,
+            shared=False,
+            name="tg.report_term",
+            ttl=1.5,
+            key="report:{user}",
+            overlap="replace",
+            replace_terminate=True,
+        )
+        def report_term(self, user, n, seconds=5.0):
+            # overlap="replace", replace_terminate=True: as tg.report; the replaced run is killed
+            return report_body(self.lease, user, n, seconds)
 
     @app.task(
         base=GuardedTask,
