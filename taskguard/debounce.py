@@ -48,7 +48,8 @@ _ROUNDS = 100
 class Window:
     """What :func:`publish` decided: ``run_id`` (the window's run), ``fresh`` (this call opened
     it), ``countdown`` (seconds until the window is due) and ``publish``: this call publishes the
-    window's message, ``countdown`` seconds ahead, then calls :func:`published` — it opened the
+    window's message, ``countdown`` seconds ahead, then calls :func:`published` (with ``ttl``,
+    the seconds the record is kept) — it opened the
     window, or joined one whose opener has not marked it published (died before publishing); else
     it publishes nothing."""
 
@@ -56,6 +57,7 @@ class Window:
     fresh: bool
     countdown: float
     publish: bool = False
+    ttl: float = GRACE
 
 
 def _dumps(rec: dict[str, Any]) -> str:
@@ -72,21 +74,22 @@ def publish(locks: Locks, key: str, run_id: str, message: Any, *, debounce: floa
         if rec is None:
             new = {"id": run_id, "first": now, "due": now + debounce, "msg": message, "pub": 0}
             if locks.put_record(key, RECORD, _dumps(new), ttl=debounce_max + GRACE, if_absent=True):
-                return Window(run_id, True, debounce, publish=True)
+                return Window(run_id, True, debounce, publish=True, ttl=debounce_max + GRACE)
             continue
         rec["due"] = min(now + debounce, rec["first"] + debounce_max)
         rec["msg"] = message
         left = max(rec["first"] + debounce_max + GRACE - now, 1.0)
         if locks.put_record(key, RECORD, _dumps(rec), ttl=left, if_value=raw):
             # a window recorded by an earlier release has no "pub": it was published
-            return Window(str(rec["id"]), False, max(rec["due"] - now, 0.0), publish=rec.get("pub", 1) == 0)
+            pub = rec.get("pub", 1) == 0
+            return Window(str(rec["id"]), False, max(rec["due"] - now, 0.0), publish=pub, ttl=left)
     raise LeaseBackendError("debounce", key, "could not record the call: too much contention")
 
 
-def published(locks: Locks, key: str, run_id: str, *, debounce_max: float) -> None:
+def published(locks: Locks, key: str, run_id: str, *, ttl: float) -> None:
     """The window ``run_id``'s message was published: mark it so (while the record still names
-    it), so that later calls do not publish it again (``debounce_max``: the task's, seconds, which
-    bounds the record's life). Raises LeaseBackendError (the window then
+    it), so that later calls do not publish it again; the record is kept ``ttl`` seconds more
+    (:attr:`Window.ttl`). Raises LeaseBackendError (the window then
     stays unmarked: at worst a later call publishes a second message of the same run id, which
     runs once)."""
     for _ in range(_ROUNDS):
@@ -95,8 +98,7 @@ def published(locks: Locks, key: str, run_id: str, *, debounce_max: float) -> No
         if rec is None or rec.get("id") != run_id or rec.get("pub", 1) != 0:
             return
         rec["pub"] = 1
-        left = max(rec["first"] + debounce_max + GRACE - locks.server_time(), 1.0)
-        if locks.put_record(key, RECORD, _dumps(rec), ttl=left, if_value=raw):
+        if locks.put_record(key, RECORD, _dumps(rec), ttl=ttl, if_value=raw):
             return
     raise LeaseBackendError("debounce", key, "could not mark the window published: too much contention")
 

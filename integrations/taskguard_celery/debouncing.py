@@ -79,7 +79,7 @@ def publish(
     options["headers"] = {**(options.get("headers") or {}), DEBOUNCE_HEADER: {"key": key}}
     options["countdown"] = w.countdown
     result = send(w.run_id, options)
-    window_published(locks, key, w.run_id, debounce_max=opts.debounce_max)
+    window_published(locks, key, w.run_id, ttl=w.ttl)
     return result
 
 

@@ -467,7 +467,7 @@ def _enqueue_debounced(
         meta={DEBOUNCE_META_KEY: key},
         **kwargs,
     )
-    window_published(locks, key, w.run_id, debounce_max=opts.debounce_max)
+    window_published(locks, key, w.run_id, ttl=w.ttl)
     return job
 
 
