@@ -109,12 +109,13 @@ def start_latency(m: Any, admin: Any, prefix: str, samples: int, hold: float) ->
         wait_mark(admin, prefix, ("end", i + 1))
         i += 1
     rows = []
+    for got in (plain, guarded, follow):
+        got.sort()
     for name, got in (
         ("plain apply_async: publish -> start", plain),
         ("guarded apply_async: publish -> start", guarded),
         ("coalesced follow-up: active end -> start", follow),
     ):
-        got.sort()
         rows.append(
             [
                 name,
