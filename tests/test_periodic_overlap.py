@@ -271,3 +271,63 @@ def test_rq_cron_entry_allow_jobs_overlap_without_a_lease_each_slot_once(cron_en
     assert any(after[2] < before[3] for before, after in zip(spans, spans[1:], strict=False))
     assert len({s[0] for s in spans}) == len(spans)
     assert "Traceback" not in output
+
+
+# -- one slot's messages under allow and replace (an embedded worker) ---------------------------------------
+def _slot_header(slot, overlap):
+    return {"entry": "tick", "slot": slot, "keep": 60, "leader_key": "beat-leader:x", "overlap": overlap}
+
+
+def test_allow_a_second_message_of_one_slot_does_not_run_again(redis_url, prefix):
+    """Under ``allow`` there is no lease, yet a slot published twice (a new leader publishing a
+    slot claimed but not confirmed) runs once: its first run records that it started."""
+    from .celery_support import embedded_worker
+
+    app = make_app(f"q-{prefix}", prefix)
+    task = app.tasks["tg.overlap_tick"]
+    try:
+        with embedded_worker(app, concurrency=3):
+            header = {"taskguard_beat": _slot_header("every2s:1", "allow")}
+            first = task.apply_async(kwargs={"seconds": 1.0}, headers=header)
+            time.sleep(0.3)
+            second = task.apply_async(kwargs={"seconds": 1.0}, headers=header)
+            other = task.apply_async(
+                kwargs={"seconds": 0.2}, headers={"taskguard_beat": _slot_header("every2s:2", "allow")}
+            )
+            assert first.get(timeout=10) == "-" and other.get(timeout=10) == "-"
+            time.sleep(1.0)
+            assert second.state == "PENDING"  # dropped as a duplicate (Ignore): no result
+        starts = [e for e in _otick(app) if e[0] == "start"]
+        assert sorted(e[1] for e in starts) == ["every2s:1", "every2s:2"]
+    finally:
+        redis.Redis.from_url(redis_url).delete(app.tg_log, f"q-{prefix}")
+
+
+def test_replace_a_copy_of_a_replaced_slot_never_takes_the_lease_back(redis_url, prefix):
+    """Under ``replace``, a slot's run is named by its slot: a copy of a replaced slot's message
+    (another task id) ends ``Skipped("replaced")`` without running, and the newer slot keeps the
+    lease."""
+    from taskguard import as_skipped
+
+    from .celery_support import embedded_worker
+
+    app = make_app(f"q-{prefix}", prefix)
+    task = app.tasks["tg.overlap_tick"]
+    try:
+        with embedded_worker(app, concurrency=3):
+            old_header = {"taskguard_beat": _slot_header("every2s:1", "replace")}
+            old = task.apply_async(kwargs={"seconds": 30}, headers=old_header)
+            time.sleep(0.5)
+            new = task.apply_async(
+                kwargs={"seconds": 2.0}, headers={"taskguard_beat": _slot_header("every2s:2", "replace")}
+            )
+            assert as_skipped(old.get(timeout=10)).reason == "replaced"
+            copy = task.apply_async(kwargs={"seconds": 0.1}, headers=old_header)
+            s = as_skipped(copy.get(timeout=10))
+            assert s is not None and s.reason == "replaced"
+            assert new.get(timeout=10) != "-"
+        starts = [e[1] for e in _otick(app) if e[0] == "start"]
+        assert starts == ["every2s:1", "every2s:2"]  # the copy did not run
+        assert app.conf.taskguard_locks.holders("otick") == []
+    finally:
+        redis.Redis.from_url(redis_url).delete(app.tg_log, f"q-{prefix}")
