@@ -5,9 +5,9 @@ One record per key (``debounce``, beside the lease) holds the window: the run id
 message, when the window opened and when it is due, whether its message was published, and the
 latest call's arguments (as the adapter serialises them). The first call of a window publishes one
 message, delayed by ``debounce`` seconds, then marks the window published (:func:`published`);
-every later call only updates the record — its due time moves to ``debounce``
-seconds after it, never past ``debounce_max`` seconds after the window opened — and gets the same
-run id (one broker message per window, not one per call). The message, when it arrives, asks
+every later call only updates the record — its due time moves to ``debounce`` seconds after it,
+never past ``debounce_max`` seconds after the window opened — and gets the same run id (one broker
+message per window, not one per call). The message, when it arrives, asks
 :func:`due`: not yet (``"wait"``: it is published again for the rest), or the window closes
 (``"run"``: the record is taken atomically; the body runs with the stored arguments). Calls after
 that open a new window. Times come from the Redis server's clock.
@@ -48,10 +48,9 @@ _ROUNDS = 100
 class Window:
     """What :func:`publish` decided: ``run_id`` (the window's run), ``fresh`` (this call opened
     it), ``countdown`` (seconds until the window is due) and ``publish``: this call publishes the
-    window's message, ``countdown`` seconds ahead, then calls :func:`published` (with ``ttl``,
-    the seconds the record is kept) — it opened the
-    window, or joined one whose opener has not marked it published (died before publishing); else
-    it publishes nothing."""
+    window's message, ``countdown`` seconds ahead, then calls :func:`published` (with ``ttl``, the
+    seconds the record is kept) — it opened the window, or joined one whose opener has not marked
+    it published (it died before publishing); else it publishes nothing."""
 
     run_id: str
     fresh: bool
@@ -89,9 +88,8 @@ def publish(locks: Locks, key: str, run_id: str, message: Any, *, debounce: floa
 def published(locks: Locks, key: str, run_id: str, *, ttl: float) -> None:
     """The window ``run_id``'s message was published: mark it so (while the record still names
     it), so that later calls do not publish it again; the record is kept ``ttl`` seconds more
-    (:attr:`Window.ttl`). Raises LeaseBackendError (the window then
-    stays unmarked: at worst a later call publishes a second message of the same run id, which
-    runs once)."""
+    (:attr:`Window.ttl`). Raises LeaseBackendError (the window then stays unmarked: at worst a
+    later call publishes a second message of the same run id, which runs once)."""
     for _ in range(_ROUNDS):
         raw = locks.get_record(key, RECORD)
         rec = json.loads(raw) if raw is not None else None

@@ -187,20 +187,19 @@ class GuardOptions:
                 correct it with :func:`taskguard.settle_cost`. Needs ``rate``.
             unique_ttl: seconds a queued mark lasts when its run never starts (its message lost),
                 plus any countdown (default: the publish's ``expires``, else 1 hour).
-            overlap: what a run does when the key's lease is held (every slot, under ``limit``),
-                one of :data:`OVERLAP_BUILT` (default ``"skip"``; ``"allow"``, no lease, is for
-                periodic entries only and refused here: a task that may overlap needs no
-                guard). ``"coalesce"``: it becomes the key's
-                one pending follow-up, superseding (``Skipped(reason="coalesced")``) the one
-                before it, and runs once the holder ends (:mod:`taskguard.overlap`); ``wait``
-                still applies first. Refused with ``once`` (a follow-up would only read the
-                stored value), ``unique`` (a publish while a run is queued or running returns
-                that run's handle: nothing would coalesce), ``on_skip="retry"`` (a held run
-                never skips) and ``enforce=False`` (shadow mode never holds a run back).
-                ``"replace"``: it takes the lease over from the oldest holder at once (a larger
-                fencing token; the old run's lease is lost within one renewal interval and that
-                run ends ``Skipped(reason="replaced")``, as does any retry of it). Refused with
-                ``once``, ``unique``, ``on_skip="retry"`` and ``enforce=False`` likewise.
+            overlap: what a run does when the key's lease is held (every slot, under ``limit``), one of
+                :data:`OVERLAP_BUILT` (default ``"skip"``; ``"allow"``, no lease, is for periodic
+                entries only and refused here: a task that may overlap needs no guard). ``"coalesce"``:
+                it becomes the key's one pending follow-up, superseding
+                (``Skipped(reason="coalesced")``) the one before it, and runs once the holder ends
+                (:mod:`taskguard.overlap`); ``wait`` still applies first. Refused with ``once`` (a
+                follow-up would only read the stored value), ``unique`` (a publish while a run is queued
+                or running returns that run's handle: nothing would coalesce), ``on_skip="retry"`` (a
+                held run never skips) and ``enforce=False`` (shadow mode never holds a run back).
+                ``"replace"``: it takes the lease over from the oldest holder at once (a larger fencing
+                token; the old run's lease is lost within one renewal interval and that run ends
+                ``Skipped(reason="replaced")``, as does any retry of it). Refused with ``once``,
+                ``unique``, ``on_skip="retry"`` and ``enforce=False`` likewise.
             debounce: seconds of quiet that close a window of calls (decided when a call is
                 published: :mod:`taskguard.debounce`): calls of one key within it make one run, about
                 ``debounce`` seconds after the last, with the last call's arguments; every call's
