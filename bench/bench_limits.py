@@ -41,6 +41,17 @@ rotated):
   pipelined in one round trip) — about as cheap, but it lets 2x the rate through at a window
   boundary and every denied caller retries at the same instant.
 
+§5 A limit per key and a total (``limit=2, limit_total=10``). Contenders, each one guarded run
+begun and handed back per op (``GuardedRun.begin()`` then ``hand_back()``, the path a task takes,
+no heartbeat), in interleaved rounds:
+
+* ``1x PING``: one round trip, the floor;
+* ``one limit``: ``limit=2`` on a tenant key — acquire + release, two round trips;
+* ``two limits``: ``limit=2, limit_total=10`` — the key's slot, then the total's, and both
+  released: four round trips (each a single-key script, as on Redis Cluster);
+* ``two limits, total full``: the total held by 10 other runs — the key's slot taken, the total
+  refused, the key's slot given back: three round trips, the run skipped ``limit_total``.
+
 Printed: ops/s, µs/op, p50/p99 and each contender's ratio to the PING floor (median of per-round
 ratios, with the range). Keys live under a fresh ``tgbench-<pid>-<random>`` prefix and are deleted
 at the end.
@@ -125,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_holder_limits(args, client, locks, admin, prefix)
         bench_sigkill(args.url, admin, prefix)
         bench_unique_publish(args, admin, prefix)
+        bench_two_limits(args, client, locks, admin)
         print("## §4 rate decisions\n")
         contenders = {
             "taskguard throttle": throttle,
@@ -269,6 +281,77 @@ def bench_holder_limits(args, client, locks, admin, prefix) -> None:
     print(
         "\n   every contender is two round trips (acquire, release); cmds/op counts the commands Redis ran"
         "\n   (a script is 1 + the commands inside it). A limited acquire reads each slot inside one script.\n"
+    )
+    for lease in held:
+        lease.release()
+
+
+# -- §5 a limit per key and a total -------------------------------------------------------------------
+
+
+def bench_two_limits(args: Any, client: redis.Redis, locks: RedisLocks, admin: redis.Redis) -> None:
+    from taskguard.run import GuardedRun, RunRequest
+
+    def one_limit() -> None:
+        run = GuardedRun(locks, RunRequest("exp:t1", 30.0, renew=False, limit=2))
+        assert run.begin()
+        run.hand_back()
+
+    def two_limits() -> None:
+        run = GuardedRun(locks, RunRequest("exp:t1", 30.0, renew=False, limit=2, total=("exports", 10)))
+        assert run.begin()
+        run.hand_back()
+
+    def total_full() -> None:
+        run = GuardedRun(locks, RunRequest("exp:t2", 30.0, renew=False, limit=2, total=("exports-full", 10)))
+        assert not run.begin() and run.reason == "limit_total"
+
+    def ping() -> None:
+        client.ping()
+
+    held = [locks.acquire("exports-full", ttl=600, limit=10).lease for _ in range(10)]
+    contenders = {
+        "1x PING": ping,
+        "one limit (limit=2)": one_limit,
+        "two limits (limit=2, limit_total=10)": two_limits,
+        "two limits, total full: refused": total_full,
+    }
+    per_round, lat, _orders = interleaved_rounds(contenders, args.ops, args.rounds)
+    redis_us = {}
+    for name, fn in contenders.items():  # Redis time, each alone
+        before = _commandstats(admin)
+        for _ in range(args.ops):
+            fn()
+        redis_us[name] = _redis_cost(before, _commandstats(admin), args.ops)
+    base, one = per_round["1x PING"], per_round["one limit (limit=2)"]
+    rows = []
+    for name in contenders:
+        med = statistics.median(per_round[name])
+        r_ping = sorted(a / b for a, b in zip(per_round[name], base, strict=True))
+        r_one = sorted(a / b for a, b in zip(per_round[name], one, strict=True))
+        rows.append(
+            [
+                name,
+                f"{1 / med:,.0f}",
+                f"{med * 1e6:.1f}",
+                f"{pct(lat[name], 0.5) * 1e6:.1f}",
+                f"{pct(lat[name], 0.99) * 1e6:.1f}",
+                f"{redis_us[name][0]:.1f}",
+                f"{statistics.median(r_ping):.3f}x ({r_ping[0]:.2f}..{r_ping[-1]:.2f})",
+                f"{statistics.median(r_one):.3f}x",
+            ]
+        )
+    print(f"## §5 a limit per key and a total: begin + hand back, {args.rounds} interleaved rounds x {args.ops} ops\n")
+    print(
+        fmt_table(
+            ["contender", "ops/s", "us/op", "p50 us", "p99 us", "redis us/op", "vs 1x PING", "vs one limit"],
+            rows,
+            align="lrrrrrrr",
+        )
+    )
+    print(
+        "\n   round trips per op: PING 1, one limit 2, two limits 4 (the key, the total, two releases),"
+        "\n   a refusal by the total 3 (the key taken and given back); each is a single-key script\n"
     )
     for lease in held:
         lease.release()

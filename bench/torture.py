@@ -25,14 +25,10 @@ It exits 1 when either is not 0. Keys live under a fresh prefix and are deleted 
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import random
-import signal
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -40,6 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import redis  # noqa: E402
 from benchlib import arg_parser, cleanup, exit_on_sigterm, open_admin, run_prefix  # noqa: E402
+from torture_faults import Chaos, exit_on_term, start_process  # noqa: E402
 
 TTL = 0.5
 LEDGER = """
@@ -57,7 +54,7 @@ return 1
 def worker(proxy_url: str, direct_url: str, prefix: str, keys: int, seed: int) -> None:
     from taskguard import LeaseBackendError, RedisLocks
 
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    exit_on_term()
     rng = random.Random(seed)
     locks = RedisLocks(redis.Redis.from_url(proxy_url, socket_timeout=1, socket_connect_timeout=1), prefix=prefix)
     store = redis.Redis.from_url(direct_url)
@@ -103,12 +100,6 @@ def worker(proxy_url: str, direct_url: str, prefix: str, keys: int, seed: int) -
                 store.rpush(f"{prefix}:entered", f"{key}:{lease.fencing_token}:{seen}")
 
 
-def spawn(ctx, args, prefix, proxy_url, seed):
-    p = ctx.Process(target=worker, args=(proxy_url, args.url, prefix, args.keys, seed), daemon=True)
-    p.start()
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = arg_parser(__doc__)
     ap.add_argument("--procs", type=int, default=8)
@@ -121,58 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     admin, _ = opened
     exit_on_sigterm()
-    from tests.tcp_proxy import TcpProxy
-
-    parts = urlsplit(args.url)
-    proxy = TcpProxy(parts.port or 6379, parts.hostname or "127.0.0.1")
-    proxy_url = f"redis://127.0.0.1:{proxy.port}{parts.path or '/0'}"
     prefix = run_prefix()
-    ctx = mp.get_context("fork")
-    rng = random.Random(11)
-    procs = [spawn(ctx, args, prefix, proxy_url, i) for i in range(args.procs)]
-    faults = {"SIGKILL": 0, "SIGSTOP": 0, "cut": 0, "delay": 0}
-    stopped: list[tuple[float, mp.Process]] = []
-    started = time.monotonic()
-    seed = args.procs
+
+    def factory(proxy_url: str, seed: int):
+        return start_process(worker, proxy_url, args.url, prefix, args.keys, seed)
+
+    chaos = Chaos(args.url, [factory] * args.procs, stop_for=2 * TTL)
     try:
-        while True:
-            done = int(admin.get(f"{prefix}:acquisitions") or 0)
-            if done >= args.acquisitions or time.monotonic() - started > args.seconds:
-                break
-            time.sleep(rng.uniform(0.1, 0.3))
-            for until, p in list(stopped):
-                if time.monotonic() >= until:
-                    os.kill(p.pid, signal.SIGCONT)
-                    stopped.remove((until, p))
-            fault = rng.choice(list(faults))
-            i = rng.randrange(len(procs))
-            if fault == "SIGKILL":
-                os.kill(procs[i].pid, signal.SIGKILL)
-                procs[i].join(5)
-                stopped[:] = [(u, p) for u, p in stopped if p is not procs[i]]
-                seed += 1
-                procs[i] = spawn(ctx, args, prefix, proxy_url, seed)
-            elif fault == "SIGSTOP":
-                if any(p is procs[i] for _, p in stopped):
-                    continue
-                os.kill(procs[i].pid, signal.SIGSTOP)
-                stopped.append((time.monotonic() + 2 * TTL, procs[i]))
-            elif fault == "cut":
-                proxy.cut()
-            else:
-                proxy.delay = 0.3
-                time.sleep(1.0)
-                proxy.delay = 0.0
-            faults[fault] += 1
+        elapsed = chaos.run(lambda: int(admin.get(f"{prefix}:acquisitions") or 0) >= args.acquisitions, args.seconds)
     finally:
-        for _, p in stopped:
-            os.kill(p.pid, signal.SIGCONT)
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.join(5)
-        proxy.close()
-    elapsed = time.monotonic() - started
+        chaos.stop()
+    faults = chaos.faults
     acquisitions = int(admin.get(f"{prefix}:acquisitions") or 0)
     rejected = int(admin.get(f"{prefix}:rejected") or 0)
     regressions = overlaps = interleaved = lapsed = 0

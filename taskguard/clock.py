@@ -14,7 +14,10 @@ The API is two methods, so a test (or a simulated schedule) can inject its own:
 * ``time() -> float``: Unix epoch seconds (float) for instants.
 
 plus ``refresh()``, which a clock may use to resynchronise (a :class:`ServerClock` reads the
-server's ``TIME``); it never raises.
+server's ``TIME``); it never raises; and ``uncertainty()``, how far ``time()`` may be from its
+source's true time either way, in seconds (0 for the local clocks; optional for an injected
+clock: :func:`uncertainty` reads it as 0 when absent). A wait that must not end before an instant
+of the source (a booked rate turn) waits that much longer.
 
 :data:`LOCAL` is the process's own clocks (``time.monotonic`` / ``time.time``).
 """
@@ -26,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["LOCAL", "Clock", "FixedClock", "ServerClock"]
+__all__ = ["LOCAL", "Clock", "FixedClock", "ServerClock", "uncertainty"]
 
 log = logging.getLogger("taskguard")
 
@@ -45,6 +48,11 @@ class Clock:
 
     def refresh(self) -> None:
         """Resynchronise with the clock's source, where it has one (here: nothing). Never raises."""
+
+    def uncertainty(self) -> float:
+        """Seconds (float, >= 0) that :meth:`time` may be from its source's true time, either way
+        (here: 0, the source is this host's own clock)."""
+        return 0.0
 
 
 #: The process's own clocks.
@@ -90,6 +98,7 @@ class ServerClock(Clock):
         self._local = local
         self._lock = threading.Lock()
         self._base: tuple[float, float] | None = None  # (server epoch seconds, local monotonic then)
+        self._half_rtt = 0.0
 
     def monotonic(self) -> float:
         return self._local.monotonic()
@@ -105,7 +114,15 @@ class ServerClock(Clock):
             return
         got = self._local.monotonic()
         with self._lock:
+            # the server read its clock somewhere in the round trip: the middle is the best
+            # guess, off by at most half the round trip either way (:meth:`uncertainty`)
             self._base = (server + (got - sent) / 2, got)
+            self._half_rtt = (got - sent) / 2
+
+    def uncertainty(self) -> float:
+        """Half the round trip of the reading in use, seconds: :meth:`time` is within that of the
+        server's clock (0 before the first reading, when :meth:`time` is the local clock's)."""
+        return self._half_rtt if self._base is not None else 0.0
 
     def time(self) -> float:
         """The server's Unix epoch seconds (float), as of its last reading plus the monotonic
@@ -117,3 +134,9 @@ class ServerClock(Clock):
         if base is None:
             return self._local.time()
         return base[0] + (self._local.monotonic() - base[1])
+
+
+def uncertainty(clock: Clock) -> float:
+    """``clock.uncertainty()``, or 0 for an injected clock without the method (seconds)."""
+    read = getattr(clock, "uncertainty", None)
+    return float(read()) if read is not None else 0.0

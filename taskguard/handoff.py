@@ -8,6 +8,14 @@ claims the handle (one-shot: of two copies of one retry message exactly one wins
 fencing token); if the lease expired meanwhile it acquires afresh (a larger fence); if another
 owner holds it, the run is not acquired and must not run.
 
+Under a task's ``limit_total`` the run holds two leases, its key's and its place in the total
+(:attr:`taskguard.Lease.total`): the handle then carries the total's as a nested handle,
+``{"key", "owner", "fence", "expires", "total": {"key", "owner", "fence", "expires"}}``.
+:func:`resume` claims the key's first and then the total's (each one-shot, each keeping its
+fencing token; either one expired or taken is acquired afresh); when the total has no place left
+the key's lease is given back and the run is not acquired (``reason="limit_total"``).
+:func:`release_handle` releases both.
+
 The handle holds the owner token: whoever can read where it is persisted can renew or release
 that lease.
 """
@@ -17,15 +25,15 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from .errors import ConfigError
+from .errors import ConfigError, LeaseBackendError
 from .lease import Acquisition, Lease, slot_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["persist", "parse_handle", "resume", "release_handle"]
+__all__ = ["persist", "handle_of", "parse_handle", "resume", "release_handle", "restore_handle"]
 
 log = logging.getLogger("taskguard")
 
@@ -34,15 +42,42 @@ def persist(lease: Lease, ttl: float) -> dict[str, Any] | None:
     """Stretch ``lease`` to ``ttl`` seconds from now, stop renewing it here, and return its handle.
 
     Returns ``None`` when the lease is no longer held (the retry will then acquire afresh).
-    Raises LeaseBackendError when Redis fails."""
+    Raises LeaseBackendError when Redis fails.
+
+    With a :attr:`~taskguard.Lease.total` lease, that one is stretched too and its handle nested
+    under ``"total"``; when it is no longer held, the key's lease is released and ``None``
+    returned (the retry acquires both afresh)."""
     lease.stop_renewing()  # first: a heartbeat round must not renew it after the stretch
+    total = lease.total
+    if total is not None:
+        total.stop_renewing()
     if not lease.renew(ttl):
+        if total is not None:
+            total.release()
         return None
-    return {"key": lease.key, "owner": lease.owner_token, "fence": lease.fencing_token, "expires": lease.expires_at}
+    if total is not None and not total.renew(ttl):
+        lease.release()
+        return None
+    return handle_of(lease)
 
 
-def parse_handle(data: Any) -> dict[str, Any]:
-    """Validate a persisted handle; raise ConfigError saying what is wrong (never echoing the token)."""
+def handle_of(lease: Lease) -> dict[str, Any]:
+    """The handle of a held ``lease`` as it stands (nothing renewed): ``{"key", "owner", "fence",
+    "expires"}``, plus ``"total"`` (the same four fields) for a lease with a total."""
+    h: dict[str, Any] = {
+        "key": lease.key,
+        "owner": lease.owner_token,
+        "fence": lease.fencing_token,
+        "expires": lease.expires_at,
+    }
+    if lease.total is not None:
+        h["total"] = handle_of(lease.total)
+    return h
+
+
+def parse_handle(data: Any, _nested: bool = False) -> dict[str, Any]:
+    """Validate a persisted handle (with its nested ``"total"`` handle, if any); raise
+    ConfigError saying what is wrong (never echoing the token)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"malformed lease handle: expected a mapping, got {type(data).__name__}")
     key, owner, fence, expires = (data.get(f) for f in ("key", "owner", "fence", "expires"))
@@ -63,7 +98,21 @@ def parse_handle(data: Any) -> dict[str, Any]:
         key.encode("utf-8"), owner.encode("utf-8")
     except UnicodeEncodeError:
         raise ConfigError("malformed lease handle: 'key' and 'owner' must be valid Unicode text") from None
-    return {"key": key, "owner": owner, "fence": fence, "expires": None if expires is None else float(expires)}
+    out: dict[str, Any] = {
+        "key": key,
+        "owner": owner,
+        "fence": fence,
+        "expires": None if expires is None else float(expires),
+    }
+    total = data.get("total")
+    if total is not None:
+        if _nested:
+            raise ConfigError("malformed lease handle: a total's handle has no 'total' of its own")
+        try:
+            out["total"] = parse_handle(total, _nested=True)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("lease handle:", "lease handle's total:", 1)) from None
+    return out
 
 
 def resume(
@@ -80,6 +129,7 @@ def resume(
     delivery: str | None = None,
     markers: bool = True,
     limit: int = 1,
+    total: tuple[str, int] | None = None,
 ) -> Acquisition:
     """Take over the persisted ``handle`` for ``key``, else acquire ``key`` afresh when free.
 
@@ -92,47 +142,124 @@ def resume(
     :meth:`Locks.acquire`). Under ``limit > 1``, a handle whose slot another holder took meanwhile
     falls back to acquiring any free slot (a larger fence), as an expired one does.
 
-    Raises ConfigError for a malformed handle, LeaseBackendError when Redis fails."""
+    ``total``: ``(total key, limit_total)`` of a task with a total: once ``key`` is held, the
+    handle's nested total handle is taken over the same way (or a place in the total acquired
+    afresh); with no place left, ``key``'s lease is released again and the answer is not acquired
+    with ``reason="limit_total"``. The returned lease's :attr:`~taskguard.Lease.total` is the
+    total's lease. A nested total handle that is not wanted (``total`` ``None``, or the key is
+    refused) is released.
+
+    Raises ConfigError for a malformed handle, LeaseBackendError when Redis fails (a lease taken
+    by this call is given back first)."""
     h = parse_handle(handle)
+    th = h.pop("total", None)
+    common: dict[str, Any] = dict(holder=holder, renew=renew, max_hold=max_hold, run_id=run_id)
+    acq = _resume_one(
+        locks,
+        h,
+        key=key,
+        ttl=ttl,
+        refuse_finished=refuse_finished,
+        delivery=delivery,
+        markers=markers,
+        limit=limit,
+        **common,
+    )
+    if total is None or not acq.acquired:
+        if th is not None:
+            _release_quietly(locks, th)
+        return acq
+    lease = cast(Lease, acq.lease)
+    try:
+        if th is not None:
+            tacq = _resume_one(locks, th, key=total[0], ttl=ttl, limit=total[1], markers=False, **common)
+        else:
+            tacq = locks.acquire(total[0], ttl=ttl, limit=total[1], markers=False, **common)
+    except BaseException:
+        _release_quietly(locks, lease)
+        raise
+    if not tacq.acquired:
+        _release_quietly(locks, lease)
+        return Acquisition(False, None, "limit_total", tacq.holder_ttl, tacq.holder_run)
+    lease.total = tacq.lease
+    return acq
+
+
+def _resume_one(
+    locks: Locks,
+    h: Mapping[str, Any],
+    *,
+    key: str,
+    ttl: float,
+    holder: Mapping[str, Any] | None,
+    renew: bool,
+    max_hold: float | None,
+    run_id: str | None,
+    refuse_finished: bool = False,
+    delivery: str | None = None,
+    markers: bool = True,
+    limit: int = 1,
+) -> Acquisition:
+    """:func:`resume` for one parsed handle ``h`` (without a nested total)."""
+    again: dict[str, Any] = dict(
+        ttl=ttl,
+        holder=holder,
+        renew=renew,
+        max_hold=max_hold,
+        run_id=run_id,
+        refuse_finished=refuse_finished,
+        delivery=delivery,
+        markers=markers,
+        limit=limit,
+    )
     if h["key"] != key:
         release_handle(locks, h, ttl=ttl)
-        return locks.acquire(
-            key,
-            ttl=ttl,
-            holder=holder,
-            renew=renew,
-            max_hold=max_hold,
-            run_id=run_id,
-            refuse_finished=refuse_finished,
-            delivery=delivery,
-            markers=markers,
-            limit=limit,
-        )
+        return locks.acquire(key, **again)
     acq = locks.claim(
         key, h["owner"], ttl=ttl, holder=holder, renew=renew, max_hold=max_hold, run_id=run_id, delivery=delivery
     )
     if acq.acquired:
         return acq
     if acq.reason == "expired" or limit > 1:  # (or already claimed and released by another copy of the handle)
-        return locks.acquire(
-            key,
-            ttl=ttl,
-            holder=holder,
-            renew=renew,
-            max_hold=max_hold,
-            run_id=run_id,
-            refuse_finished=refuse_finished,
-            delivery=delivery,
-            markers=markers,
-            limit=limit,
-        )
+        return locks.acquire(key, **again)
     slot = slot_of(h["owner"])  # who took it: another execution of this run, or another run?
     info = next((i for i in locks.holders(key) if i.slot == slot), None)
     return Acquisition(False, None, "held", acq.holder_ttl, info.run_id if info is not None else None)
 
 
+def restore_handle(locks: Locks, handle: Mapping[str, Any], *, ttl: float = 1.0) -> Lease:
+    """A :class:`~taskguard.Lease` rebuilt from a persisted handle (see :meth:`Locks.restore`),
+    with its :attr:`~taskguard.Lease.total` rebuilt from the nested total handle, if any.
+    Raises ConfigError for a malformed handle."""
+    h = parse_handle(handle)
+    lease = locks.restore(h["key"], h["owner"], ttl=ttl, fencing_token=h["fence"], expires_at=h["expires"])
+    th = h.get("total")
+    if th is not None:
+        lease.total = locks.restore(
+            th["key"], th["owner"], ttl=ttl, fencing_token=th["fence"], expires_at=th["expires"]
+        )
+    return lease
+
+
 def release_handle(locks: Locks, handle: Mapping[str, Any], *, ttl: float = 1.0) -> bool:
     """Release the lease a persisted handle stands for (e.g. its retry was revoked or never
-    published). Returns ``True`` when it was still held by that handle and is now released."""
-    h = parse_handle(handle)
-    return locks.restore(h["key"], h["owner"], ttl=ttl, fencing_token=h["fence"]).release()
+    published), and its place in the total when the handle has one. Returns ``True`` when the
+    key's lease was still held by that handle and is now released."""
+    lease = restore_handle(locks, handle, ttl=ttl)
+    released = lease.release()
+    if lease.total is not None:
+        lease.total.release()
+    return released
+
+
+def _release_quietly(locks: Locks, what: Lease | Mapping[str, Any]) -> None:
+    """Give back a lease (or a parsed handle's) taken or kept for a run that will not run now.
+    Never raises: its TTL bounds what a Redis error leaves behind."""
+    try:
+        if isinstance(what, Lease):
+            what.release()
+        else:
+            release_handle(locks, what)
+    except LeaseBackendError as e:
+        key = what.key if isinstance(what, Lease) else what.get("key")
+        log.warning("could not give back lease %r (its TTL bounds it): %s", key, e)

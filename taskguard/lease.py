@@ -52,6 +52,11 @@ class Lease:
         run_id: the run identity given at acquire/claim (e.g. a task id), or ``None``.
         slot: which of the key's holder slots this lease is (``int``, 0 for a plain lease; 0..N-1
             under ``acquire(limit=N)``). Fencing tokens grow per (key, slot).
+        total: under a task's ``limit_total``, the run's second lease — its place in the total
+            (a :class:`Lease` on the total's key, with its own slot and fencing token) — else
+            ``None``. This handle's own fencing token is the key's; hand storage the one whose
+            writes it guards. :meth:`ensure_held` checks both; the task's run renews and
+            releases both (:meth:`renew` and :meth:`release` act on this lease only).
 
     A handle belongs to the process that made it: in a process forked from it, ``renew`` and
     ``release`` do nothing and return ``False`` (the parent still owns the lease).
@@ -95,6 +100,7 @@ class Lease:
         #: ``True`` while registered with the heartbeat (see :meth:`stop_renewing`).
         self.renewing = False
         self._lost_callbacks: list[Callable[[Lease, str], None]] = []
+        self.total: Lease | None = None
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -211,7 +217,8 @@ class Lease:
 
         With ``verify=False`` (default) this checks local knowledge only (no round trip): lost
         marks from the heartbeat and ``expires_at``. With ``verify=True`` it also asks Redis
-        whether this owner token still owns the key (one round trip).
+        whether this owner token still owns the key (one round trip). With a :attr:`total`
+        lease, that one is checked as well (it raises ``LeaseLost`` naming the total's key).
         """
         if self.lost:
             raise LeaseLost(self.key, self.lost_reason or "lost")
@@ -219,6 +226,8 @@ class Lease:
             raise LeaseLost(self.key, "released")
         if verify and not self._manager.verify(self):
             raise LeaseLost(self.key, self.lost_reason or "not held in Redis")
+        if self.total is not None:
+            self.total.ensure_held(verify)
 
     def on_lost(self, callback: Callable[[Lease, str], None]) -> None:
         """Call ``callback(lease, reason)`` once — this :class:`Lease` and the reason (``str``,

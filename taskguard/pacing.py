@@ -32,6 +32,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, cast
 
+from .clock import uncertainty
 from .errors import ConfigError, LeaseBackendError
 from .locks import Locks
 from .skipped import Skipped
@@ -125,11 +126,16 @@ def pace(
     Returns a :class:`Pace`. Raises ConfigError for a ``cost`` above ``burst`` (the run could
     never pass), LeaseBackendError when Redis fails.
     """
-    now = locks.server_clock().time() if now is None else now
+    margin = 0.0
+    if now is None:
+        clock = locks.server_clock()
+        now, margin = clock.time(), uncertainty(clock)
     turn = state is not None and state.get("turn") is not None
     if turn:
-        # its turn was booked when it was deferred: the rate already counted it
-        early = cast(float, cast(Mapping[str, Any], state)["turn"]) - now
+        # its turn was booked when it was deferred: the rate already counted it. It waits out
+        # what is left of it, and the clock's uncertainty too: never before its turn on the
+        # server's clock, however slow the reading of that clock was
+        early = cast(float, cast(Mapping[str, Any], state)["turn"]) - now + margin
         if 0 < early <= MAX_EARLY:
             return Pace(True, countdown=early)
     since = now if state is None else state["since"]

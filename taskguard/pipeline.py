@@ -22,11 +22,15 @@ finished (``Hooks.finished``)
                                                             :class:`Run` carries the rate charge
                                                             (the call's ``cost``)
 ``limit``: an int, or its callable's value for this call    the lease's slots
+``limit_total``: the key's slot, then a place in the total  both held, or :class:`Skip`
+                                                            (``"limit_total"``; the key's slot
+                                                            given back at once)
 ``once``: the key's work done (same fingerprint)            :class:`Stored` (the stored value)
 lease refused: this copy's run already finished             :class:`Duplicate` (with the run)
 lease held by another execution of the same run id          :class:`Defer` (``"running"``;
                                                             countdown: holder's TTL, >= 0.5 s)
-lease refused otherwise (held, limit, wait_timeout)         :class:`Skip` (not yet reported)
+lease refused otherwise (held, limit, limit_total,           :class:`Skip` (not yet reported)
+wait_timeout)
 lease taken after waiting, redelivered, and finished        :class:`Duplicate` (lease handed back)
 meanwhile (``wait > 0``)
 lease taken (or shadow mode: whatever the guard said)       :class:`Run` (shadow: reported first)
@@ -51,9 +55,29 @@ that started already
 A run decided :class:`Run` under ``overlap="coalesce"`` wakes the key's pending follow-up when it
 ends (:func:`taskguard.overlap.wake_pending`, through :meth:`Hooks.wake`).
 
-After the body: a body that raised :class:`~taskguard.RateLimited` (an upstream's 429) is
-decided by :func:`backed_off`: the rate key paused cluster-wide, the run a :class:`Defer`
-(``"backoff"``) past the pause, or a :class:`Skip` past ``rate_max_wait``.
+The body of a :class:`Run` runs in :func:`perform`, which ends the run by how the body ended,
+in one place for both adapters:
+
+==========================================================  ===================================
+the body                                                    the run, and what the adapter gets
+==========================================================  ===================================
+returned                                                    finished (``once``: the value stored);
+                                                            :class:`Performed` with the value
+returned the framework's own "run me again" (RQ's           settled by the adapter
+``Retry``: :meth:`Hooks.returned`)                          (:meth:`Hooks.returned`); the value
+returned, but the lease was taken over meanwhile            :class:`Skip` (``"replaced"``)
+(``overlap="replace"``)
+raised :class:`~taskguard.RateLimited` (an upstream's       handed back; :func:`backed_off`: the
+429), enforced                                              rate key paused cluster-wide, then a
+                                                            :class:`Defer` (``"backoff"``) past
+                                                            the pause, a :class:`Skip` past
+                                                            ``rate_max_wait``, or (a local call)
+                                                            the exception
+raised a failure (:meth:`Hooks.failed`) after another       failed; :class:`Skip` (``"replaced"``)
+run took its lease over (``overlap="replace"``)
+raised anything else (shadow mode's ``RateLimited`` too)    as the framework treats the exception
+                                                            (:meth:`Hooks.settle`); re-raised
+==========================================================  ===================================
 
 The publish-time queued mark (``unique``) is cleared through :meth:`Hooks.clear_mark` as soon as
 the execution started or will never run: on every decision but a rate :class:`Defer` (still
@@ -73,7 +97,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from .errors import LeaseBackendError, RateLimited
+from .errors import LeaseBackendError, LeaseLost, RateLimited
 from .keys import KeyTemplate
 from .overlap import (
     Pending,
@@ -111,6 +135,8 @@ __all__ = [
     "decide",
     "replaced_skip",
     "backed_off",
+    "Performed",
+    "perform",
 ]
 
 
@@ -208,6 +234,20 @@ class Hooks(Protocol):
     def replaced(self, holder: Any) -> None:
         """This run took the lease over from ``holder`` (a :class:`~taskguard.lease.HolderInfo`):
         with ``replace_terminate``, stop that run's execution. Never raises."""
+
+    # -- how the body ended (:func:`perform`) ------------------------------------------------------
+    def failed(self, exc: BaseException) -> bool:
+        """Is ``exc``, raised by the body, its failure (``True``), or the framework's own control
+        flow (``False``: Celery's ``Retry`` and ``Reject``, a worker shutting down)?"""
+
+    def settle(self, run: GuardedRun, exc: BaseException) -> None:
+        """The body raised ``exc``: end ``run`` as the framework will treat it — hand it back
+        (the message comes back, the same id runs again), keep it for a retry, or fail it.
+        Never raises."""
+
+    def returned(self, run: GuardedRun, value: Any) -> bool:
+        """The body returned ``value``: ``True`` when that is not the run's end and the adapter
+        settled the run itself (RQ's returned ``Retry``), ``False`` to finish it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +401,7 @@ def decide(
                 stamp,
                 once,
                 opts.enforce,
+                opts.total_of(args, kwargs),
             ),
             on_lost_report=hooks.lost,
             tag=ex.tag,
@@ -627,3 +668,66 @@ def backed_off(
         return Skip(skipped)
     locks.report_skip(skipped)
     return Defer(p.countdown, Reason.BACKOFF, rate_key, state=p.state, skipped=skipped)
+
+
+@dataclasses.dataclass(frozen=True)
+class Performed:
+    """How the body of a :class:`Run` ended (:func:`perform`): ``value``, what it returned; or
+    ``instead``, the decision the execution ends with in place of a value (a :class:`Skip`:
+    replaced by another run, or a back-off past ``rate_max_wait``; a :class:`Defer` past a
+    back-off pause), which the adapter translates like any other."""
+
+    value: Any = None
+    instead: Skip | Defer | None = None
+
+
+def perform(
+    decision: Run,
+    body: Callable[[], Any],
+    opts: GuardOptions,
+    key: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ex: Execution,
+    hooks: Hooks,
+    locks: Locks,
+) -> Performed:
+    """Run ``body()`` under the decision's run (and its rate charge) and end the run by how it
+    ended (the table in this module's docstring): both adapters end a run the same way, and
+    tell only what their framework means by a value or an exception (:meth:`Hooks.failed`,
+    :meth:`Hooks.settle`, :meth:`Hooks.returned`).
+
+    Raises what the body raised (after the run is settled), :class:`~taskguard.LeaseLost` from
+    the end of a run whose lease was lost with ``on_lost="raise"`` (unless another run took it
+    over: then :class:`Skip`), ConfigError for a ``once`` value that cannot be stored."""
+    run = decision.run
+    with run, decision.charging():
+        try:
+            value = body()
+        except RateLimited as exc:
+            if not opts.enforce:  # shadow mode: the guard does not act on it; it is the body's failure
+                hooks.settle(run, exc)
+                backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)  # (reported only)
+                raise
+            run.hand_back()  # it runs again after the pause
+            after = backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)
+            if after is None:
+                raise
+            return Performed(instead=after)
+        except BaseException as exc:
+            replaced = replaced_skip(opts, run) if hooks.failed(exc) else None
+            if replaced is None:
+                hooks.settle(run, exc)
+                raise
+            run.fail()
+            return Performed(instead=Skip(replaced))
+    if hooks.returned(run, value):
+        return Performed(value)
+    try:
+        run.finish(value)
+    except LeaseLost:
+        replaced = replaced_skip(opts, run)
+        if replaced is None:
+            raise
+        return Performed(instead=Skip(replaced))
+    return Performed(value)

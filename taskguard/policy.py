@@ -84,6 +84,8 @@ class GuardOptions:
     debounce_max: float | None = None
     cost: Any = 1  # an int, or a PerCall of the call's arguments
     limit_fn: PerCall | None = None  # limit= given as a callable of the call's arguments
+    limit_total: int | None = None
+    limit_total_key: KeyTemplate | None = None
 
     @classmethod
     def build(
@@ -120,6 +122,8 @@ class GuardOptions:
         debounce: float | None = None,
         debounce_max: float | None = None,
         cost: int | Callable[..., int] = 1,
+        limit_total: int | None = None,
+        limit_total_key: str | Callable[..., str] | None = None,
         allowed_on_skip: tuple[str, ...] = ON_SKIP,
     ) -> GuardOptions:
         """Validate options for the task ``name`` whose body is ``fn``.
@@ -149,6 +153,18 @@ class GuardOptions:
                 ``int`` (``lambda tenant, **_: 10 if is_premium(tenant) else 2``), evaluated per
                 run (:meth:`limit_of`): a value out of range fails that run with ConfigError;
                 lowering a key's limit admits nobody new until fewer than the new value hold it.
+            limit_total: a second cap over every key of the task (``int`` 1..100; default
+                ``None``: none): ``limit=2, limit_total=10`` admits at most 2 runs per key *and*
+                10 in all. A run needs a place in both: it takes its key's slot first, then one
+                of the total's; when the total has none it gives its key's slot back at once
+                (never holding one while waiting for the other) and is skipped with reason
+                ``"limit_total"`` (``on_skip`` applies; with ``wait``, it waits holding
+                nothing). Both leases are renewed by the heartbeat and released together;
+                ``self.lease`` is the key's lease and ``self.lease.total`` the total's
+                (each with its own fencing token). Needs ``key=``; must be at least an int
+                ``limit``; refused with ``overlap="coalesce"`` / ``"replace"``.
+            limit_total_key: the total's key, a template or callable like ``key`` (default:
+                the task name, one total for all its runs); must differ from the lease key.
             rate: a cluster-wide rate for the runs (``"N/s"``, ``"N/m"``, ``"N/h"``, ``"N/d"``
                 or ``(count, seconds)``; default ``None``: none), checked before the lease: a
                 run over it is deferred to its booked turn without consuming the task's retries
@@ -233,6 +249,25 @@ class GuardOptions:
                 PerCall("limit", limit, fn, check_limit, skip_self=skip_self, task=name) if callable(limit) else None
             )
             limit = 1 if limit_fn is not None else check_limit(limit)
+            total_template = None
+            if limit_total is None:
+                if limit_total_key is not None:
+                    raise ConfigError("limit_total_key needs limit_total= (e.g. limit=2, limit_total=10)")
+            else:
+                limit_total = check_limit(limit_total, "limit_total")
+                if limit_fn is None and limit > limit_total:
+                    raise ConfigError(
+                        f"limit ({limit}) exceeds limit_total ({limit_total}): one key could never use its limit"
+                    )
+                if key is None:
+                    raise ConfigError(
+                        "limit_total needs key= naming the per-key lease (e.g. key='export:{tenant}'); "
+                        "the total counts every key"
+                    )
+                spec = name if limit_total_key is None else limit_total_key
+                if isinstance(spec, str) and spec == key:
+                    raise ConfigError(f"limit_total_key must differ from key ({key!r}): they are two caps")
+                total_template = KeyTemplate(spec, fn, skip_self=skip_self)
             rate = None if rate is None else check_rate(rate)
             if rate is None and (rate_key is not None or rate_burst is not None or rate_max_wait is not None):
                 raise ConfigError("rate_key, rate_burst and rate_max_wait need rate= (e.g. rate='100/m')")
@@ -281,7 +316,9 @@ class GuardOptions:
             raise bad(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
         try:
             overlap = check_overlap(overlap)
-            check_overlap_conflicts(overlap, once=once, unique=unique, on_skip=on_skip, enforce=enforce)
+            check_overlap_conflicts(
+                overlap, once=once, unique=unique, on_skip=on_skip, enforce=enforce, limit_total=limit_total
+            )
         except ConfigError as e:
             raise bad(str(e)) from None
         if not isinstance(replace_terminate, bool):
@@ -347,6 +384,8 @@ class GuardOptions:
             debounce_max,
             run_cost,
             limit_fn,
+            limit_total,
+            total_template,
         )
 
     def once_policy(self, args: tuple[Any, ...], kwargs: dict[str, Any], dumps: Any = None, loads: Any = None) -> Any:
@@ -371,6 +410,17 @@ class GuardOptions:
         callable's value for this call. Raises ConfigError for a value out of range (1..100),
         TypeError when the arguments do not bind, and whatever the callable raises."""
         return self.limit if self.limit_fn is None else self.limit_fn.of(args, kwargs)
+
+    def total_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, int] | None:
+        """The total a call also needs a place in: ``(total key, limit_total)``, or ``None``
+        without ``limit_total``. Raises what rendering the key raises (TypeError...) and
+        ConfigError when it renders to the lease key itself (``key``)."""
+        if self.limit_total is None:
+            return None
+        total_key = cast(KeyTemplate, self.limit_total_key).render(args, kwargs)
+        if total_key == self.key.render(args, kwargs):
+            raise ConfigError(f"limit_total_key rendered {total_key!r}, the lease key itself: they are two caps")
+        return total_key, self.limit_total
 
     def retry_delay(self, holder_ttl: float | None) -> float:
         """Countdown for an ``on_skip="retry"`` retry, seconds."""
@@ -398,15 +448,22 @@ def check_overlap(value: Any, *, allowed: tuple[str, ...] = OVERLAP_BUILT, what:
 
 
 def check_overlap_conflicts(
-    overlap: Any, *, once: Any = False, unique: Any = False, on_skip: Any = "result", enforce: Any = True
+    overlap: Any,
+    *,
+    once: Any = False,
+    unique: Any = False,
+    on_skip: Any = "result",
+    enforce: Any = True,
+    limit_total: Any = None,
 ) -> None:
     """Refuse an ``overlap`` value beside the options it cannot work with (a task's own, or a
-    periodic entry's laid over its task's): ``coalesce`` / ``replace`` with ``once``, ``unique``,
-    ``on_skip="retry"`` or ``enforce=False``; ``allow`` with ``once``. Raises ConfigError
-    saying why."""
+    periodic entry's laid over its task's): ``coalesce`` / ``replace`` with ``limit_total``,
+    ``once``, ``unique``, ``on_skip="retry"`` or ``enforce=False``; ``allow`` with ``once``.
+    Raises ConfigError saying why."""
     overlap = Overlap.of(overlap)
     table = _CONFLICTS.get(overlap.value if isinstance(overlap, Overlap) else str(overlap), {})
     for conflict, given in (
+        ("limit_total", limit_total is not None),
         ("once=True", once is True),
         ("unique=True", unique is True),
         ("on_skip='retry'", on_skip == "retry"),
@@ -427,6 +484,7 @@ _CONFLICTS = {
         ),
         "on_skip='retry'": "a run finding the lease held becomes the pending follow-up instead of skipping",
         "enforce=False": "shadow mode never holds a run back, so there is nothing to coalesce",
+        "limit_total": "a pending follow-up is woken when its key frees, not when the total does",
     },
     "replace": {
         "once=True": "a completed key's work is not redone, so there is no run to replace it with",
@@ -435,6 +493,7 @@ _CONFLICTS = {
         ),
         "on_skip='retry'": "a run finding the lease held takes it over instead of skipping",
         "enforce=False": "shadow mode never takes a lease from a holder",
+        "limit_total": "taking over a key's oldest holder would not give a place in the total",
     },
 }
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .context import running
 from .errors import ConfigError, IdempotencyConflict, LeaseBackendError, LeaseLost
-from .handoff import persist, resume
+from .handoff import persist, restore_handle, resume
 from .lease import Acquisition, Lease
 from .leasing import finished_id
 from .liveness import holder_is_dead
@@ -71,6 +71,7 @@ class RunRequest:
     delivery: str | None = None
     once: Any = None
     enforce: bool = True
+    total: tuple[str, int] | None = None
 
 
 class GuardedRun:
@@ -89,6 +90,13 @@ class GuardedRun:
         holder: non-secret holder metadata stored with the lease.
         max_hold: stop renewing after this many seconds (``None``: the locks' default).
         limit: how many runs may hold ``key`` at once (``int`` >= 1; see :meth:`Locks.acquire`).
+        total: ``(total key, limit_total)``: the run also needs one of ``limit_total`` places in
+            the total key, or ``None``. It takes its key's slot first, then the total's; when
+            the total has none it gives its key's slot back at once (reason ``"limit_total"``;
+            with ``wait``, it waits for the total holding nothing, then asks for its key again
+            without waiting). The total's lease is ``lease.total``; both are renewed,
+            kept for a retry (:meth:`keep`: one handle with the total's nested) and released
+            together, and losing either is losing the run's lease (``on_lost``).
         run_id: the identity of the run (a Celery task id, an RQ job id), or ``None``.
         task: the task name for skips, events and logs, or ``None``.
         on_lost: :class:`~taskguard.values.OnLost`: ``"raise"`` (:meth:`finish` raises
@@ -113,7 +121,8 @@ class GuardedRun:
     Attributes:
         lease: the held :class:`~taskguard.Lease` after a successful :meth:`begin`, else ``None``.
         reason: why :meth:`begin` did not get the lease (a :class:`~taskguard.values.Reason`
-            where it is one of them): ``"held"``, ``"limit"``, ``"wait_timeout"``,
+            where it is one of them): ``"held"``, ``"limit"``, ``"limit_total"`` (no place left
+            in the total), ``"wait_timeout"``,
             ``"duplicate"`` (this copy's run already finished), ``"running"`` (another
             execution of this run id holds it) or ``"once"`` (the key's work is done: see
             :meth:`stored_value`). In shadow mode: what the guard would have done (the body
@@ -153,6 +162,7 @@ class GuardedRun:
         "limit",
         "once",
         "enforce",
+        "total",
         "_record",
         "on_end",
     )
@@ -173,7 +183,7 @@ class GuardedRun:
         if request.on_lost not in ON_LOST:
             raise ConfigError(f"on_lost must be one of {ON_LOST}, got {request.on_lost!r}")
         r = self.request = request
-        self.limit, self.once, self.enforce = r.limit, r.once, r.enforce
+        self.limit, self.once, self.enforce, self.total = r.limit, r.once, r.enforce, r.total
         self._record: dict[str, Any] | None = None
         self.locks, self.key, self.ttl, self.wait, self.renew = locks, r.key, r.ttl, r.wait, r.renew
         self.holder, self.max_hold, self.run_id, self.task = r.holder, r.max_hold, r.run_id, r.task
@@ -244,6 +254,7 @@ class GuardedRun:
                     delivery=self.delivery,
                     markers=self.finished_ttl is not None,
                     limit=self.limit,
+                    total=self.total,
                 )
             except ConfigError as e:
                 log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
@@ -255,7 +266,7 @@ class GuardedRun:
                 not acq.acquired
                 and self.wait > 0
                 and self.run_id is not None
-                and acq.reason in ("held", "limit")
+                and acq.reason in ("held", "limit", "limit_total")
                 and acq.holder_run != self.run_id
             ):
                 acq = self._acquire(self.wait, refuse_finished)
@@ -339,6 +350,7 @@ class GuardedRun:
                         delivery=self.delivery,
                         markers=self.finished_ttl is not None,
                         limit=self.limit,
+                        total=self.total,
                     )
                 except ConfigError as e:
                     log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
@@ -358,7 +370,7 @@ class GuardedRun:
         self.state = RunState.RUNNING
         if would is not None:
             self.locks.report_skip(
-                Skipped(key=self.key, reason=would, task=self.task, holder_ttl=self.holder_ttl), shadow=True
+                Skipped(key=self._skip_key(), reason=would, task=self.task, holder_ttl=self.holder_ttl), shadow=True
             )
         return True
 
@@ -376,6 +388,76 @@ class GuardedRun:
             log.warning("%s: shadow mode: could not record the completion of %r: %s", self._who(), self.key, e)
 
     def _acquire(self, wait: float, refuse_finished: bool = False) -> Acquisition:
+        if self.total is not None:
+            return self._acquire_both(wait, refuse_finished)
+        return self._acquire_key(wait, refuse_finished)
+
+    def _acquire_both(self, wait: float, refuse_finished: bool) -> Acquisition:
+        """The key's slot, then a place in the total, never holding one while waiting for the
+        other (no hold-and-wait, so two runs can never wait on each other; each is a separate
+        single-key script, so the two keys may live in different Redis Cluster slots). The
+        key's lease, with the total's as its :attr:`~taskguard.Lease.total`; or not acquired
+        with the key's reason, ``"limit_total"``, or ``"wait_timeout"``."""
+        total_key, total_limit = cast("tuple[str, int]", self.total)
+        deadline = time.monotonic() + wait
+        while True:
+            acq = self._acquire_key(max(0.0, deadline - time.monotonic()), refuse_finished)
+            if not acq.acquired:
+                return acq
+            lease = cast(Lease, acq.lease)
+            try:
+                tacq = self._acquire_total(total_key, total_limit, 0.0)
+            except BaseException:
+                self._give_back(lease)
+                raise
+            if tacq.acquired:
+                lease.total = tacq.lease
+                return acq
+            self._give_back(lease)  # no place in the total: nothing is held while waiting for it
+            left = deadline - time.monotonic()
+            if left <= 0:
+                reason = Reason.WAIT_TIMEOUT.value if wait > 0 else Reason.LIMIT_TOTAL.value
+                return Acquisition(False, None, reason, tacq.holder_ttl, tacq.holder_run)
+            tacq = self._acquire_total(total_key, total_limit, left)  # woken when a place frees
+            if not tacq.acquired:
+                return Acquisition(False, None, Reason.WAIT_TIMEOUT.value, tacq.holder_ttl, tacq.holder_run)
+            total = cast(Lease, tacq.lease)
+            try:
+                acq = self._acquire_key(0.0, refuse_finished)
+            except BaseException:
+                self._give_back(total)
+                raise
+            if acq.acquired:
+                cast(Lease, acq.lease).total = total
+                return acq
+            self._give_back(total)
+            if acq.reason == Reason.DUPLICATE or (self.run_id is not None and acq.holder_run == self.run_id):
+                return acq
+            if time.monotonic() >= deadline:
+                return Acquisition(False, None, Reason.WAIT_TIMEOUT.value, acq.holder_ttl, acq.holder_run)
+
+    def _acquire_total(self, total_key: str, total_limit: int, wait: float) -> Acquisition:
+        return self.locks.acquire(
+            total_key,
+            ttl=self.ttl,
+            wait=wait,
+            holder=self.holder,
+            renew=self.renew,
+            max_hold=self.max_hold,
+            run_id=self.run_id,
+            markers=False,
+            limit=total_limit,
+        )
+
+    def _give_back(self, lease: Lease) -> None:
+        """Release a lease taken for a run that will not run now (not finished). Never raises:
+        its TTL bounds what a Redis error leaves behind."""
+        try:
+            lease.release()
+        except LeaseBackendError as e:
+            log.warning("%s: could not give back lease %r (its TTL bounds it): %s", self._who(), lease.key, e)
+
+    def _acquire_key(self, wait: float, refuse_finished: bool = False) -> Acquisition:
         return self.locks.acquire(
             self.key,
             ttl=self.ttl,
@@ -481,14 +563,26 @@ class GuardedRun:
                     f"once=True: the value of {self.key!r} cannot be stored "
                     f"({type(e).__name__}: {e}); nothing was stored"
                 ) from None
+        total = lease.total
+        total_lost = total is not None and total.lost
         try:
             released = self.locks.leasing.release(lease, finished=True, finished_ttl=self.finished_ttl, store=store)
         except LeaseBackendError as e:
             log.warning("%s: could not release lease %r: %s", self._who(), self.key, e)
             released = not lease.lost
+        if total is not None:  # its place in the total: a plain release
+            try:
+                released = total.release() and released
+            except LeaseBackendError as e:
+                log.warning("%s: could not release lease %r: %s", self._who(), total.key, e)
+                released = released and not total.lost
         self._ended()
-        if was_lost or not released:
-            reason = lease.lost_reason or "lost while the body ran"
+        if was_lost or total_lost or not released:
+            reason = (
+                lease.lost_reason
+                or (f"its place in the total {total.key!r}: {total.lost_reason}" if total and total.lost else None)
+                or "lost while the body ran"
+            )
             if self.on_lost_report is not None:
                 self.on_lost_report(self, reason)
             if self.on_lost == OnLost.RAISE:
@@ -525,7 +619,7 @@ class GuardedRun:
         if self.state != RunState.KEPT:
             return
         self.state = RunState.FINISHED
-        lease = self.locks.restore(handle["key"], handle["owner"], ttl=self.ttl, fencing_token=handle["fence"])
+        lease = restore_handle(self.locks, handle, ttl=self.ttl)  # (with its place in the total)
         lease.run_id = self.run_id
         lease.finished_id = finished_id(self.run_id, self.delivery)
         self._release_quietly(lease, finished=True)
@@ -535,10 +629,18 @@ class GuardedRun:
         emitting the ``skip`` event (``report=False``: the caller reports it, e.g. after
         deciding on a retry)."""
         self.state = RunState.SKIPPED
-        skipped = Skipped(key=self.key, reason=self.reason or Reason.HELD, task=self.task, holder_ttl=self.holder_ttl)
+        skipped = Skipped(
+            key=self._skip_key(), reason=self.reason or Reason.HELD, task=self.task, holder_ttl=self.holder_ttl
+        )
         if report:
             self.locks.report_skip(skipped)
         return skipped
+
+    def _skip_key(self) -> str:
+        """The key a skip names: the total's when the total had no place (``"limit_total"``)."""
+        if self.reason == Reason.LIMIT_TOTAL and self.total is not None:
+            return self.total[0]
+        return self.key
 
     def _ended(self) -> None:
         on_end = self.on_end
@@ -561,6 +663,8 @@ class GuardedRun:
             log.warning(
                 "%s: could not release lease %r after the body ended (its TTL bounds it): %s", self._who(), self.key, e
             )
+        if lease.total is not None:
+            self._give_back(lease.total)
 
     def _who(self) -> str:
         name = self.task or "run"

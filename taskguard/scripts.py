@@ -6,10 +6,12 @@ everything that is not a key goes in ARGV):
 * ``{P:K}``        **the lease and its fence, one hash**: ``f`` the last fencing token handed out
                    for ``K``; while held, ``o`` the secret owner token, ``x`` the expiry (server
                    time, ms), ``h`` the holder metadata (JSON), ``s`` since (server ms), ``r`` the
-                   run id given at acquire/claim; after a release, ``o`` holds ``~`` and the
-                   release call's nonce (a client retry of that release still answers 1) and
-                   ``l`` the identity of the run that finished, if one did (the next acquisition
-                   drops it); ``w`` (server ms) until when someone waits for the lease;
+                   run id given at acquire/claim; a release deletes them all (a release by run
+                   id leaves ``o`` = ``~``) and keeps ``n``, the release call's nonce and answer
+                   (a client retry of that release still answers as it did), and ``l`` the
+                   identity of the run that finished, if one did (the next acquisition drops
+                   it), so an idle key holds ``f`` and ``n`` only; ``w`` (server ms) until
+                   when someone waits for the lease;
                    ``q:TASK`` the queued mark of a ``unique=True`` publish of TASK ("<run id>
                    <expiry ms>");
                    ``d:NAME`` the lease records (:meth:`Lease.put_record`), written only by the
@@ -20,8 +22,9 @@ everything that is not a key goes in ARGV):
                    a holder's owner token ends in ``#i`` for slot ``i > 0``, so every per-holder
                    script finds the slot from the token alone. The key
                    carries an idle TTL (``fence_idle_ttl``, default 7 days, never shorter than the
-                   lease), set at every acquisition, so Redis memory per distinct key is bounded and
-                   the fence lives at least as long as the lease it fences.
+                   lease), set again by an acquisition that finds it run down by more than 1% (or
+                   shorter than the lease), so Redis memory per distinct key is bounded and the
+                   fence lives at least as long as the lease it fences.
 * ``{P:K}:signal`` a one-element list pushed after a release when someone waits; waiters ``BLPOP``
                    it, so a waiter wakes on release instead of by polling. It expires by itself.
 * ``{P:K}:done:R`` the finished marker of run ``R`` (a Celery task id and its publish stamp),
@@ -225,9 +228,9 @@ if free > 0 then
 end
 local fence = math.max((tonumber(free_f) or 0) + 1, now_us)
 local ttl = tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 'o' .. sfx, ARGV[1] .. sfx, 'x' .. sfx, string.format('%.0f', now + ttl),
-           'f' .. sfx, string.format('%.0f', fence), 'h' .. sfx, ARGV[3], 's' .. sfx, string.format('%.0f', now),
-           'r' .. sfx, ARGV[6])
+-- integral numbers go to redis.call as such: Redis writes them with '%.17g', all their digits
+redis.call('HSET', KEYS[1], 'o' .. sfx, ARGV[1] .. sfx, 'x' .. sfx, now + ttl, 'f' .. sfx, fence,
+           'h' .. sfx, ARGV[3], 's' .. sfx, now, 'r' .. sfx, ARGV[6])
 if v[5] then
   redis.call('HDEL', KEYS[1], 'l')
 end
@@ -239,7 +242,12 @@ if m ~= slots then
     redis.call('HSET', KEYS[1], 'm', m)
   end
 end
-redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[4]), ttl))
+-- the key's idle TTL, set again once it has run down by 1% (a read instead of a write when the
+-- key is acquired often), and always when it would end before the lease
+local idle = math.max(tonumber(ARGV[4]), ttl)
+if redis.call('PTTL', KEYS[1]) < math.max(idle - math.floor(idle / 100), ttl) then
+  redis.call('PEXPIRE', KEYS[1], idle)
+end
 if KEYS[2] and ARGV[7] == '0' then
   redis.call('DEL', KEYS[2])
 end
@@ -248,9 +256,14 @@ return {1, fence, ttl, free}
 )
 
 # The scripts below act on one holder's slot, named by its owner token: a token ending in '#i'
-# is slot i's (its fields are suffixed '#i'); any other token is slot 0's (the plain fields).
+# is slot i's (its fields are suffixed '#i'); any other token is slot 0's (the plain fields). A
+# plain search for '#' first: slot 0's tokens (URL-safe base64) never hold one, and the search is
+# cheaper than the pattern.
 _SLOT = """
-local s = string.match(ARGV[1], '#%d+$') or ''
+local s = ''
+if string.find(ARGV[1], '#', 1, true) then
+  s = string.match(ARGV[1], '#%d+$') or ''
+end
 """
 
 # Redis at maxmemory (``noeviction``) refuses a script's *first* command that may grow memory
@@ -272,7 +285,10 @@ end
 # A release re-sent by the client after it ran: the slot's release record (field ``n`` + slot
 # suffix, read as v[4]) holds the call's mark ``tomb`` followed by the answer it gave (1 or 2);
 # it stays until the slot's next release, so it is found even after another holder took the
-# slot in between. (A release of an older version left only ``o`` = tomb: answered 1.)
+# slot in between. The mark is '~' and the call's nonce (a random 64-bit value: a call of another
+# owner never carries it); a holder's release is told apart before the record is read. (Older
+# versions' marks also held 8 hex digits of the owner token's SHA1, and their oldest left only
+# ``o`` = mark: answered 1.)
 _RELEASED = """
 if v[4] and string.sub(v[4], 1, #tomb) == tomb then
   return tonumber(string.sub(v[4], #tomb + 1)) or 1
@@ -302,7 +318,7 @@ end
 local ttl = tonumber(ARGV[2])
 if now + ttl > exp then
   keep_ttl(ttl, math.max(ttl, tonumber(ARGV[3])))  -- first: at maxmemory the HSET then goes through
-  redis.call('HSET', KEYS[1], 'x' .. s, string.format('%.0f', now + ttl))
+  redis.call('HSET', KEYS[1], 'x' .. s, now + ttl)
 end
 return 1
 """,
@@ -324,31 +340,32 @@ RELEASE = Script(
     "release",
     _NOW
     + _SLOT
-    + _KEEP_TTL
     + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w', 'n' .. s)
 local exp = tonumber(v[2])
--- this very call's mark: its nonce and 8 hex digits of the owner token's SHA1 (never the token)
-local tomb = '~' .. ARGV[4] .. string.sub(redis.sha1hex(ARGV[1]), 1, 8)
-"""
-    + _RELEASED
-    + """
 if v[1] == ARGV[1] and exp and exp > now then
   local code = 1
   if (tonumber(v[3]) or 0) > now then
     code = 2
   end
-  redis.call('HDEL', KEYS[1], 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s, 'w')
+  -- the held fields go (the owner token too: an idle key keeps only its fence and release record)
+  redis.call('HDEL', KEYS[1], 'o' .. s, 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s, 'w')
   if ARGV[5] ~= '' then
-    redis.call('HSET', KEYS[1], 'o' .. s, tomb, 'n' .. s, tomb .. code, 'l', ARGV[5])
+    redis.call('HSET', KEYS[1], 'n' .. s, '~' .. ARGV[4] .. code, 'l', ARGV[5])
   else
-    redis.call('HSET', KEYS[1], 'o' .. s, tomb, 'n' .. s, tomb .. code)
+    redis.call('HSET', KEYS[1], 'n' .. s, '~' .. ARGV[4] .. code)
   end
   if KEYS[2] then
     redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
   end
   return code
 end
+-- this very call's mark: '~' and its nonce (the owner's call did not find its lease held)
+local tomb = '~' .. ARGV[4]
+"""
+    + _RELEASED
+    + _KEEP_TTL
+    + """
 if KEYS[2] then
   keep_ttl(1, tonumber(ARGV[2]))  -- first: at maxmemory the marker then goes through
   redis.call('SET', KEYS[2], '1', 'PX', ARGV[3])
@@ -372,27 +389,27 @@ RELEASE_STORING = Script(
     "release_storing",
     _NOW
     + _SLOT
-    + _KEEP_TTL
     + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w', 'n' .. s)
 local exp = tonumber(v[2])
-local tomb = '~' .. ARGV[4] .. string.sub(redis.sha1hex(ARGV[1]), 1, 8)
-"""
-    + _RELEASED
-    + """
 if v[1] == ARGV[1] and exp and exp > now then
   local code = 1
   if (tonumber(v[3]) or 0) > now then
     code = 2
   end
-  redis.call('HDEL', KEYS[1], 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s, 'w')
-  redis.call('HSET', KEYS[1], 'o' .. s, tomb, 'n' .. s, tomb .. code, 'l', ARGV[5])
+  redis.call('HDEL', KEYS[1], 'o' .. s, 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s, 'w')
+  redis.call('HSET', KEYS[1], 'n' .. s, '~' .. ARGV[4] .. code, 'l', ARGV[5])
   redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[7], 'NX')
   if KEYS[3] then
     redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[3])
   end
   return code
 end
+local tomb = '~' .. ARGV[4]
+"""
+    + _RELEASED
+    + _KEEP_TTL
+    + """
 keep_ttl(1, tonumber(ARGV[2]))  -- first: at maxmemory the record then goes through
 redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[7], 'NX')
 if KEYS[3] then

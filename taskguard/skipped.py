@@ -25,10 +25,13 @@ class Skipped:
     """A run that was skipped, returned in place of the body's result.
 
     Attributes:
-        key: the user's lease key (``str``).
+        key: the user's lease key (``str``); the total's key for ``"limit_total"``, the rate
+            key for ``"rate_limited"`` / ``"backoff"``.
         reason: why (``"held"``: another holder has the lease; ``"limit"``: all ``limit=N``
-            slots of the key are held; ``"rate_limited"``: the run would have waited for its
-            turn under the task's ``rate`` past ``rate_max_wait``; ``"once"``: the key's work was
+            slots of the key are held; ``"limit_total"``: every place in the task's
+            ``limit_total`` is held (the run gave its key's slot back); ``"rate_limited"``: the run
+            would have waited for its turn under the task's ``rate`` past ``rate_max_wait``;
+            ``"once"``: the key's work was
             completed by an earlier call (``once=True``; its stored value is returned, not this);
             ``"idempotency_conflict"``: reported by shadow mode only; ``"wait_timeout"``: ``wait``
             seconds passed without getting it; ``"retry_exhausted"``: ``on_skip="retry"`` ran
@@ -84,6 +87,8 @@ class Skipped:
         left = f" (holder has {self.holder_ttl:.1f}s left)" if self.holder_ttl is not None else ""
         if self.reason == "limit":
             return f"{who}skipped, every slot of lease {self.key!r} held (limit){left}"
+        if self.reason == "limit_total":
+            return f"{who}skipped, every place in the total {self.key!r} held (limit_total){left}"
         if self.reason == "coalesced":
             return f"{who}coalesced into the pending follow-up {self.follow_up} of lease {self.key!r}"
         if self.reason == "rate_limited":

@@ -216,7 +216,9 @@ def check_rate(rate: Any) -> tuple[int, float]:
 #: The largest ``limit`` (holders of one key at once) an acquisition may ask for: every
 #: acquisition of a key reads each of its slots in one script, so Redis time grows with the limit
 #: (about 10 µs per slot at 50, ``bench/bench_limits.py``); a cap in the hundreds belongs to a
-#: dedicated queue and its workers' concurrency, not to one key.
+#: dedicated queue and its workers' concurrency, not to one key. A task's ``limit_total`` has the
+#: same bound for the same reason (its total key is acquired by the same script); beyond about
+#: 2,000 slots that script could not run at all (Lua's ``unpack`` of 4 fields per slot, measured).
 MAX_LIMIT = 100
 
 

@@ -37,6 +37,7 @@ class Reason(_Value):
 
     HELD = "held"
     LIMIT = "limit"
+    LIMIT_TOTAL = "limit_total"
     WAIT_TIMEOUT = "wait_timeout"
     RATE_LIMITED = "rate_limited"
     BACKOFF = "backoff"

@@ -618,6 +618,68 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         base=GuardedTask,
         bind=True,
         shared=False,
+        name="tg.export_total",
+        ttl=5,
+        key="export:{tenant}",
+        limit=2,
+        limit_total=3,
+        limit_total_key="exports",
+        on_skip="retry",
+        skip_retry_delay=0.2,
+        skip_max_retries=400,
+    )
+    def export_total(self, tenant, seconds=0.3, retry_first=False):
+        # a limit per key and a total: both ledgers, each with its own lease's slot and fence
+        lease = self.lease
+        if retry_first and not self.request.retries:
+            fences = f"{prefix}:fences:{self.request.id}"
+            r.rpush(fences, f"{lease.fencing_token} {lease.total.fencing_token}")
+            raise self.retry(countdown=0.3)
+        if retry_first:
+            r.rpush(f"{prefix}:fences:{self.request.id}", f"{lease.fencing_token} {lease.total.fencing_token}")
+        ledger("in", "exports", lease.total)
+        export_body(lease, tenant, seconds)
+        ledger("out", "exports", lease.total)
+        return lease.total.slot
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.export_total_shadow",
+        ttl=5,
+        key="export:{tenant}",
+        limit=1,
+        limit_total=1,
+        limit_total_key="exports-shadow",
+        enforce=False,
+    )
+    def export_total_shadow(self, tenant, seconds=1.0):
+        # shadow mode: always runs; "<tenant> <held: 1 | 0>"
+        r.rpush(f"{prefix}:shadow-runs", f"{tenant} {int(self.lease is not None)}")
+        time.sleep(seconds)
+        return tenant
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.export_total_overrun",
+        ttl=30,
+        key="export:{tenant}",
+        limit=2,
+        limit_total=3,
+        limit_total_key="exports",
+        time_limit=1,
+    )
+    def export_total_overrun(self, tenant):
+        # killed by the hard time limit: the worker's main process releases both holds by task id
+        time.sleep(10)
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
         name="tg.export_tiered",
         ttl=5,
         key="export:{tenant}",

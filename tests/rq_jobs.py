@@ -130,6 +130,41 @@ def export(tenant, seconds=0.5):
     return lease.slot
 
 
+@guarded_job(ttl=5, key="export:{tenant}", limit=2, limit_total=3, limit_total_key="exports")
+def export_total(tenant, seconds=0.5):
+    """A limit per key and a total: both ledgers, each with its own lease's slot and fence."""
+    lease = current_lease()
+    _ledger("in", "exports", lease.total)
+    _ledger("in", f"export:{tenant}", lease)
+    time.sleep(seconds)
+    _ledger("out", f"export:{tenant}", lease)
+    _ledger("out", "exports", lease.total)
+    return lease.total.slot
+
+
+@guarded_job(ttl=5, key="export:{tenant}", limit=2, limit_total=3, limit_total_key="exports")
+def export_total_flaky(tenant):
+    """Fails its first attempt (a Retry keeps both holds): "<key fence> <total fence>" per attempt."""
+    lease = current_lease()
+    r = redis.Redis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    fences = "{" + os.environ["TASKGUARD_PREFIX"] + ":fences:" + tenant + "}"
+    r.pipeline().rpush(fences, f"{lease.fencing_token} {lease.total.fencing_token}").expire(fences, 600).execute()
+    if _attempt("export_total_flaky:" + tenant) == 1:
+        raise RuntimeError("first attempt fails")
+    return lease.total.slot
+
+
+@guarded_job(ttl=30, key="export:{tenant}", limit=2, limit_total=3, limit_total_key="exports")
+def export_total_killed(tenant):
+    """Its work-horse dies (SIGKILL) on the first attempt: "<attempt> <key fence> <total fence>"."""
+    lease = current_lease()
+    attempt = _attempt("export_total_killed:" + tenant)
+    _log(f"ek:{tenant}:{attempt}:{lease.fencing_token}:{lease.total.fencing_token}")
+    if attempt == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return lease.total.fencing_token
+
+
 @guarded_job(ttl=3, key="index:{shop}", overlap="coalesce")
 def rebuild(shop, n, seconds=0.3):
     """overlap="coalesce": ledger entries for the key, and the calls that ran (``n``) with when."""

@@ -47,7 +47,10 @@ class TcpProxy:
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        src.settimeout(0.2)
+        try:
+            src.settimeout(0.2)
+        except OSError:  # cut before this thread started: the recv below fails, both sides are closed
+            pass
         while not self._stop.is_set():
             try:
                 data = src.recv(65536)

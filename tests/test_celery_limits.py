@@ -388,3 +388,103 @@ def test_shadow_mode_reports_a_weighted_rate_and_a_429_without_enforcing_them(ap
     assert locks.throttle("ups", rate=(100, 1.0), cost=60).allowed  # the enforced state: never consumed
     paused = locks.throttle("ups", rate=(100, 1.0), cost=60, shadow=True, consume=False)
     assert paused.paused and paused.retry_after > 25
+
+
+# -- a limit per key and a total (limit_total=) ------------------------------------------------
+
+
+def test_a_limit_per_key_and_a_total_hold_across_two_worker_processes(app, redis_url, prefix):
+    """Two prefork workers (3 children each) run 24 exports of 4 tenants under limit=2 per tenant
+    and limit_total=3, with on_skip="retry": every export runs in the end; the ledgers show at
+    most 2 inside per tenant and 3 inside in all (both reached), each slot's fences growing; the
+    refusals were reported as "limit" and "limit_total"; nothing is left held."""
+    tenants = ["t1", "t1", "t1", "t2", "t2", "t3", "t4"] * 3 + ["t1", "t2", "t3"]
+    with (
+        EventLog(app, tasks=["tg.export_total"]) as events,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w1,
+        WorkerProcess(f"q-{prefix}", prefix, concurrency=3) as w2,
+    ):
+        results = [app.tasks["tg.export_total"].delay(t, seconds=0.3) for t in tenants]
+        values = [res.get(timeout=120) for res in results]
+        output = w1.output() + w2.output()
+        skips = events.wait_for("task-skipped", 2)
+    assert all(v in (0, 1, 2) for v in values), (values, output)
+    total = _ledger(redis_url, prefix, "exports")
+    assert len([e for e in total if e[1] == 1]) == len(tenants)
+    assert ledger.peak(total, 3) == 3
+    per_key = {t: _ledger(redis_url, prefix, f"export:{t}") for t in set(tenants)}
+    assert sum(len([e for e in entries if e[1] == 1]) for entries in per_key.values()) == len(tenants)
+    assert ledger.peak(per_key["t1"], 2) == 2
+    for entries in per_key.values():
+        ledger.peak(entries, 2)
+    assert "limit_total" in {e["reason"] for e in skips}, skips
+    locks = app.conf.taskguard_locks
+    assert locks.holders("exports") == [] and all(locks.holders(f"export:{t}") == [] for t in per_key)
+    assert "Traceback" not in output
+
+
+def test_a_retry_keeps_both_holds_and_claims_them_with_the_same_fences(app, redis_url, prefix):
+    """self.retry() keeps the run's lease on its key and its place in the total: the retried
+    run claims both from its taskguard header (one handle, the total's nested), with the same
+    fencing tokens; meanwhile the kept place counts against the total."""
+    locks = app.conf.taskguard_locks
+    with embedded_worker(app):
+        res = app.tasks["tg.export_total"].delay("t1", seconds=0.0, retry_first=True)
+        assert res.get(timeout=15) in (0, 1, 2)
+    fences = redis.Redis.from_url(redis_url).lrange(f"{prefix}:fences:{res.id}", 0, -1)
+    assert len(fences) == 2 and fences[0] == fences[1], fences
+    assert locks.holders("exports") == [] and locks.holders("export:t1") == []
+
+
+def test_shadow_mode_reports_a_would_be_limit_total_and_runs_holding_nothing(app, redis_url, prefix):
+    """enforce=False, limit_total=1: a second tenant's run while the first runs goes ahead
+    without a lease (its key's slot given back), reported as a task-guard-shadow event with
+    reason limit_total, never as task-skipped."""
+    locks = app.conf.taskguard_locks
+    task = app.tasks["tg.export_total_shadow"]
+    with EventLog(app, tasks=["tg.export_total_shadow"]) as events, embedded_worker(app, concurrency=2):
+        first = events.track(task.delay("t1", seconds=1.5))
+        deadline = time.monotonic() + 10
+        while not locks.holders("exports-shadow") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = events.track(task.delay("t2", seconds=0.0))
+        assert second.get(timeout=10) == "t2"
+        assert locks.holders("export:t2") == []
+        assert first.get(timeout=10) == "t1"
+        shadow = events.wait_for("task-guard-shadow", 1)
+    assert [e["reason"] for e in shadow] == ["limit_total"], shadow
+    assert not events.of("task-skipped")
+    runs = sorted(x.decode() for x in redis.Redis.from_url(redis_url).lrange(f"{prefix}:shadow-runs", 0, -1))
+    assert runs == ["t1 1", "t2 0"]
+
+
+def test_a_hard_time_limit_releases_both_holds_from_the_main_process(app, prefix):
+    """A prefork child killed by the hard time limit runs no finally: the worker's main process
+    releases the run's lease and its place in the total by task id, well before their 30 s TTL."""
+    locks = app.conf.taskguard_locks
+    with WorkerProcess(f"q-{prefix}", prefix, concurrency=1):
+        res = app.tasks["tg.export_total_overrun"].delay("t1")
+        deadline = time.monotonic() + 10
+        while not locks.holders("exports") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert locks.holders("exports")
+        with pytest.raises(Exception, match="TimeLimitExceeded|time limit"):
+            res.get(timeout=15)
+        deadline = time.monotonic() + 3
+        while (locks.holders("exports") or locks.holders("export:t1")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert locks.holders("exports") == [] and locks.holders("export:t1") == []
+
+
+def test_total_options_fail_at_declaration_with_did_you_mean():
+    with pytest.raises(ConfigError, match="did you mean 'limit_total'"):
+
+        @guarded_task(key="export:{tenant}", limit_totl=3)
+        def job(tenant):
+            return tenant
+
+    with pytest.raises(ConfigError, match=r"limit \(4\) exceeds limit_total \(3\)"):
+
+        @guarded_task(key="export:{tenant}", limit=4, limit_total=3)
+        def job2(tenant):
+            return tenant

@@ -140,6 +140,52 @@ def test_the_server_clock_ignores_a_local_step(redis_url, wall_step):
     assert abs(clock.time() - _REAL_TIME()) < 1.0 and abs(locks.server_time() - _REAL_TIME()) < 1.0
 
 
+def test_a_booked_turn_waits_out_the_server_clocks_uncertainty(redis_url, prefix):
+    """A slow reading of the server's clock (here: the server reads its ``TIME`` 40 ms into the
+    round trip, as on a loaded worker) puts :class:`ServerClock` up to half the round trip ahead
+    of the server. A run back at its booked turn waits out that uncertainty too, so it never
+    starts before its turn on the server's clock. Before, it started up to half a round trip
+    early (seen as runs a few ms before their turn on loaded workers)."""
+    from taskguard.clock import ServerClock
+    from taskguard.pacing import pace
+
+    client = redis.Redis.from_url(redis_url)
+
+    def slow_reading() -> float:
+        time.sleep(0.04)  # the request's slow way there: the server reads its clock at the end
+        secs, micros = client.time()
+        return secs + micros / 1e6
+
+    clock = ServerClock(slow_reading)
+
+    class SlowClockLocks(RedisLocks):
+        def server_clock(self):
+            return clock
+
+    locks = SlowClockLocks(client, prefix=prefix)
+    clock.refresh()
+    assert 0.02 <= clock.uncertainty() < 0.2
+    secs, micros = client.time()
+    turn = secs + micros / 1e6 + 0.3
+    for _ in range(3):
+        asked = time.monotonic()
+        secs, micros = client.time()
+        server_then = secs + micros / 1e6
+        p = pace(
+            locks,
+            "api",
+            rate=(1, 10.0),
+            burst=None,
+            max_wait=None,
+            max_countdown=60.0,
+            state={"since": turn - 5.0, "turn": turn},
+        )
+        assert p.go
+        starts = server_then + (time.monotonic() - asked) + p.countdown  # on the server's clock
+        assert starts >= turn, (starts - turn, clock.uncertainty())
+        assert starts - turn < 0.25  # (and not much later)
+
+
 @pytest.mark.parametrize("offset", STEPS, ids=lambda o: f"{o:+d}s")
 def test_a_deferred_runs_booked_turn_is_read_on_the_server_clock(redis_url, prefix, wall_step, offset):
     """A run deferred by a rate carries its booked turn (epoch seconds, booked on another host);

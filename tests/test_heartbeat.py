@@ -40,13 +40,15 @@ def test_heartbeat_renews_all_leases_in_one_pipelined_round_trip(redis_url, pref
     c = CountingRedis.from_url(redis_url, client_name=f"hb-{prefix}")
     c.script_load(scripts.RENEW.source)  # cached, as after any earlier renewal (a flush is tested elsewhere)
     locks = RedisLocks(c, prefix=prefix, renew_fraction=0.25)
-    leases = [locks.acquire(f"hb{i}", ttl=0.8, renew=True).lease for i in range(40)]
+    # (TTL 2.4 s: renewed every 0.6 s, and leases falling due within 0.15 s share a round; the 40
+    # acquisitions must fit in that even on a loaded machine, for all 40 to share every round)
+    leases = [locks.acquire(f"hb{i}", ttl=2.4, renew=True).lease for i in range(40)]
     c.direct.clear()
     beats_before = get_heartbeat().beats
     mon = redis.Redis.from_url(redis_url)
     script_exists = 0
     with mon.monitor() as m:
-        time.sleep(2.5)  # > 3 TTLs: without renewal every lease would be gone
+        time.sleep(3.0)  # > 1 TTL: without renewal every lease would be gone
         ours = {f"{x['addr']}" for x in mon.client_list() if x.get("name") == f"hb-{prefix}"}
         c.ping()
         for cmd in m.listen():
@@ -62,7 +64,7 @@ def test_heartbeat_renews_all_leases_in_one_pipelined_round_trip(redis_url, pref
     assert not any(lease.lost for lease in leases)
     assert script_exists == 0
     rounds = get_heartbeat().beats - beats_before
-    assert len(c.pipelines) >= 5
+    assert len(c.pipelines) >= 4
     # one pipeline per heartbeat round, each carrying every due lease (leases acquired together
     # fall due together), all EVALSHA
     assert len(c.pipelines) <= rounds

@@ -134,11 +134,14 @@ def test_a_resent_acquire_finds_its_own_slot(redis_url, prefix):
 # -- across processes: a ledger of entries and exits ------------------------------------------------
 
 
-def _worker(url, prefix, limit, until, ledger_path, seed):
+def _worker(url, prefix, limit, seconds, ledger_path, seed, ready, go):
     import random
 
     rnd = random.Random(seed)
     locks = RedisLocks.from_url(url, prefix=prefix)
+    ready.put(seed)
+    go.wait(60)  # all six contend together, however long each took to start
+    until = time.time() + seconds
     while time.time() < until:
         acq = locks.acquire("pool", ttl=2, limit=limit, wait=0.5)
         if not acq:
@@ -159,11 +162,14 @@ def test_peak_never_exceeds_the_limit_across_processes(redis_url, prefix, tmp_pa
     written before the release, entry after the acquire): at every point of the merged ledger at
     most 3 are inside, every slot is used, and each slot's fences strictly increase."""
     ledger = tmp_path / "ledger"
-    until = time.time() + 4
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(redis_url, prefix, 3, until, str(ledger), i)) for i in range(6)]
+    ready, go = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_worker, args=(redis_url, prefix, 3, 4.0, str(ledger), i, ready, go)) for i in range(6)]
     for p in procs:
         p.start()
+    for _ in procs:
+        ready.get(timeout=60)
+    go.set()
     for p in procs:
         p.join(30)
         assert p.exitcode == 0

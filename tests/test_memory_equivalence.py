@@ -760,3 +760,74 @@ def test_memory_rates_match_redis_rates(redis_url):
         check()
     finally:
         client.close()
+
+
+_TOTAL_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("begin"), st.sampled_from(["t1", "t2", "t3"]), st.booleans()),
+        st.tuples(st.just("end"), st.integers(0, 9), st.sampled_from(["finish", "hand_back", "keep"])),
+    ),
+    min_size=1,
+    max_size=14,
+)
+
+
+def test_memory_locks_match_redis_locks_under_a_limit_per_key_and_a_total(redis_url):
+    """A random sequence of guarded runs under ``limit=2`` per tenant and a total of 3 (begun
+    fresh or, for a kept run, from its handle; ended by finish, hand back or keep), on MemoryLocks
+    and RedisLocks side by side: the same answers (ran, reason), the same holders of every key
+    and of the total after every step, and the same handle shapes. TTLs are long: no expiry."""
+    from hypothesis import given
+
+    from taskguard.run import GuardedRun, RunRequest
+
+    client = redis.Redis.from_url(redis_url)
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(ops=_TOTAL_OPS)
+    def check(ops):
+        prefix = f"tgtest-total-{uuid.uuid4().hex[:12]}"
+        pair = (RedisLocks(client, prefix=prefix), MemoryLocks(prefix=prefix))
+        runs: list[list[GuardedRun]] = [[], []]
+        kept: list[list[tuple[str, dict]]] = [[], []]
+        try:
+            for op in ops:
+                answers = []
+                for side, lk in enumerate(pair):
+                    if op[0] == "begin":
+                        _, tenant, from_handle = op
+                        handle = None
+                        if from_handle and kept[side]:
+                            tenant, handle = kept[side].pop(0)
+                        run = GuardedRun(lk, RunRequest(f"export:{tenant}", 60.0, limit=2, total=("exports", 3)))
+                        ran = run.begin(handle=handle)
+                        runs[side].append(run)
+                        answers.append((ran, run.reason, None if not ran else run.lease.total.key))
+                    else:
+                        _, index, how = op
+                        live = [r for r in runs[side] if r.state == "running"]
+                        run = live[index % len(live)] if live else None
+                        if run is None:
+                            answers.append(None)
+                        elif how == "keep":
+                            handle = run.keep(60.0)
+                            kept[side].append((run.key.split(":")[1], handle))
+                            answers.append(sorted(handle))
+                        else:
+                            getattr(run, how)()
+                            answers.append(how)
+                    holders = {k: len(lk.holders(k)) for k in ("export:t1", "export:t2", "export:t3", "exports")}
+                    answers.append(holders)
+                assert answers[: len(answers) // 2] == answers[len(answers) // 2 :], op
+                assert answers[-1]["exports"] <= 3 and all(answers[-1][f"export:{t}"] <= 2 for t in ("t1", "t2", "t3"))
+        finally:
+            for side in (0, 1):
+                for r in runs[side]:
+                    r.hand_back()
+            for k in client.scan_iter(match="{" + prefix + ":*"):
+                client.delete(k)
+
+    try:
+        check()
+    finally:
+        client.close()

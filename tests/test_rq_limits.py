@@ -193,3 +193,63 @@ def test_a_per_call_limit_is_read_per_job_and_lowering_it_admits_nobody_beside_t
     skipped = [job.return_value() for job in later]
     assert all(is_skipped(v) and v.reason == "held" for v in skipped), (skipped, output)
     assert ledger.peak(_ledger(rq_env, "export:acme"), 3) == 3
+
+
+# -- a limit per key and a total (limit_total=) ------------------------------------------------
+
+
+def test_a_limit_per_key_and_a_total_hold_across_worker_processes(rq_env):
+    """limit=2 per tenant, limit_total=3, on four rq workers: of the first four exports (three of
+    t1, one of t2) the third t1 is skipped with reason "limit"; the two exports enqueued while
+    three run (t2, t3) are skipped with reason "limit_total" and hold nothing afterwards; the
+    ledgers show at most 2 per tenant and 3 in all."""
+    with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2, RQWorker(rq_env) as w3, RQWorker(rq_env) as w4:
+        first = [rq_env.enqueue(rq_jobs.export_total, t, seconds=2.5) for t in ("t1", "t1", "t1", "t2")]
+        deadline = time.monotonic() + 15
+        while len(locks().holders("exports")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        later = [rq_env.enqueue(rq_jobs.export_total, t, seconds=0.1) for t in ("t2", "t3")]
+        for job in first + later:
+            assert wait_done(job, timeout=30) == JobStatus.FINISHED
+        output = w1.output() + w2.output() + w3.output() + w4.output()
+    values = [job.return_value() for job in first + later]
+    reasons = sorted(v.reason for v in values if is_skipped(v))
+    assert reasons == ["limit", "limit_total", "limit_total"], (values, output)
+    assert sorted(v for v in values if not is_skipped(v)) == [0, 1, 2]
+    assert ledger.peak(_ledger(rq_env, "exports"), 3) == 3
+    assert ledger.peak(_ledger(rq_env, "export:t1"), 2) == 2
+    assert ledger.peak(_ledger(rq_env, "export:t2"), 2) == 1
+    assert _ledger(rq_env, "export:t3") == []
+    assert "every place in the total 'exports' held (limit_total)" in output
+    assert locks().holders("exports") == [] and locks().holders("export:t2") == []
+
+
+def test_a_retry_claims_both_holds_from_the_handle_record(rq_env):
+    """A failed job with a Retry keeps its lease and its place in the total in its handle record
+    (the total's nested); the retry claims both with the same fencing tokens."""
+    with RQWorker(rq_env):
+        job = rq_env.enqueue(rq_jobs.export_total_flaky, "t1", retry=Retry(max=1))
+        assert wait_done(job, timeout=30) == JobStatus.FINISHED
+    fences = _rows(rq_env, "fences:t1")
+    assert len(fences) == 2 and fences[0] == fences[1], fences
+    assert locks().holders("exports") == [] and locks().holders("export:t1") == []
+
+
+def test_a_killed_work_horse_settles_both_holds(rq_env):
+    """GuardedWorker settles a killed work-horse's lease and its place in the total from the
+    job's handle record: kept for its retry (which claims both with the same fencing tokens),
+    or, without a retry, released at once (the TTL is 30 s)."""
+    from .test_rq import log
+
+    with RQWorker(rq_env) as worker:
+        kept = rq_env.enqueue(rq_jobs.export_total_killed, "k", retry=Retry(max=1, interval=1))
+        assert wait_done(kept, timeout=30) == JobStatus.FINISHED, worker.output()
+        entries = [e.split(":") for e in log(rq_env) if e.startswith("ek:k:")]
+        assert len(entries) == 2 and entries[0][3:] == entries[1][3:], entries
+        assert kept.return_value() == int(entries[0][4])
+        gone = rq_env.enqueue(rq_jobs.export_total_killed, "n")
+        assert wait_done(gone, timeout=30) == JobStatus.FAILED
+        time.sleep(0.3)
+        assert locks().holders("export:n") == [] and locks().holders("exports") == []
+        output = worker.output()
+    assert "lease 'export:k' kept" in output and "lease 'export:n' released" in output

@@ -30,7 +30,7 @@ import base64
 import logging
 from typing import Any, cast
 
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Reject, Retry
 
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.overlap import Pending
@@ -149,6 +149,24 @@ class CeleryHooks:
                 reason,
                 key,
             )
+
+    # -- how the body ended -----------------------------------------------------------------------
+    def failed(self, exc: BaseException) -> bool:
+        return isinstance(exc, Exception) and not isinstance(exc, (Retry, Reject))
+
+    def settle(self, run: GuardedRun, exc: BaseException) -> None:
+        """The body raised ``exc``: a ``Retry`` (``self.retry()`` kept the lease for it already;
+        one of another kind, e.g. a nested call's ``on_skip``, hands it back), a ``Reject``
+        (requeued: handed back; else failed), a failure (acked, ``acks_on_failure`` or not: the
+        message is not requeued, so failed), or the worker going down (an ``acks_late`` message
+        comes back: handed back)."""
+        if isinstance(exc, Reject) and not exc.requeue or self.failed(exc):
+            run.fail()
+        else:
+            run.hand_back()
+
+    def returned(self, run: GuardedRun, value: Any) -> bool:
+        return False
 
     def lost(self, run: Any, reason: str) -> None:
         skipping.send_event(

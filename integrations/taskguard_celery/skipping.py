@@ -90,7 +90,10 @@ def retry_after_skip(task: Any, countdown: float, skips: int, reason: str = "hel
     headers.pop(DEFER_HEADER, None)
     headers.pop(RATE_HEADER, None)  # its turn was used: the next attempt asks the rate again
     sig = task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers)
-    why = "every slot of the lease held (limit)" if reason == "limit" else f"lease {reason}"
+    why = {
+        "limit": "every slot of the lease held (limit)",
+        "limit_total": "every place in the total held (limit_total)",
+    }.get(reason, f"lease {reason}")
     message = f"{why}; retry {skips} of {task.taskguard_options.skip_max_retries}"
     if req.is_eager:
         raise Retry(message, when=countdown, is_eager=True, sig=sig)

@@ -46,6 +46,9 @@ def release_for_run(task: GuardedTask, task_id: str | None, args: Any, kwargs: A
     try:
         key = opts.key.render(tuple(args or ()), dict(kwargs or {}))
         released = task.taskguard_locks.release_run(key, task_id)
+        total = opts.total_of(tuple(args or ()), dict(kwargs or {}))
+        if total is not None:  # and its place in the total
+            task.taskguard_locks.release_run(total[0], task_id)
     except (ConfigError, LeaseBackendError) as e:
         log.warning(
             "task %s[%s]: could not release its lease from the main process (its TTL bounds it): %s",

@@ -19,9 +19,8 @@ from celery.utils.time import get_exponential_backoff_interval, maybe_iso8601
 
 from taskguard import ConfigError, LeaseBackendError, Locks, RateLimited
 from taskguard.context import current_lease, current_runs, running
-from taskguard.errors import LeaseLost
 from taskguard.handoff import parse_handle, release_handle
-from taskguard.pipeline import Run, backed_off, decide, replaced_skip
+from taskguard.pipeline import Run, decide, perform
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 
@@ -75,7 +74,8 @@ class GuardedTask(Task):
     Guard options are task options (``@app.task(base=GuardedTask, ttl=30, key=...)`` or
     ``@guarded_task(...)``): ``key``, ``ttl``, ``wait``, ``blocking_wait``, ``renew``,
     ``on_skip``, ``on_lost``, ``skip_retry_delay``, ``skip_max_retries``, ``max_hold``,
-    ``continue_on_skip``, ``limit``, ``rate``, ``rate_key``, ``rate_burst``, ``rate_max_wait``, ``cost``,
+    ``continue_on_skip``, ``limit``, ``limit_total``, ``limit_total_key``, ``rate``, ``rate_key``,
+    ``rate_burst``, ``rate_max_wait``, ``cost``,
     ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``, ``unique``, ``unique_ttl``,
     ``overlap``, ``replace_terminate``, ``debounce``, ``debounce_max``
     (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
@@ -83,7 +83,10 @@ class GuardedTask(Task):
     validated when the task class is made; a bad one raises :class:`taskguard.ConfigError`.
 
     The body reaches its lease as ``self.lease`` (``bind=True``) or :func:`current_lease`; both
-    are local to the running request, so the threads pool stays correct.
+    are local to the running request, so the threads pool stays correct. Under ``limit_total``
+    that is the run's lease on its key (its fencing token is the key's); its place in the
+    total is ``self.lease.total`` (a lease with its own fencing token). A retry keeps both: the
+    ``taskguard`` header carries the key's handle with the total's nested under ``"total"``.
     """
 
     # defaults: taskguard.policy.OPTION_DEFAULTS (the one place they live)
@@ -99,6 +102,8 @@ class GuardedTask(Task):
     max_hold: float | None = OPTION_DEFAULTS["max_hold"]
     continue_on_skip: bool = OPTION_DEFAULTS["continue_on_skip"]
     limit: int = OPTION_DEFAULTS["limit"]
+    limit_total: int | None = OPTION_DEFAULTS["limit_total"]
+    limit_total_key: Any = OPTION_DEFAULTS["limit_total_key"]
     rate: Any = OPTION_DEFAULTS["rate"]
     rate_key: Any = OPTION_DEFAULTS["rate_key"]
     rate_burst: int | None = OPTION_DEFAULTS["rate_burst"]
@@ -263,58 +268,8 @@ class GuardedTask(Task):
             return outcome(self, decision, skips, redelivered)
         identity.end_chain(self, decision.run)
         entered.append(True)
-        try:
-            return self._run_body(decision, req, args, kwargs, opts)
-        except RateLimited as exc:  # an upstream 429: the pipeline pauses the rate and decides
-            after = backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)
-            if after is None:
-                raise
-            return outcome(self, after, skips, redelivered)
-
-    def _run_body(self, decision: Run, req: Any, args: tuple, kwargs: dict, opts: GuardOptions) -> Any:
-        """The body under the decision's run (and its rate charge); how it ends (Celery's
-        exceptions) says how the run ends. A :class:`taskguard.RateLimited` hands the run back
-        (in shadow mode: fails it); the caller asks the pipeline what follows. ``opts``: this
-        run's guard options (a beat entry's laid over the task's)."""
-        run = decision.run
-        with run, decision.charging():
-            try:
-                result = self._body(req, args, kwargs)
-            except RateLimited:
-                if run.state == "running":
-                    if run.enforce:
-                        run.hand_back()  # it runs again after the pause
-                    else:
-                        run.fail()
-                raise
-            except Retry:
-                if run.state == "running":  # a retry of another kind (on_skip of a nested call...)
-                    run.hand_back()
-                raise
-            except Reject as exc:
-                if exc.requeue:
-                    run.hand_back()
-                else:
-                    run.fail()
-                raise
-            except Exception:
-                run.fail()  # acked (acks_on_failure or not, the message is not requeued)
-                replaced = replaced_skip(opts, run)
-                if replaced is not None:  # overlap="replace": another run took its lease over
-                    return skipping.skip(self, replaced, 0, self.taskguard_locks)
-                raise
-            except BaseException:
-                run.hand_back()  # the worker is going down: an acks_late message comes back
-                raise
-        if run.state == "running":
-            try:
-                run.finish(result)
-            except LeaseLost:
-                replaced = replaced_skip(opts, run)
-                if replaced is None:
-                    raise
-                return skipping.skip(self, replaced, 0, self.taskguard_locks)
-        return result
+        done = perform(decision, lambda: self._body(req, args, kwargs), opts, key, args, kwargs, ex, hooks, locks)
+        return done.value if done.instead is None else outcome(self, done.instead, skips, redelivered)
 
     def _body(self, req: Any, args: tuple, kwargs: dict) -> Any:
         if self._plain_call and not req.called_directly:

@@ -34,15 +34,15 @@ from rq.command import send_stop_job_command
 from rq.job import Job
 from rq.registry import ScheduledJobRegistry
 
-from taskguard import ConfigError, LeaseBackendError, Locks, RateLimited, Skipped, TaskSkipped
+from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
 from taskguard.debounce import due as window_due, publish as window_publish, published as window_published
-from taskguard.errors import LeaseLost
+from taskguard.handoff import handle_of, release_handle
 from taskguard.overlap import Pending
 from taskguard.pacing import parse_state
-from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, backed_off, decide, replaced_skip
+from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide, perform
 from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
-from taskguard.values import Reason, plain
+from taskguard.values import Reason, RunState, plain
 
 from . import unique
 from .config import locks_for
@@ -141,7 +141,12 @@ def guarded_job(
     ``RateLimit`` for the same key and limit, so RQ parks jobs over it instead. ``rate=`` (with
     ``rate_key``, ``rate_burst``, ``rate_max_wait``, ``cost``) defers a job over the rate to its booked turn
     through RQ's scheduler (:mod:`taskguard.pipeline`), or skips it past ``rate_max_wait`` (reason
-    ``"rate_limited"``).
+    ``"rate_limited"``). ``limit_total=M`` (with ``limit_total_key``) also caps the jobs of every
+    key together: a job needs a place in both, gives its key's slot back when the total is full
+    and is skipped with reason ``"limit_total"``. :func:`current_lease` is then the lease on the
+    job's key (the key's fencing token) and ``current_lease().total`` its place in the total (its
+    own fencing token); the job's handle record nests the total's handle, so a retry and
+    :class:`GuardedWorker` settle both. ``rate_limit_for`` parks by the key's ``limit`` only.
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -257,79 +262,36 @@ def _run(
         same_run="wait",
         same_run_wait=_job_timeout(job),
     )
-    decision = decide(opts, key, args, kwargs, ex, _Hooks(locks, job, name, opts.replace_terminate), locks)
+    hooks = _Hooks(locks, job, name, opts.replace_terminate)
+    decision = decide(opts, key, args, kwargs, ex, hooks, locks)
     if not isinstance(decision, Run):
         return _outcome(job, locks, name, opts, key, decision)
     run = decision.run
     lease = run.lease
-    hooks = _Hooks(locks, job, name)
-    if lease is None:  # shadow mode without the lease: the body runs unguarded
-        with run, decision.charging():
-            try:
-                result = fn(*args, **kwargs)
-            except RateLimited as exc:
-                backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)  # (shadow: reported only)
-                raise
-        return result
     saved = None
-    if run_id is not None:  # for GuardedWorker, should the work-horse be killed
-        try:
-            saved = save_handle(
-                locks,
-                run_id,
-                {
-                    "key": key,
-                    "owner": lease.owner_token,
-                    "fence": lease.fencing_token,
-                    "expires": lease.expires_at,
-                    "running": True,
-                },
-                ttl=_job_timeout(job) + opts.ttl,
-            )
-        except BaseException:
-            run.hand_back()  # the body never ran: nothing is left locked
-            raise
-    mirror_meta(job, key=key, fence=lease.fencing_token, slot=lease.slot, outcome="running")
-    with run, decision.charging():
-        try:
-            result = fn(*args, **kwargs)
-        except RateLimited as exc:  # an upstream 429: the pipeline pauses the rate and decides
-            if not opts.enforce:
-                retry_in = job.get_retry_interval() if job is not None and job.retries_left else None
-                _end(job, locks, run, retry_in, "failed", saved)
-            else:
-                run.hand_back()  # it runs again after the pause
-                if job is not None:
-                    _quietly(drop_handle, locks, job.id, saved)
-            after = backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)
-            if after is None:
+    if lease is not None:
+        if run_id is not None:  # for GuardedWorker, should the work-horse be killed
+            try:
+                saved = save_handle(
+                    locks,
+                    run_id,
+                    {**handle_of(lease), "running": True},  # (with its place in the total, if any)
+                    ttl=_job_timeout(job) + opts.ttl,
+                )
+            except BaseException:
+                run.hand_back()  # the body never ran: nothing is left locked
                 raise
-            return _outcome(job, locks, name, opts, key, after)
-        except BaseException as exc:
-            replaced = replaced_skip(opts, run) if isinstance(exc, Exception) else None
-            if replaced is not None:  # overlap="replace": another job took its lease over
-                _end(job, locks, run, None, "skipped", saved)
-                return _report_skip(job, locks, name, opts, replaced)
-            retry_in = job.get_retry_interval() if job is not None and job.retries_left else None
-            _end(job, locks, run, retry_in, "failed", saved)
-            raise
-    if isinstance(result, Retry):  # RQ >= 2.1 runs the job again for a returned Retry
-        retries = (job.number_of_retries or 0) if job is not None else 0
-        retry_in = Retry.get_interval(retries, result.intervals) if retries < result.max else None
-        _end(job, locks, run, retry_in, "ran", saved)
-        return result
+        mirror_meta(job, key=key, fence=lease.fencing_token, slot=lease.slot, outcome="running")
     try:
-        run.finish(result)
-    except LeaseLost:
-        replaced = replaced_skip(opts, run)
-        if replaced is None:
-            raise
-        return _report_skip(job, locks, name, opts, replaced)
+        done = perform(decision, lambda: fn(*args, **kwargs), opts, key, args, kwargs, ex, hooks, locks)
     finally:
-        if job is not None:
+        if saved is not None and run.state != RunState.KEPT:  # (kept: the retry's handle replaced it)
             _quietly(drop_handle, locks, job.id, saved)
-    mirror_meta(job, outcome="ran")
-    return result
+    if done.instead is not None:
+        return _outcome(job, locks, name, opts, key, done.instead)
+    if lease is not None and not isinstance(done.value, Retry):  # (a returned Retry: mirrored when kept)
+        mirror_meta(job, outcome="ran")
+    return done.value
 
 
 class _Hooks:
@@ -340,6 +302,29 @@ class _Hooks:
     def __init__(self, locks: Locks, job: Any, name: str, terminate: bool = False) -> None:
         self.locks, self.job, self.name, self.terminate = locks, job, name, terminate
 
+    # -- how the body ended -----------------------------------------------------------------------
+    def failed(self, exc: BaseException) -> bool:
+        return isinstance(exc, Exception)
+
+    def settle(self, run: GuardedRun, exc: BaseException) -> None:
+        """The body raised: if RQ runs the job again (its ``Retry``: ``retries_left``), keep the
+        lease for that execution; else release it."""
+        job = self.job
+        if run.lease is None:  # shadow mode without the lease: nothing to keep or release
+            return
+        retry_in = job.get_retry_interval() if job is not None and job.retries_left else None
+        _end(job, self.locks, run, retry_in, "failed")
+
+    def returned(self, run: GuardedRun, value: Any) -> bool:
+        """A returned ``Retry`` (RQ >= 2.1 runs the job again): keep the lease for that execution."""
+        if run.lease is None or not isinstance(value, Retry):
+            return False
+        job = self.job
+        retries = (job.number_of_retries or 0) if job is not None else 0
+        retry_in = Retry.get_interval(retries, value.intervals) if retries < value.max else None
+        _end(job, self.locks, run, retry_in, "ran")
+        return True
+
     def persisted_handle(self) -> dict[str, Any] | None:
         handle = load_handle(self.locks, self.job.id) if self.job is not None else None
         # the handle of an execution that may still be running (an orphaned work-horse): never
@@ -349,7 +334,7 @@ class _Hooks:
     def release_handle(self, handle: Any) -> None:
         """Release the lease a failed execution of the job kept for its retry."""
         try:
-            self.locks.restore(handle["key"], handle["owner"], ttl=1.0).release()
+            release_handle(self.locks, handle)  # (and its place in the total, if any)
             drop_handle(self.locks, self.job.id)
         except (LeaseBackendError, ConfigError) as e:
             log.warning("job %s: could not release its kept lease before a rate wait: %s", self.job.id, e)
@@ -520,10 +505,11 @@ def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d:
     return Retry(max=10**9, interval=[countdown])
 
 
-def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcome: str, saved: str | None) -> None:
+def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcome: str) -> None:
     """The execution ends without finishing the job's work for good. If RQ runs it again
-    (``retry_in`` seconds from now), keep the lease for that execution; else release it. Never
-    raises (the body's own exception must win)."""
+    (``retry_in`` seconds from now), keep the lease for that execution (its handle saved over
+    the running execution's); else release it. Never raises (the body's own exception must
+    win)."""
     try:
         if retry_in is not None:
             handle = run.keep(retry_in + run.ttl)
@@ -533,8 +519,6 @@ def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcom
                 return
         else:
             run.fail()
-        if job is not None:
-            drop_handle(locks, job.id, saved)
         mirror_meta(job, outcome=outcome)
     except LeaseBackendError as e:
         log.warning("lease %r: could not hand over or release after the body ended: %s", run.key, e)

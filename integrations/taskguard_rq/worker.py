@@ -44,6 +44,7 @@ from typing import Any
 
 from rq import Worker
 
+from taskguard.handoff import handle_of, restore_handle
 from taskguard.liveness import holder_is_dead
 
 from .config import locks_for
@@ -85,16 +86,19 @@ def settle_killed_job(
                 handle["key"],
             )
             return None
-    lease = locks.restore(handle["key"], handle["owner"], ttl=opts.ttl, fencing_token=handle["fence"])
+    lease = restore_handle(locks, handle, ttl=opts.ttl)  # (with its place in the total, if any)
     lease.run_id = job.id
+    total = lease.total
     if retry and job.retries_left:
         stretch = job.get_retry_interval() + opts.ttl
-        if lease.renew(stretch):
-            save_handle(locks, job.id, {**handle, "expires": lease.expires_at, "running": False}, ttl=stretch)
+        if lease.renew(stretch) and (total is None or total.renew(stretch)):
+            save_handle(locks, job.id, {**handle_of(lease), "running": False}, ttl=stretch)
             log.warning("job %s: work-horse killed; lease %r kept %.0fs for its retry", job.id, handle["key"], stretch)
             mirror_meta(job, refresh=True, outcome="retrying")
             return "kept"
     lease.release()
+    if total is not None:
+        total.release()
     drop_handle(locks, job.id)
     log.warning("job %s: %s; lease %r released", job.id, why, handle["key"])
     mirror_meta(job, refresh=True, outcome="ended", ended=why)

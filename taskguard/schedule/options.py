@@ -121,7 +121,12 @@ def check_entry_options(
 
 def _check_conflicts(guard: GuardOptions, overlap: Any) -> None:
     check_overlap_conflicts(
-        overlap, once=guard.once, unique=guard.unique, on_skip=guard.on_skip.value, enforce=guard.enforce
+        overlap,
+        once=guard.once,
+        unique=guard.unique,
+        on_skip=guard.on_skip.value,
+        enforce=guard.enforce,
+        limit_total=guard.limit_total,
     )
 
 
