@@ -2,14 +2,24 @@
 arguments, decided when the call is published.
 
 One record per key (``debounce``, beside the lease) holds the window: the run id of its one
-message, when the window opened and when it is due, and the latest call's arguments (as the
-adapter serialises them). The first call of a window publishes one message, delayed by
-``debounce`` seconds; every later call only updates the record — its due time moves to ``debounce``
-seconds after it, never past ``debounce_max`` seconds after the window opened — and gets the same
-run id (one broker message per window, not one per call). The message, when it arrives, asks
+message, when the window opened and when it is due, whether its message was published, and the
+latest call's arguments (as the adapter serialises them). The first call of a window publishes one
+message, delayed by ``debounce`` seconds, then marks the window published (:func:`published`);
+every later call only updates the record — its due time moves to ``debounce`` seconds after it,
+never past ``debounce_max`` seconds after the window opened — and gets the same run id (one broker
+message per window, not one per call). The message, when it arrives, asks
 :func:`due`: not yet (``"wait"``: it is published again for the rest), or the window closes
 (``"run"``: the record is taken atomically; the body runs with the stored arguments). Calls after
 that open a new window. Times come from the Redis server's clock.
+
+**A publisher that dies** between writing the record and publishing (SIGKILLed, its connection
+cut) leaves a window not marked published: the next call joining it publishes the window's
+message itself (same run id; :attr:`Window.publish`), so every call that got the window's handle
+has its window published, and the last call's arguments run. Should the first publisher only have
+been slow, the window has two messages of one run id: the first to arrive at the due time takes the
+record (atomically), the other finds it gone — one run, never two at once. A call that dies before
+its record write changed nothing; one that dies after it has its arguments in the window (and the
+window still runs once).
 
 This module imports no task framework.
 """
@@ -25,7 +35,7 @@ from .errors import LeaseBackendError
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["RECORD", "Window", "publish", "due", "GRACE"]
+__all__ = ["RECORD", "Window", "publish", "published", "due", "GRACE"]
 
 #: The lease record holding a key's open window (JSON).
 RECORD = "debounce"
@@ -36,12 +46,17 @@ _ROUNDS = 100
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """What :func:`publish` decided: ``run_id`` (the window's run), ``fresh`` (this call opened it:
-    publish one message ``countdown`` seconds ahead; else publish nothing)."""
+    """What :func:`publish` decided: ``run_id`` (the window's run), ``fresh`` (this call opened
+    it), ``countdown`` (seconds until the window is due) and ``publish``: this call publishes the
+    window's message, ``countdown`` seconds ahead, then calls :func:`published` (with ``ttl``, the
+    seconds the record is kept) — it opened the window, or joined one whose opener has not marked
+    it published (it died before publishing); else it publishes nothing."""
 
     run_id: str
     fresh: bool
     countdown: float
+    publish: bool = False
+    ttl: float = GRACE
 
 
 def _dumps(rec: dict[str, Any]) -> str:
@@ -56,16 +71,34 @@ def publish(locks: Locks, key: str, run_id: str, message: Any, *, debounce: floa
         now = locks.server_time()
         rec = json.loads(raw) if raw is not None else None
         if rec is None:
-            new = {"id": run_id, "first": now, "due": now + debounce, "msg": message}
+            new = {"id": run_id, "first": now, "due": now + debounce, "msg": message, "pub": 0}
             if locks.put_record(key, RECORD, _dumps(new), ttl=debounce_max + GRACE, if_absent=True):
-                return Window(run_id, True, debounce)
+                return Window(run_id, True, debounce, publish=True, ttl=debounce_max + GRACE)
             continue
         rec["due"] = min(now + debounce, rec["first"] + debounce_max)
         rec["msg"] = message
         left = max(rec["first"] + debounce_max + GRACE - now, 1.0)
         if locks.put_record(key, RECORD, _dumps(rec), ttl=left, if_value=raw):
-            return Window(str(rec["id"]), False, max(rec["due"] - now, 0.0))
+            # a window recorded by an earlier release has no "pub": it was published
+            pub = rec.get("pub", 1) == 0
+            return Window(str(rec["id"]), False, max(rec["due"] - now, 0.0), publish=pub, ttl=left)
     raise LeaseBackendError("debounce", key, "could not record the call: too much contention")
+
+
+def published(locks: Locks, key: str, run_id: str, *, ttl: float) -> None:
+    """The window ``run_id``'s message was published: mark it so (while the record still names
+    it), so that later calls do not publish it again; the record is kept ``ttl`` seconds more
+    (:attr:`Window.ttl`). Raises LeaseBackendError (the window then stays unmarked: at worst a
+    later call publishes a second message of the same run id, which runs once)."""
+    for _ in range(_ROUNDS):
+        raw = locks.get_record(key, RECORD)
+        rec = json.loads(raw) if raw is not None else None
+        if rec is None or rec.get("id") != run_id or rec.get("pub", 1) != 0:
+            return
+        rec["pub"] = 1
+        if locks.put_record(key, RECORD, _dumps(rec), ttl=ttl, if_value=raw):
+            return
+    raise LeaseBackendError("debounce", key, "could not mark the window published: too much contention")
 
 
 def due(locks: Locks, key: str, run_id: str) -> tuple[str, Any]:

@@ -46,6 +46,10 @@ or redelivery of a replaced run)
 ``overlap="replace"``: lease refused (held, limit)          :class:`Run` after taking the lease
                                                             over from the oldest named holder
                                                             (:meth:`Hooks.replaced` is told)
+``overlap="allow"`` (a periodic entry's): a copy of a slot  :class:`Duplicate` (no run)
+that started already
+``overlap="allow"``: otherwise                              :class:`Run` without a lease (the
+                                                            body runs beside any other run)
 ==========================================================  ===================================
 
 A run decided :class:`Run` under ``overlap="coalesce"`` wakes the key's pending follow-up when it
@@ -350,10 +354,12 @@ def decide(
         if ex.backstop:
             hooks.clear_mark()
             return _backstop(opts, key, hooks, locks)
+    # the run's identity as its lease names it: a beat slot's messages share the slot's
+    slot_id = ex.slot[0] if ex.slot is not None and not ex.local else None
     replace = opts.overlap == Overlap.REPLACE and opts.enforce
     if replace and not ex.local:
         try:
-            by = replaced_by(locks, key, ex.run_id)
+            by = replaced_by(locks, key, slot_id or ex.run_id)
         except BaseException:
             hooks.clear_mark()
             raise
@@ -407,6 +413,9 @@ def decide(
         # past the visibility timeout runs on two workers at once); unstamped (a client without
         # taskguard), only a redelivered copy is checked
         refuse = ex.redelivered or stamp is not None or ex.slot is not None
+        if opts.overlap == Overlap.ALLOW:
+            hooks.clear_mark()
+            return _allow(key, ex, locks, run)
         began = run.begin(handle=handle, refuse_finished=refuse, same_run=ex.same_run, same_run_wait=ex.same_run_wait)
         if coalesce:
             run.on_end = lambda r: wake_pending(locks, key, hooks.wake, ex.task)
@@ -478,7 +487,7 @@ def _replace(
     A few rounds, for calls replacing each other at once; ``False`` (a skip) when the holders
     cannot be replaced (none named by a run id)."""
     for _ in range(5):
-        victim = replace_holder(locks, key, ex.run_id, opts.limit)
+        victim = replace_holder(locks, key, run.run_id, opts.limit)
         if run.begin(refuse_finished=refuse, same_run=ex.same_run, same_run_wait=ex.same_run_wait):
             if victim is not None:
                 log.info("%s[%s]: lease %r taken over from %s", ex.task, ex.run_id, key, victim.run_id)
@@ -489,6 +498,24 @@ def _replace(
         if victim is None and not [h for h in locks.holders(key) if h.run_id is not None]:
             return False
     return False
+
+
+#: ``overlap="allow"``: the lease record ``slot-started:<slot run id>`` says a periodic slot's run
+#: started (kept as long as the slot's finished marker), so a copy of the slot (published again by
+#: a new leader) does not run it twice.
+SLOT_STARTED_RECORD = "slot-started:"
+
+
+def _allow(key: str, ex: Execution, locks: Locks, run: GuardedRun) -> Run | Duplicate:
+    """``overlap="allow"`` (a periodic entry's): the body runs without a lease, beside any other
+    run of the key. A periodic slot still runs once: its first execution records that it started
+    (one ``SET NX``); a copy of it is a :class:`Duplicate`."""
+    if ex.slot is not None and not ex.local:
+        started = locks.put_record(key, SLOT_STARTED_RECORD + ex.slot[0], "1", ttl=ex.slot[1], if_absent=True)
+        if not started:
+            return Duplicate(key)
+    run.run_unguarded()
+    return Run(run)
 
 
 def replaced_skip(opts: GuardOptions, run: GuardedRun) -> Skipped | None:

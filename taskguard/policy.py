@@ -24,6 +24,9 @@ __all__ = [
     "OPTION_NAMES",
     "OPTION_DEFAULTS",
     "check_option_names",
+    "check_overlap",
+    "check_overlap_conflicts",
+    "ENTRY_OVERLAP",
 ]
 
 #: What a run that cannot get its lease does.
@@ -37,11 +40,13 @@ ON_SKIP = tuple(m.value for m in OnSkip)
 ON_LOST = tuple(m.value for m in OnLost)
 #: What a run does when its key's lease is held: ``skip`` (``on_skip`` applies), ``coalesce``
 #: (become the key's one pending follow-up), ``replace`` (take the lease over from the oldest
-#: holder, which ends ``Skipped(reason="replaced")``; see :mod:`taskguard.overlap`).
-#: ``allow`` is named by the contract and refused (ConfigError) until it is built.
+#: holder, which ends ``Skipped(reason="replaced")``; see :mod:`taskguard.overlap`) and, for a
+#: periodic entry only, ``allow`` (no lease: the entry's runs may overlap).
 OVERLAP = tuple(m.value for m in Overlap)
-#: The :data:`OVERLAP` values this release implements.
+#: The :data:`OVERLAP` values a task takes (``allow`` is refused on a task: see :func:`check_overlap`).
 OVERLAP_BUILT = (Overlap.SKIP.value, Overlap.COALESCE.value, Overlap.REPLACE.value)
+#: The :data:`OVERLAP` values a periodic entry takes (:mod:`taskguard.schedule.options`).
+ENTRY_OVERLAP = OVERLAP
 DEFAULT_TTL = 60.0
 #: ``debounce_max`` when only ``debounce`` is given: a window stays open at most this many seconds.
 DEBOUNCE_MAX_DEFAULT = 3600.0
@@ -202,18 +207,19 @@ class GuardOptions:
                 correct it with :func:`taskguard.settle_cost`. Needs ``rate``.
             unique_ttl: seconds a queued mark lasts when its run never starts (its message lost),
                 plus any countdown (default: the publish's ``expires``, else 1 hour).
-            overlap: what a run does when the key's lease is held (every slot, under ``limit``),
-                one of :data:`OVERLAP` (default ``"skip"``). ``"coalesce"``: it becomes the key's
-                one pending follow-up, superseding (``Skipped(reason="coalesced")``) the one
-                before it, and runs once the holder ends (:mod:`taskguard.overlap`); ``wait``
-                still applies first. Refused with ``once`` (a follow-up would only read the
-                stored value), ``unique`` (a publish while a run is queued or running returns
-                that run's handle: nothing would coalesce), ``on_skip="retry"`` (a held run
-                never skips) and ``enforce=False`` (shadow mode never holds a run back).
-                ``"replace"``: it takes the lease over from the oldest holder at once (a larger
-                fencing token; the old run's lease is lost within one renewal interval and that
-                run ends ``Skipped(reason="replaced")``, as does any retry of it). Refused with
-                ``once``, ``unique``, ``on_skip="retry"`` and ``enforce=False`` likewise.
+            overlap: what a run does when the key's lease is held (every slot, under ``limit``), one of
+                :data:`OVERLAP_BUILT` (default ``"skip"``; ``"allow"``, no lease, is for periodic
+                entries only and refused here: a task that may overlap needs no guard). ``"coalesce"``:
+                it becomes the key's one pending follow-up, superseding
+                (``Skipped(reason="coalesced")``) the one before it, and runs once the holder ends
+                (:mod:`taskguard.overlap`); ``wait`` still applies first. Refused with ``once`` (a
+                follow-up would only read the stored value), ``unique`` (a publish while a run is queued
+                or running returns that run's handle: nothing would coalesce), ``on_skip="retry"`` (a
+                held run never skips) and ``enforce=False`` (shadow mode never holds a run back).
+                ``"replace"``: it takes the lease over from the oldest holder at once (a larger fencing
+                token; the old run's lease is lost within one renewal interval and that run ends
+                ``Skipped(reason="replaced")``, as does any retry of it). Refused with ``once``,
+                ``unique``, ``on_skip="retry"`` and ``enforce=False`` likewise.
             debounce: seconds of quiet that close a window of calls (decided when a call is
                 published: :mod:`taskguard.debounce`): calls of one key within it make one run, about
                 ``debounce`` seconds after the last, with the last call's arguments; every call's
@@ -231,8 +237,11 @@ class GuardOptions:
             replica_timeout: the longest wait for those replicas, seconds (float > 0, at most
                 60; ``None``: the locks' own).
             replace_terminate: with ``overlap="replace"``, also stop the replaced run's
-                execution (Celery: ``revoke(terminate=True)``, refused on the threads and solo
-                pools, which cannot terminate; RQ: ``send_stop_job_command``).
+                execution (Celery: its result is stored as ``Skipped(reason="replaced")``, then
+                it is revoked with ``terminate=True`` — a key-value result backend keeps that
+                SUCCESS over the REVOKED the worker writes, while event consumers see
+                ``task-revoked`` — refused on the threads and solo pools, which cannot
+                terminate; RQ: ``send_stop_job_command``, the job ends STOPPED).
 
         Raises:
             ConfigError: naming the task and the bad option.
@@ -322,24 +331,13 @@ class GuardOptions:
             raise bad(f"on_skip must be one of {allowed_on_skip}, got {on_skip!r}")
         if on_lost not in ON_LOST:
             raise bad(f"on_lost must be one of {ON_LOST}, got {on_lost!r}")
-        if overlap not in OVERLAP:
-            close = difflib.get_close_matches(str(overlap), OVERLAP_BUILT, n=1, cutoff=0.75)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise bad(f"overlap must be one of {OVERLAP_BUILT}, got {overlap!r}{hint}")
-        if overlap not in OVERLAP_BUILT:
-            raise bad(f"overlap={overlap!r} is not available in this release (available: {OVERLAP_BUILT})")
-        if overlap in (Overlap.COALESCE, Overlap.REPLACE):
-            for conflict, given in (
-                ("limit_total", limit_total is not None),
-                ("once=True", once is True),
-                ("unique=True", unique is True),
-                ("on_skip='retry'", on_skip == "retry"),
-                ("enforce=False", enforce is False),
-            ):
-                if given:
-                    raise bad(
-                        f"overlap={overlap!r} cannot be combined with {conflict}: " + _CONFLICTS[overlap][conflict]
-                    )
+        try:
+            overlap = check_overlap(overlap)
+            check_overlap_conflicts(
+                overlap, once=once, unique=unique, on_skip=on_skip, enforce=enforce, limit_total=limit_total
+            )
+        except ConfigError as e:
+            raise bad(str(e)) from None
         if not isinstance(replace_terminate, bool):
             raise bad(f"replace_terminate must be True or False, got {replace_terminate!r}")
         if replace_terminate and overlap != Overlap.REPLACE:
@@ -450,7 +448,54 @@ class GuardOptions:
         return min(max(holder_ttl or 1.0, 1.0), self.ttl)
 
 
+def check_overlap(value: Any, *, allowed: tuple[str, ...] = OVERLAP_BUILT, what: str = "overlap") -> Overlap:
+    """The :class:`~taskguard.values.Overlap` member named ``value``, one of ``allowed`` (a task's:
+    :data:`OVERLAP_BUILT`; a periodic entry's: :data:`ENTRY_OVERLAP`). The one validator of the
+    option, for tasks and periodic entries alike. Raises ConfigError naming ``what``, with "did
+    you mean" for a misspelt value; ``allow`` on a task says where it belongs."""
+    if isinstance(value, str) and value in allowed:
+        return Overlap(value)
+    if value == Overlap.ALLOW.value:
+        raise ConfigError(
+            f"{what}='allow' is for periodic entries only (options['taskguard'] of a beat_schedule entry, "
+            "meta['taskguard'] of an rq cron entry): a task's guard is its lease, so a task whose runs may "
+            "overlap needs no guard (or takes limit=N)"
+        )
+    close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.75) if isinstance(value, str) else []
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"{what} must be one of {allowed}, got {value!r}{hint}")
+
+
+def check_overlap_conflicts(
+    overlap: Any,
+    *,
+    once: Any = False,
+    unique: Any = False,
+    on_skip: Any = "result",
+    enforce: Any = True,
+    limit_total: Any = None,
+) -> None:
+    """Refuse an ``overlap`` value beside the options it cannot work with (a task's own, or a
+    periodic entry's laid over its task's): ``coalesce`` / ``replace`` with ``limit_total``,
+    ``once``, ``unique``, ``on_skip="retry"`` or ``enforce=False``; ``allow`` with ``once``.
+    Raises ConfigError saying why."""
+    overlap = Overlap.of(overlap)
+    table = _CONFLICTS.get(overlap.value if isinstance(overlap, Overlap) else str(overlap), {})
+    for conflict, given in (
+        ("limit_total", limit_total is not None),
+        ("once=True", once is True),
+        ("unique=True", unique is True),
+        ("on_skip='retry'", on_skip == "retry"),
+        ("enforce=False", enforce is False),
+    ):
+        if given and conflict in table:
+            raise ConfigError(f"overlap={overlap.value!r} cannot be combined with {conflict}: " + table[conflict])
+
+
 _CONFLICTS = {
+    "allow": {
+        "once=True": "a key's completion is recorded with its lease's release, and allow takes no lease",
+    },
     "coalesce": {
         "once=True": "the follow-up of a completed key would only return the stored value",
         "unique=True": (

@@ -296,6 +296,12 @@ class GuardedRun:
             return False
         return True
 
+    def run_unguarded(self) -> None:
+        """Let the body run without a lease (a periodic entry's ``overlap="allow"``): nothing is
+        acquired, released or recorded; :attr:`lease` stays ``None`` and the end calls do
+        nothing."""
+        self.state = RunState.RUNNING
+
     # -- once=True and shadow mode -------------------------------------------------------------------
     def _completed(self) -> bool:
         """Is the key's work done (a completion record with this fingerprint)? Sets

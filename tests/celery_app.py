@@ -566,8 +566,11 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         base=GuardedTask, bind=True, shared=False, name="tg.report", ttl=1.5, key="report:{user}", overlap="replace"
     )
     def report(self, user, n, seconds=5.0):
+        return report_body(self.lease, user, n, seconds)
+
+    def report_body(lease, user, n, seconds):
         # overlap="replace": "<start|lost|end> <n> <fence> <time>" entries
-        lease, entries = self.lease, f"{prefix}:report:{user}"
+        entries = f"{prefix}:report:{user}"
         r.pipeline().rpush(entries, f"start {n} {lease.fencing_token} {time.time():.6f}").expire(entries, 600).execute()
         end = time.monotonic() + seconds
         try:
@@ -581,6 +584,22 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
             raise
         r.rpush(entries, f"end {n} {lease.fencing_token} {time.time():.6f}")
         return {"n": n, "fence": lease.fencing_token}
+
+    if os.environ.get("TG_TEST_REPLACE_TERMINATE"):  # (a worker with it refuses the threads and solo pools)
+
+        @app.task(
+            base=GuardedTask,
+            bind=True,
+            shared=False,
+            name="tg.report_term",
+            ttl=1.5,
+            key="report:{user}",
+            overlap="replace",
+            replace_terminate=True,
+        )
+        def report_term(self, user, n, seconds=5.0):
+            # overlap="replace", replace_terminate=True: as tg.report; the replaced run is killed
+            return report_body(self.lease, user, n, seconds)
 
     @app.task(
         base=GuardedTask,
@@ -925,11 +944,41 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         time.sleep(seconds)
         return {"name": name, "leased": self.lease is not None}
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.overlap_tick", ttl=2, key="otick")
+    def overlap_tick(self, seconds=0.0):
+        """A guarded beat task for the per-entry overlap tests: logs ``otick|start|slot|fence|time|id``
+        (fence ``-`` without a lease), then ``lost`` (its lease taken over) or ``end`` likewise."""
+        beat = (self.request.headers or {}).get("taskguard_beat") or getattr(self.request, "taskguard_beat", None) or {}
+        lease = self.lease
+        fence = "-" if lease is None else str(lease.fencing_token)
+
+        def mark(what: str) -> None:
+            note(f"otick|{what}|{beat.get('slot')}|{fence}|{time.time():.3f}|{self.request.id}")
+
+        mark("start")
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end:
+                if lease is not None:
+                    lease.ensure_held()
+                time.sleep(0.05)
+        except LeaseBackendError:
+            raise
+        except Exception:
+            mark("lost")
+            raise
+        mark("end")
+        return fence
+
     if os.environ.get("TG_TEST_BEAT"):
+        import json
+
         app.conf.beat_schedule = {
             "tick": {
                 "task": os.environ.get("TG_TEST_BEAT_TASK", "tg.tick"),
                 "schedule": float(os.environ["TG_TEST_BEAT"]),
+                "kwargs": json.loads(os.environ.get("TG_TEST_BEAT_KWARGS", "{}")),
+                "options": json.loads(os.environ.get("TG_TEST_BEAT_OPTIONS", "{}")),
             },
         }
 

@@ -13,7 +13,7 @@ from rq import cron
 
 from tests import rq_jobs
 
-_JOBS = {"tick": rq_jobs.cron_tick, "guarded": rq_jobs.cron_guarded}
+_JOBS = {"tick": rq_jobs.cron_tick, "guarded": rq_jobs.cron_guarded, "overlap": rq_jobs.cron_overlap}
 
 for spec in json.loads(os.environ.get("TG_TEST_CRON", "[]")):
     spec = dict(spec)

@@ -369,3 +369,31 @@ def export_tiered(tenant, seconds=0.5):
     time.sleep(seconds)
     _ledger("out", f"export:{tenant}", lease)
     return lease.slot
+
+
+@guarded_job(ttl=2, key="ocron:{entry}")
+def cron_overlap(entry: str, seconds: float = 5.0) -> str:
+    """A guarded periodic job of the per-entry overlap tests: logs ``ocron|start|slot|fence|time|job
+    id`` (fence ``-`` without a lease), then ``lost`` (its lease taken over) or ``end`` likewise."""
+    from rq import get_current_job
+
+    job = get_current_job()
+    slot = (job.meta.get("taskguard_cron") or {}).get("slot", "-") if job is not None else "-"
+    lease = current_lease()
+    fence = "-" if lease is None else str(lease.fencing_token)
+
+    def mark(what: str) -> None:
+        _log(f"ocron|{what}|{slot}|{fence}|{time.time():.3f}|{job.id if job is not None else '-'}")
+
+    mark("start")
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            if lease is not None:
+                lease.ensure_held()
+            time.sleep(0.05)
+    except Exception:
+        mark("lost")
+        raise
+    mark("end")
+    return fence

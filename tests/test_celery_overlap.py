@@ -182,7 +182,7 @@ def test_coalesce_is_refused_at_declaration_where_it_cannot_work(extra, conflict
             "coalese",
             r"overlap must be one of \('skip', 'coalesce', 'replace'\), got 'coalese' \(did you mean 'coalesce'\?\)",
         ),
-        ("allow", "overlap=.allow. is not available"),
+        ("allow", "overlap='allow' is for periodic entries only"),
     ],
 )
 def test_overlap_values_are_checked_at_declaration(value, message):
@@ -236,6 +236,36 @@ def test_replace_a_new_run_takes_the_lease_over_and_the_old_one_ends_replaced(ap
     assert as_skipped(again_value).reason == "replaced"
     assert [e["reason"] for e in replaced_events] == ["replaced", "replaced"]
     assert app.conf.taskguard_locks.holders("report:u1") == []
+
+
+def test_replace_terminate_the_old_task_is_killed_and_ends_skipped_replaced_not_revoked(app, redis_url, prefix):
+    """``replace_terminate=True`` on a prefork worker: the new run stores the old one's result,
+        ``Skipped("replaced")`` (SUCCESS), then revokes it with terminate; the old body is killed (it
+        never reaches its end) and Celery's REVOKED does not overwrite the SUCCESS (a key-value result
+        backend keeps a SUCCESS). Celery still sends ``task-revoked`` after ``task-skipped`` (Flower shows
+    REVOKED)."""
+    r = redis.Redis.from_url(redis_url)
+    env = {"TG_TEST_REPLACE_TERMINATE": "1"}  # (the task is only in apps of prefork workers)
+    with EventLog(app, tasks=["tg.report_term"]) as events:
+        with WorkerProcess(f"q-{prefix}", prefix, concurrency=2, extra=("-E",), env=env) as worker:
+            old = app.signature("tg.report_term", ("u2", 1), {"seconds": 30}).delay()
+            _wait(lambda: len(_entries(r, prefix, "u2")) == 1, timeout=20)
+            new = app.signature("tg.report_term", ("u2", 2), {"seconds": 1.0}).delay()
+            new_value = new.get(timeout=15)
+            old_value = old.get(timeout=15)
+            skipped = events.wait_for("task-skipped", 1)
+            time.sleep(1.0)
+            output = worker.output()
+    s = as_skipped(old_value)
+    assert s is not None and s.reason == "replaced" and s.follow_up == new.id, output
+    assert old.state == "SUCCESS"
+    assert new_value["n"] == 2
+    entries = _entries(r, prefix, "u2")
+    assert ("end", 1) not in [(kind, n) for kind, n, _f, _at in entries]  # the old body was killed
+    assert "revoked the replaced run" in output
+    assert [e["uuid"] for e in skipped] == [old.id]
+    assert f"Terminating {old.id}" in output  # Celery's own revoke, after the result was stored
+    assert app.conf.taskguard_locks.holders("report:u2") == []
 
 
 def test_replace_terminate_is_refused_on_pools_that_cannot_terminate():

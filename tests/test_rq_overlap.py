@@ -104,6 +104,45 @@ def test_the_follow_up_job_runs_once_after_the_active_jobs_worker_is_sigkilled(r
     assert fences[1] > fences[0]
 
 
+def test_the_follow_up_job_runs_once_after_the_worker_that_made_it_pending_is_sigkilled(rq_env):
+    """The worker that ran the follow-up job (which returned to RQ's ScheduledJobRegistry as the
+    key's pending follow-up) is SIGKILLed while it is pending: nothing of it lived in that worker,
+    so when the active job ends the follow-up is moved to now, enqueued by the queue's scheduler
+    (another worker's) and run there, once, never beside the active job."""
+    conn = rq_env.connection
+    other = Queue(rq_env.name.replace("q-", "q2-", 1), connection=conn)
+    blockers = Queue(rq_env.name.replace("q-", "q3-", 1), connection=conn)
+    call = None
+    try:
+        # the scheduler of `other` is w3's (started first); w3 takes `blockers` jobs first
+        with RQWorker(rq_env) as w1, RQWorker(other, blockers.name) as w3:
+            _wait(lambda: conn.get(f"rq:scheduler-lock:{other.name}") is not None)
+            with RQWorker(other) as w2:
+                rq_env.enqueue(rq_jobs.rebuild, "s1", 0, seconds=6)
+                _wait(lambda: len(_ran(rq_env, "s1")) == 1)
+                blocker = blockers.enqueue(rq_jobs.slow, f"block-{os.getpid()}", seconds=8)
+                _wait(lambda: blocker.get_status(refresh=True) == JobStatus.STARTED)  # w3 is busy
+                call = other.enqueue(rq_jobs.rebuild, "s1", 1, seconds=0.2)  # w2 runs it: pending
+                _wait(lambda: call.get_status(refresh=True) == JobStatus.SCHEDULED)
+                assert locks().get_record("index:s1", PENDING_RECORD) is not None
+                assert call.get_meta(refresh=True)["taskguard"]["outcome"] == "pending"
+                os.killpg(w2.proc.pid, signal.SIGKILL)
+                w2.proc.wait()
+            assert wait_done(call, timeout=40) == JobStatus.FINISHED, w1.output() + w3.output()
+            time.sleep(1.0)
+            output = w1.output() + w3.output()
+        assert call.return_value() == 1, output
+        ran = _ran(rq_env, "s1")
+        assert [n for n, _ in ran] == [0, 1], output
+        entries = ledger.parse(conn.lrange(_key("ledger:index:s1"), 0, -1))
+        assert ledger.peak(entries, 1) == 1  # never two bodies at once
+    finally:
+        if call is not None:
+            call.delete()
+        other.delete(delete_jobs=True)
+        blockers.delete(delete_jobs=True)
+
+
 def test_coalesce_is_refused_with_once_on_rq_too():
     with pytest.raises(ConfigError, match="overlap='coalesce' cannot be combined with once=True"):
 

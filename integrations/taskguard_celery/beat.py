@@ -13,7 +13,9 @@ the ``taskguard_beat`` header. The worker reads that header in :mod:`taskguard_c
 
 * **Per-entry options.** ``beat_schedule[name]["options"]["taskguard"] = {"key": ..., "ttl": ...}``
   gives the run of that entry its own lease key (a template over the task's arguments) and TTL,
-  and may also set ``limit``, ``rate`` and ``rate_key`` (:mod:`taskguard.schedule.options`); the
+  and may also set ``limit``, ``rate``, ``rate_key`` and ``overlap`` (``skip``, ``coalesce``,
+  ``replace``, ``allow``: what a slot's run does while the previous one still runs;
+  :mod:`taskguard.schedule.options`); the
   scheduler checks them at start, removes them from the publish options and passes them in the
   ``taskguard_beat`` header.
 * **Settings** are checked when the scheduler is set up (:func:`taskguard_celery.config.beat_settings`).
@@ -67,9 +69,11 @@ log = logging.getLogger("taskguard.beat")
 def validate_entry_options(name: str, options: Any, task: Any = None) -> dict:
     """Check one entry's ``options["taskguard"]`` when the scheduler is set up; with the entry's
     ``task`` (a guarded task this process knows), its ``key`` / ``rate_key`` templates are bound to
-    the task's signature here too. Raises ConfigError naming the entry."""
-    fn = task.run if task is not None and getattr(task, "taskguard_options", None) is not None else None
-    return check_entry_options(f"beat entry {name!r}", options, fn, container=f"options[{ENTRY_OPTION!r}]")
+    the task's signature and its ``overlap`` checked against the task's options here too. Raises
+    ConfigError naming the entry (with "did you mean" for a misspelt option or overlap value)."""
+    guard = getattr(task, "taskguard_options", None) if task is not None else None
+    fn = task.run if guard is not None else None
+    return check_entry_options(f"beat entry {name!r}", options, fn, container=f"options[{ENTRY_OPTION!r}]", guard=guard)
 
 
 class _WithOptions:

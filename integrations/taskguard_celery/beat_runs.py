@@ -14,7 +14,7 @@ __all__ = ["entry_guard", "beat_run"]
 
 def entry_guard(task: Any, opts: GuardOptions, header: dict) -> GuardOptions:
     """The guard options of a run published for a beat entry: the task's own, with the entry's
-    ``key`` / ``ttl`` / ``limit`` / ``rate`` / ``rate_key`` (``options["taskguard"]`` in the
+    ``key`` / ``ttl`` / ``limit`` / ``rate`` / ``rate_key`` / ``overlap`` (``options["taskguard"]`` in the
     schedule) when it gives them. A bad entry option is logged and the task's own value is used
     (:func:`taskguard.schedule.options.apply_entry_options`)."""
     return apply_entry_options(opts, header, task.run, task.name, cache=type(task))

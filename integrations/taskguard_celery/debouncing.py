@@ -2,7 +2,8 @@
 call's arguments, decided at publish (:mod:`taskguard.debounce`).
 
 The first ``delay()`` / ``apply_async()`` of a window publishes one message, ``debounce`` seconds
-ahead, with the ``taskguard_debounce`` header; later calls publish nothing, update the window's
+ahead, with the ``taskguard_debounce`` header (a later call publishes it instead when the first
+one died before publishing: :mod:`taskguard.debounce`); later calls publish nothing, update the window's
 arguments and get its ``AsyncResult`` (a ``skip`` event with reason ``"debounced"`` each). When
 the message arrives before the window's due time it is published again for the rest (still one
 message per window) and this delivery ends with ``Ignore``; at the due time the window closes and
@@ -20,7 +21,7 @@ from celery.exceptions import Ignore
 from kombu.serialization import dumps, loads
 
 from taskguard import Skipped
-from taskguard.debounce import due as window_due, publish as window_publish
+from taskguard.debounce import due as window_due, publish as window_publish, published as window_published
 from taskguard.values import Reason
 
 from .headers import COALESCE_HEADER, DEBOUNCE_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, read_header
@@ -67,14 +68,19 @@ def publish(
         debounce=opts.debounce,
         debounce_max=opts.debounce_max,
     )
-    if w.fresh:
-        options = {k: v for k, v in options.items() if k not in ("eta", "countdown")}
-        options["headers"] = {**(options.get("headers") or {}), DEBOUNCE_HEADER: {"key": key}}
-        options["countdown"] = w.countdown
-        return send(run_id, options)
-    locks.report_skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=task.name))
-    log.debug("task %s: call joined the debounce window %s of %r", task.name, w.run_id, key)
-    return task.AsyncResult(w.run_id)
+    if not w.fresh:
+        locks.report_skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=task.name))
+        log.debug("task %s: call joined the debounce window %s of %r", task.name, w.run_id, key)
+    if not w.publish:
+        return task.AsyncResult(w.run_id)
+    if not w.fresh:  # its opener died before publishing (or is publishing now: one run either way)
+        log.warning("task %s: the debounce window %s of %r was not published; publishing it", task.name, w.run_id, key)
+    options = {k: v for k, v in options.items() if k not in ("eta", "countdown")}
+    options["headers"] = {**(options.get("headers") or {}), DEBOUNCE_HEADER: {"key": key}}
+    options["countdown"] = w.countdown
+    result = send(w.run_id, options)
+    window_published(locks, key, w.run_id, ttl=w.ttl)
+    return result
 
 
 _OWN = (HEADER, DEFER_HEADER, RATE_HEADER, PUBLISH_HEADER, COALESCE_HEADER)

@@ -199,21 +199,31 @@ class CeleryHooks:
         """``prev`` (an earlier pending call, whose execution ended) ends here: its result is
         ``skipped`` (reason ``"coalesced"``), reported like any skip (core event, Prometheus,
         ``task-skipped`` with its task id)."""
+        self._end_other(prev.run_id, skipped)
+        log.info("task %s[%s]: coalesced into the pending follow-up %s", self.task.name, prev.run_id, skipped.follow_up)
+
+    def _end_other(self, task_id: str, skipped: Skipped) -> None:
+        """Another execution of this task (``task_id``) ends as ``skipped``, decided here: its
+        result is stored (SUCCESS) and the skip reported (core event, Prometheus, ``task-skipped``
+        with its task id). Never raises."""
         task = self.task
         locks = task.taskguard_locks
-        locks.report_skip(skipped)
+        try:
+            locks.report_skip(skipped)
+        except Exception as e:
+            log.warning("task %s[%s]: could not report its skip: %s", task.name, task_id, e)
         try:
             if not task.ignore_result:
                 serializer = getattr(task.backend, "serializer", None) or task.app.conf.result_serializer
                 value = skipped if serializer in NATIVE else skipped.to_dict()
-                task.backend.store_result(prev.run_id, value, "SUCCESS")
+                task.backend.store_result(task_id, value, "SUCCESS")
         except Exception as e:
-            log.warning("task %s[%s]: could not store its coalesced result: %s", task.name, prev.run_id, e)
+            log.warning("task %s[%s]: could not store its %s result: %s", task.name, task_id, skipped.reason, e)
         try:
             with task.app.events.default_dispatcher(hostname=self.req.hostname) as d:
                 d.send(
                     "task-skipped",
-                    uuid=prev.run_id,
+                    uuid=task_id,
                     name=task.name,
                     key=skipped.key,
                     reason=skipped.reason,
@@ -224,22 +234,36 @@ class CeleryHooks:
                 )
         except Exception as e:
             log.warning("task %s: could not send task-skipped event: %s", task.name, e)
-        log.info("task %s[%s]: coalesced into the pending follow-up %s", task.name, prev.run_id, skipped.follow_up)
 
     def coalesced_into(self) -> str | None:
         return None  # a superseded call's execution has ended already (its result stored by supersede)
 
     def replaced(self, holder: Any) -> None:
-        """``replace_terminate=True``: revoke the replaced task with terminate (its worker's pool
-        kills the execution; the lease it held is this run's already)."""
+        """``replace_terminate=True``: end the replaced run ``Skipped(reason="replaced")`` — its
+        result stored (SUCCESS) and its skip reported here — then revoke it with terminate (its
+        worker's pool kills the execution; the lease it held is this run's already).
+
+        The order matters: Celery's worker writes REVOKED for a terminated task from its main
+        process, at once, without the child's say (celery/worker/request.py
+        ``Request.terminate`` -> ``_announce_revoked`` -> ``backend.mark_as_revoked``), and a
+        key-value result backend (Redis, Memcached, ...) never overwrites a SUCCESS
+        (celery/backends/base.py ``BaseKeyValueStoreBackend._store_result``), so the stored
+        ``Skipped`` stays its result. Celery still sends ``task-revoked`` (and the
+        ``task_revoked`` signal) after the ``task-skipped`` event: event consumers (Flower) show
+        the task REVOKED. Another result backend may overwrite the result with REVOKED."""
         task = self.task
-        if not task.taskguard_options.replace_terminate or holder.run_id is None:
+        # the holder's task id (a beat slot's run is named by its slot, its execution by its task id)
+        task_id = (holder.holder or {}).get("task_id") or holder.run_id
+        if not task.taskguard_options.replace_terminate or not isinstance(task_id, str):
             return
+        self._end_other(
+            task_id, Skipped(key=holder.key, reason=Reason.REPLACED, task=task.name, follow_up=self.req.id or None)
+        )
         try:
-            task.app.control.revoke(holder.run_id, terminate=True)
-            log.info("task %s[%s]: revoked the replaced run %s (terminate)", task.name, self.req.id, holder.run_id)
+            task.app.control.revoke(task_id, terminate=True)
+            log.info("task %s[%s]: revoked the replaced run %s (terminate)", task.name, self.req.id, task_id)
         except Exception as e:
-            log.warning("task %s: could not revoke the replaced run %s: %s", task.name, holder.run_id, e)
+            log.warning("task %s: could not revoke the replaced run %s: %s", task.name, task_id, e)
 
 
 def outcome(task: Any, decision: Decision, skips: int, redelivered: bool) -> Any:

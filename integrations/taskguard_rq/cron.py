@@ -23,7 +23,7 @@ runs it on the framework-free periodic-schedule core (:mod:`taskguard.schedule`)
 * **The job** carries its slot in ``job.meta["taskguard_cron"]``
   (:data:`taskguard_rq.cron_runs.CRON_META_KEY`).
 * **Per-entry guard options** go in ``meta={"taskguard": {"key": ..., "ttl": ..., "limit": ...,
-  "rate": ..., "rate_key": ...}}`` (RQ's ``register`` takes no other keywords) of a
+  "rate": ..., "rate_key": ..., "overlap": ...}}`` (RQ's ``register`` takes no other keywords) of a
   ``@guarded_job`` function: checked at start, removed from the job's meta, carried in the slot
   header and laid over the function's own options by the worker (:mod:`taskguard_rq.cron_runs`).
 * **RQ's bookkeeping** stays as ``rq cron`` keeps it: the scheduler registry (birth, heartbeat,
@@ -224,7 +224,9 @@ def check_registration(data: Mapping[str, Any], zone: tzinfo) -> CronEntry:
                 f"{where}: meta[{ENTRY_OPTION!r}] gives guard options, but {name} is not a "
                 "@guarded_job function: nothing would apply them"
             )
-        options = check_entry_options(where, guard, func, container=f"meta[{ENTRY_OPTION!r}]")
+        options = check_entry_options(
+            where, guard, func, container=f"meta[{ENTRY_OPTION!r}]", guard=func.taskguard_options
+        )
     args, kwargs = data.get("args") or (), data.get("kwargs") or {}
     if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
         raise ConfigError(f"{where}: args must be a tuple and kwargs a dict")

@@ -30,7 +30,7 @@ def cron_header(job: Any) -> Mapping[str, Any] | None:
 
 def entry_guard(job: Any, fn: Callable[..., Any], name: str, opts: GuardOptions) -> GuardOptions:
     """The guard options of ``job``'s execution: the job function's own (``opts``), with its cron
-    entry's ``key`` / ``ttl`` / ``limit`` / ``rate`` / ``rate_key`` laid over them when the job
+    entry's ``key`` / ``ttl`` / ``limit`` / ``rate`` / ``rate_key`` / ``overlap`` laid over them when the job
     was enqueued for a slot that gives them (:func:`taskguard.schedule.options.apply_entry_options`:
     a bad option is logged and the function's own value kept). ``fn``: the job's body, whose
     signature the key templates bind to; ``name``: the job's label, for the log."""

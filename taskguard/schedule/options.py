@@ -1,28 +1,39 @@
 """Guard options of a periodic entry: the task's own options, some replaced for that entry's runs.
 
-An entry may give its runs their own ``key``, ``ttl``, ``limit``, ``rate`` and ``rate_key``
-(:data:`ENTRY_OPTIONS`, the fields of :class:`taskguard.policy.GuardOptions` of those names, with
-the same validators). They are checked when the scheduler starts (:func:`check_entry_options`),
-travel in the slot's message, and the worker lays them over the task's options
-(:func:`apply_entry_options`). One function checks each field: :func:`check_entry_option`.
+An entry may give its runs their own ``key``, ``ttl``, ``limit``, ``rate``, ``rate_key`` and
+``overlap`` (:data:`ENTRY_OPTIONS`, the fields of :class:`taskguard.policy.GuardOptions` of those
+names, with the same validators). They are checked when the scheduler starts
+(:func:`check_entry_options`), travel in the slot's message, and the worker lays them over the
+task's options (:func:`apply_entry_options`). One function checks each field:
+:func:`check_entry_option`.
+
+``overlap`` says what a slot's run does when the previous run of the entry still holds its lease
+(:data:`taskguard.policy.ENTRY_OVERLAP`): ``skip`` (the default: the run ends
+``Skipped(reason="held")``), ``coalesce`` (it becomes the key's one pending follow-up, superseded by
+the next slot's run, and runs as soon as the holder ends), ``replace`` (it takes the lease over;
+the old run ends ``Skipped(reason="replaced")``) or ``allow`` (no lease at all: the slot is still
+published once and runs once, but its body runs beside any earlier run that is still going). The
+value is checked with the task's own options (:func:`taskguard.policy.check_overlap_conflicts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from ..errors import ConfigError
 from ..keys import KeyTemplate
-from ..policy import GuardOptions
+from ..policy import ENTRY_OVERLAP, GuardOptions, check_overlap, check_overlap_conflicts
 from ..validate import check_limit, check_rate, check_ttl
+from ..values import Overlap
 
 __all__ = ["ENTRY_OPTIONS", "check_entry_option", "check_entry_options", "apply_entry_options"]
 
 #: The guard options a periodic entry may set for its runs (names of :class:`GuardOptions` fields).
-ENTRY_OPTIONS = ("key", "ttl", "limit", "rate", "rate_key")
+ENTRY_OPTIONS = ("key", "ttl", "limit", "rate", "rate_key", "overlap")
 
 log = logging.getLogger("taskguard.schedule")
 
@@ -43,8 +54,9 @@ def check_entry_option(field: str, value: Any, fn: Callable[..., Any] | None = N
     lease TTL in seconds (float), ``limit`` an int, ``rate`` ``(count, seconds)`` (a list is
     read as a tuple); ``key`` / ``rate_key`` a non-empty template ``str``, returned as a
     :class:`~taskguard.keys.KeyTemplate` bound to ``fn``'s signature when ``fn`` is given
-    (``cache``: a hashable that names ``fn``, to reuse bound templates), else as the ``str``.
-    Raises ConfigError naming the field."""
+    (``cache``: a hashable that names ``fn``, to reuse bound templates), else as the ``str``;
+    ``overlap`` one of :data:`~taskguard.policy.ENTRY_OVERLAP`, returned as its ``str``. Raises
+    ConfigError naming the field ("did you mean" for a misspelt overlap value)."""
     if field in ("key", "rate_key"):
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{field} must be a non-empty template str, got {value!r}")
@@ -60,19 +72,34 @@ def check_entry_option(field: str, value: Any, fn: Callable[..., Any] | None = N
         return check_limit(value)
     if field == "rate":
         return check_rate(tuple(value) if isinstance(value, list) else value)
+    if field == "overlap":
+        return check_overlap(value, allowed=ENTRY_OVERLAP).value
     raise ConfigError(f"unknown entry option {field!r} (entry options: {', '.join(ENTRY_OPTIONS)})")
 
 
 def check_entry_options(
-    where: str, options: Any, fn: Callable[..., Any] | None = None, container: str = "options"
+    where: str,
+    options: Any,
+    fn: Callable[..., Any] | None = None,
+    container: str = "options",
+    guard: GuardOptions | None = None,
 ) -> dict[str, Any]:
     """Check an entry's guard options when the scheduler starts: a dict with keys from
-    :data:`ENTRY_OPTIONS`; ``rate_key`` needs ``rate``; with ``fn`` (the body of a guarded task
-    this process knows) the templates are bound to its signature too. Returns them JSON-safe (a
-    rate tuple as a list), for the slot's message. Raises ConfigError starting with ``where``
-    (e.g. ``"beat entry 'nightly'"``); ``container`` names the dict in the message."""
-    if not isinstance(options, dict) or set(options) - set(ENTRY_OPTIONS):
+    :data:`ENTRY_OPTIONS` (a misspelt key gets "did you mean"); ``rate_key`` needs ``rate``; with
+    ``fn`` (the body of a guarded task this process knows) the templates are bound to its
+    signature too, and with ``guard`` (that task's own options) an ``overlap`` is checked against
+    them (:func:`taskguard.policy.check_overlap_conflicts`). Returns them JSON-safe (a rate tuple
+    as a list), for the slot's message. Raises ConfigError starting with ``where`` (e.g. ``"beat
+    entry 'nightly'"``); ``container`` names the dict in the message."""
+    if not isinstance(options, dict):
         raise ConfigError(f"{where}: {container} must be a dict with keys {ENTRY_OPTIONS}, got {options!r}")
+    for name in options:
+        if name not in ENTRY_OPTIONS:
+            close = difflib.get_close_matches(str(name), ENTRY_OPTIONS, n=1, cutoff=0.75)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{where}: {container} must be a dict with keys {ENTRY_OPTIONS}: unknown option {name!r}{hint}"
+            )
     given = [field for field in ENTRY_OPTIONS if options.get(field) is not None]
     try:
         for field in given:
@@ -82,12 +109,25 @@ def check_entry_options(
         for field in given:
             if fn is not None and field in ("key", "rate_key"):
                 check_entry_option(field, options[field], fn)
+        if guard is not None and options.get("overlap") is not None:
+            _check_conflicts(guard, options["overlap"])
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     out = dict(options)
     if isinstance(out.get("rate"), tuple):
         out["rate"] = list(out["rate"])  # JSON-safe in the message
     return out
+
+
+def _check_conflicts(guard: GuardOptions, overlap: Any) -> None:
+    check_overlap_conflicts(
+        overlap,
+        once=guard.once,
+        unique=guard.unique,
+        on_skip=guard.on_skip.value,
+        enforce=guard.enforce,
+        limit_total=guard.limit_total,
+    )
 
 
 def apply_entry_options(
@@ -113,6 +153,13 @@ def apply_entry_options(
     if "rate_key" in changes and "rate" not in changes and opts.rate is None:
         log.error("task %s: ignoring the beat entry's rate_key option: it needs rate", task)
         del changes["rate_key"]
+    if "overlap" in changes:
+        try:
+            _check_conflicts(opts, changes["overlap"])
+            changes["overlap"] = Overlap(changes["overlap"])
+        except ConfigError as e:
+            log.error("task %s: ignoring the beat entry's overlap option: %s", task, e)
+            del changes["overlap"]
     if "limit" in changes:
         changes["limit_fn"] = None  # the entry's limit replaces a task's limit callable
     if "rate" in changes and opts.rate is None and not isinstance(opts.cost, int):
