@@ -129,7 +129,8 @@ def _rows(queue, name):
 def test_a_weighted_rate_holds_in_cost_units_across_two_workers(rq_env):
     """16 jobs of 20-80 tokens under 400 tokens/s (burst 100) on two workers with RQ's scheduler:
     each runs once, keeps its Retry, and the tokens whose bodies started in any window of w >= 1 s
-    stay within 100 + 400 w (+ one job's cost: a start is a little after its admission)."""
+    stay within 100 + 400 (w + 1) (+ one job's cost: a start is after its admission, a deferred
+    one by up to RQ's scheduler's second); over the whole run, no faster than the rate."""
     import random
 
     rnd = random.Random(26)
@@ -143,9 +144,12 @@ def test_a_weighted_rate_holds_in_cost_units_across_two_workers(rq_env):
     rows = sorted((float(x[0]), int(x[2])) for x in _rows(rq_env, "llm"))
     assert len(rows) == 16
     assert rows[-1][0] - rows[0][0] >= (sum(tokens) - 100) / 400 - 1.0  # (RQ's scheduler: whole seconds)
+    # a deferred job is moved to its queue by RQ's scheduler, which looks once a second
+    # (rq/scheduler.py): it may start up to about a second after its booked turn, beside jobs
+    # admitted after it, so the starts in w seconds stay within the admissions of w + 1 seconds
     for i, (t0, _) in enumerate(rows):
         for w in (1.0, 2.0):
-            assert sum(c for t, c in rows[i:] if t < t0 + w) <= 100 + 400 * w + 80
+            assert sum(c for t, c in rows[i:] if t < t0 + w) <= 100 + 400 * (w + 1.0) + 80
     for job in jobs:
         job.refresh()
         assert job.retries_left == 1 and not job.number_of_retries
