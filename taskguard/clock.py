@@ -14,7 +14,9 @@ The API is two methods, so a test (or a simulated schedule) can inject its own:
 * ``time() -> float``: Unix epoch seconds (float) for instants.
 
 plus ``refresh()``, which a clock may use to resynchronise (a :class:`ServerClock` reads the
-server's ``TIME``); it never raises.
+server's ``TIME``); it never raises; and ``uncertainty()``, how far ``time()`` may be from the
+clock it follows, seconds (0 for a clock that reads its source directly; optional for an injected
+clock).
 
 :data:`LOCAL` is the process's own clocks (``time.monotonic`` / ``time.time``).
 """
@@ -45,6 +47,12 @@ class Clock:
 
     def refresh(self) -> None:
         """Resynchronise with the clock's source, where it has one (here: nothing). Never raises."""
+
+    def uncertainty(self) -> float:
+        """How far :meth:`time` may be from its source's clock, either way, seconds (float, >= 0;
+        here 0: it reads the source directly). A caller that must not act *before* an instant
+        waits until ``time() - uncertainty()`` reaches it."""
+        return 0.0
 
 
 #: The process's own clocks.
@@ -89,7 +97,8 @@ class ServerClock(Clock):
         self._resample = float(resample)
         self._local = local
         self._lock = threading.Lock()
-        self._base: tuple[float, float] | None = None  # (server epoch seconds, local monotonic then)
+        # (server epoch seconds, local monotonic then, half the round trip of that reading)
+        self._base: tuple[float, float, float] | None = None
 
     def monotonic(self) -> float:
         return self._local.monotonic()
@@ -104,8 +113,9 @@ class ServerClock(Clock):
             log.debug("taskguard: could not read the Redis server's clock: %s", e)
             return
         got = self._local.monotonic()
+        half = max(0.0, got - sent) / 2
         with self._lock:
-            self._base = (server + (got - sent) / 2, got)
+            self._base = (server + half, got, half)
 
     def time(self) -> float:
         """The server's Unix epoch seconds (float), as of its last reading plus the monotonic
@@ -117,3 +127,11 @@ class ServerClock(Clock):
         if base is None:
             return self._local.time()
         return base[0] + (self._local.monotonic() - base[1])
+
+    def uncertainty(self) -> float:
+        """Half the round trip of the reading in use, seconds (float): the server read its clock
+        somewhere within that round trip, so :meth:`time` (which assumes the middle) may be ahead
+        of the server's clock or behind it by up to this much — under load, milliseconds or more.
+        0.0 before the first successful reading."""
+        base = self._base
+        return 0.0 if base is None else base[2]

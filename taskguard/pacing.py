@@ -71,6 +71,12 @@ GO = Pace(True)
 MAX_EARLY = 2.0
 
 
+def _uncertainty(clock: Any) -> float:
+    """``clock.uncertainty()`` (seconds), or 0 for an injected clock without one."""
+    of = getattr(clock, "uncertainty", None)
+    return 0.0 if of is None else max(0.0, float(of()))
+
+
 def parse_state(value: Any) -> dict[str, Any] | None:
     """A deferred run's pacing state as it came back (``None`` when absent). Raises ``ValueError``
     saying what is wrong for a malformed one (the caller logs it and paces the run afresh)."""
@@ -115,7 +121,8 @@ def pace(
         state: what the deferred run carried back (:func:`parse_state`), or ``None`` for a
             fresh run.
         now: Unix epoch seconds (default: the backend's clock, :meth:`Locks.server_clock`, so that a
-            deferred run's booked turn means the same on every host, whatever their wall clocks).
+            deferred run's booked turn means the same on every host, whatever their wall clocks;
+            a booked turn is then reached once the clock, less its ``uncertainty()``, passes it).
         consume: ``False``: only check — the answer says what would happen, nothing is counted
             or booked.
         shadow: count (and book) in the rate's shadow state (:meth:`Locks.throttle`), never in
@@ -125,11 +132,17 @@ def pace(
     Returns a :class:`Pace`. Raises ConfigError for a ``cost`` above ``burst`` (the run could
     never pass), LeaseBackendError when Redis fails.
     """
-    now = locks.server_clock().time() if now is None else now
+    margin = 0.0
+    if now is None:
+        clock = locks.server_clock()
+        now = clock.time()
+        margin = _uncertainty(clock)
     turn = state is not None and state.get("turn") is not None
     if turn:
-        # its turn was booked when it was deferred: the rate already counted it
-        early = cast(float, cast(Mapping[str, Any], state)["turn"]) - now
+        # its turn was booked when it was deferred: the rate already counted it. It goes when the
+        # server's clock has surely reached its turn: the clock's reading may run ahead of the
+        # server's by its uncertainty (half a round trip), so that much is waited out too
+        early = cast(float, cast(Mapping[str, Any], state)["turn"]) - (now - margin)
         if 0 < early <= MAX_EARLY:
             return Pace(True, countdown=early)
     since = now if state is None else state["since"]
@@ -151,9 +164,10 @@ def pace(
     if horizon <= 0:
         return Pace(False, skip=True, reason=reason)
     if answer.booked or (not consume and answer.retry_after <= horizon):
-        return Pace(
-            False, countdown=answer.retry_after, state={"since": since, "turn": now + answer.retry_after}, reason=reason
-        )
+        # the turn the server booked, as the latest instant the clock's reading allows for it (so
+        # that the run, which waits for its turn's earliest instant, never goes before it)
+        turn_at = now + margin + answer.retry_after
+        return Pace(False, countdown=answer.retry_after, state={"since": since, "turn": turn_at}, reason=reason)
     if max_wait is not None and waited + answer.retry_after > max_wait:
         return Pace(False, skip=True, reason=reason)
     return Pace(
