@@ -134,11 +134,13 @@ def test_a_resent_acquire_finds_its_own_slot(redis_url, prefix):
 # -- across processes: a ledger of entries and exits ------------------------------------------------
 
 
-def _worker(url, prefix, limit, until, ledger_path, seed):
+def _worker(url, prefix, limit, seconds, start, ledger_path, seed):
     import random
 
     rnd = random.Random(seed)
     locks = RedisLocks.from_url(url, prefix=prefix)
+    start.wait(60)  # all six contend from the same moment, however long each took to start
+    until = time.time() + seconds
     while time.time() < until:
         acq = locks.acquire("pool", ttl=2, limit=limit, wait=0.5)
         if not acq:
@@ -159,9 +161,9 @@ def test_peak_never_exceeds_the_limit_across_processes(redis_url, prefix, tmp_pa
     written before the release, entry after the acquire): at every point of the merged ledger at
     most 3 are inside, every slot is used, and each slot's fences strictly increase."""
     ledger = tmp_path / "ledger"
-    until = time.time() + 4
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(redis_url, prefix, 3, until, str(ledger), i)) for i in range(6)]
+    start = ctx.Barrier(6)
+    procs = [ctx.Process(target=_worker, args=(redis_url, prefix, 3, 4, start, str(ledger), i)) for i in range(6)]
     for p in procs:
         p.start()
     for p in procs:
