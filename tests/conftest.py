@@ -61,6 +61,29 @@ def _untimed_of_session(c):
     return {k for k, ttl in zip(keys, pipe.execute(), strict=True) if ttl == -1}
 
 
+#: The modules that take longest (a minute and more each on 2 cores, measured with
+#: ``--durations``), longest first: they start first, so that the parallel workers
+#: (pytest-xdist, whole modules each) do not end on one of them while the others idle.
+LONGEST_FIRST = (
+    "test_celery_beat.py",
+    "test_celery_failures.py",
+    "test_rq_cron.py",
+    "test_run_identity.py",
+    "test_faults.py",
+    "test_clock_steps.py",
+    "test_celery_limits.py",
+    "test_package.py",
+    "test_celery_guard.py",
+    "test_examples.py",
+    "test_rq.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest keep their order)
+
+
 def _is_xdist_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
