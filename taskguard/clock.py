@@ -14,10 +14,9 @@ The API is two methods, so a test (or a simulated schedule) can inject its own:
 * ``time() -> float``: Unix epoch seconds (float) for instants.
 
 plus ``refresh()``, which a clock may use to resynchronise (a :class:`ServerClock` reads the
-server's ``TIME``); it never raises; and ``uncertainty()``, how far ``time()`` may be from its
-source's true time either way, in seconds (0 for the local clocks; optional for an injected
-clock: :func:`uncertainty` reads it as 0 when absent). A wait that must not end before an instant
-of the source (a booked rate turn) waits that much longer.
+server's ``TIME``); it never raises; and ``uncertainty()``, how far ``time()`` may be from the
+clock it follows, seconds (0 for a clock that reads its source directly; optional for an injected
+clock).
 
 :data:`LOCAL` is the process's own clocks (``time.monotonic`` / ``time.time``).
 """
@@ -29,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["LOCAL", "Clock", "FixedClock", "ServerClock", "uncertainty"]
+__all__ = ["LOCAL", "Clock", "FixedClock", "ServerClock"]
 
 log = logging.getLogger("taskguard")
 
@@ -50,8 +49,9 @@ class Clock:
         """Resynchronise with the clock's source, where it has one (here: nothing). Never raises."""
 
     def uncertainty(self) -> float:
-        """Seconds (float, >= 0) that :meth:`time` may be from its source's true time, either way
-        (here: 0, the source is this host's own clock)."""
+        """How far :meth:`time` may be from its source's clock, either way, seconds (float, >= 0;
+        here 0: it reads the source directly). A caller that must not act *before* an instant
+        waits until ``time() - uncertainty()`` reaches it."""
         return 0.0
 
 
@@ -97,8 +97,8 @@ class ServerClock(Clock):
         self._resample = float(resample)
         self._local = local
         self._lock = threading.Lock()
-        self._base: tuple[float, float] | None = None  # (server epoch seconds, local monotonic then)
-        self._half_rtt = 0.0
+        # (server epoch seconds, local monotonic then, half the round trip of that reading)
+        self._base: tuple[float, float, float] | None = None
 
     def monotonic(self) -> float:
         return self._local.monotonic()
@@ -113,16 +113,9 @@ class ServerClock(Clock):
             log.debug("taskguard: could not read the Redis server's clock: %s", e)
             return
         got = self._local.monotonic()
+        half = max(0.0, got - sent) / 2
         with self._lock:
-            # the server read its clock somewhere in the round trip: the middle is the best
-            # guess, off by at most half the round trip either way (:meth:`uncertainty`)
-            self._base = (server + (got - sent) / 2, got)
-            self._half_rtt = (got - sent) / 2
-
-    def uncertainty(self) -> float:
-        """Half the round trip of the reading in use, seconds: :meth:`time` is within that of the
-        server's clock (0 before the first reading, when :meth:`time` is the local clock's)."""
-        return self._half_rtt if self._base is not None else 0.0
+            self._base = (server + half, got, half)
 
     def time(self) -> float:
         """The server's Unix epoch seconds (float), as of its last reading plus the monotonic
@@ -135,8 +128,10 @@ class ServerClock(Clock):
             return self._local.time()
         return base[0] + (self._local.monotonic() - base[1])
 
-
-def uncertainty(clock: Clock) -> float:
-    """``clock.uncertainty()``, or 0 for an injected clock without the method (seconds)."""
-    read = getattr(clock, "uncertainty", None)
-    return float(read()) if read is not None else 0.0
+    def uncertainty(self) -> float:
+        """Half the round trip of the reading in use, seconds (float): the server read its clock
+        somewhere within that round trip, so :meth:`time` (which assumes the middle) may be ahead
+        of the server's clock or behind it by up to this much — under load, milliseconds or more.
+        0.0 before the first successful reading."""
+        base = self._base
+        return 0.0 if base is None else base[2]

@@ -32,7 +32,6 @@ import math
 from collections.abc import Mapping
 from typing import Any, cast
 
-from .clock import uncertainty
 from .errors import ConfigError, LeaseBackendError
 from .locks import Locks
 from .skipped import Skipped
@@ -70,6 +69,12 @@ GO = Pace(True)
 #: The longest a run that came back before its booked turn waits for it in place, seconds; one
 #: that came back earlier than that (a clock step) goes at once: its turn is booked either way.
 MAX_EARLY = 2.0
+
+
+def _uncertainty(clock: Any) -> float:
+    """``clock.uncertainty()`` (seconds), or 0 for an injected clock without one."""
+    of = getattr(clock, "uncertainty", None)
+    return 0.0 if of is None else max(0.0, float(of()))
 
 
 def parse_state(value: Any) -> dict[str, Any] | None:
@@ -116,7 +121,8 @@ def pace(
         state: what the deferred run carried back (:func:`parse_state`), or ``None`` for a
             fresh run.
         now: Unix epoch seconds (default: the backend's clock, :meth:`Locks.server_clock`, so that a
-            deferred run's booked turn means the same on every host, whatever their wall clocks).
+            deferred run's booked turn means the same on every host, whatever their wall clocks;
+            a booked turn is then reached once the clock, less its ``uncertainty()``, passes it).
         consume: ``False``: only check — the answer says what would happen, nothing is counted
             or booked.
         shadow: count (and book) in the rate's shadow state (:meth:`Locks.throttle`), never in
@@ -129,13 +135,14 @@ def pace(
     margin = 0.0
     if now is None:
         clock = locks.server_clock()
-        now, margin = clock.time(), uncertainty(clock)
+        now = clock.time()
+        margin = _uncertainty(clock)
     turn = state is not None and state.get("turn") is not None
     if turn:
-        # its turn was booked when it was deferred: the rate already counted it. It waits out
-        # what is left of it, and the clock's uncertainty too: never before its turn on the
-        # server's clock, however slow the reading of that clock was
-        early = cast(float, cast(Mapping[str, Any], state)["turn"]) - now + margin
+        # its turn was booked when it was deferred: the rate already counted it. It goes when the
+        # server's clock has surely reached its turn: the clock's reading may run ahead of the
+        # server's by its uncertainty (half a round trip), so that much is waited out too
+        early = cast(float, cast(Mapping[str, Any], state)["turn"]) - (now - margin)
         if 0 < early <= MAX_EARLY:
             return Pace(True, countdown=early)
     since = now if state is None else state["since"]
@@ -157,9 +164,10 @@ def pace(
     if horizon <= 0:
         return Pace(False, skip=True, reason=reason)
     if answer.booked or (not consume and answer.retry_after <= horizon):
-        return Pace(
-            False, countdown=answer.retry_after, state={"since": since, "turn": now + answer.retry_after}, reason=reason
-        )
+        # the turn the server booked, as the latest instant the clock's reading allows for it (so
+        # that the run, which waits for its turn's earliest instant, never goes before it)
+        turn_at = now + margin + answer.retry_after
+        return Pace(False, countdown=answer.retry_after, state={"since": since, "turn": turn_at}, reason=reason)
     if max_wait is not None and waited + answer.retry_after > max_wait:
         return Pace(False, skip=True, reason=reason)
     return Pace(

@@ -14,22 +14,29 @@ from pathlib import Path
 
 import redis
 from celery.contrib.testing.worker import start_worker
+from kombu.asynchronous import set_event_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
 def embedded_worker(app, pool: str = "threads", concurrency: int = 4, **kwargs):
-    with start_worker(
-        app,
-        pool=pool,
-        concurrency=concurrency,
-        perform_ping_check=False,
-        loglevel="WARNING",
-        shutdown_timeout=15,
-        **kwargs,
-    ) as w:
-        yield w
+    try:
+        with start_worker(
+            app,
+            pool=pool,
+            concurrency=concurrency,
+            perform_ping_check=False,
+            loglevel="WARNING",
+            shutdown_timeout=15,
+            **kwargs,
+        ) as w:
+            yield w
+    finally:
+        # the worker's event loop is process-global in kombu (kombu.asynchronous): Celery before
+        # 5.5 leaves the stopped worker's loop there, and the next embedded worker of the process
+        # would schedule its ETA / countdown messages on it, never to run
+        set_event_loop(None)
 
 
 class EventLog:

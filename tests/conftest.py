@@ -44,6 +44,9 @@ def _untimed(c, patterns):
     return {k for pattern in patterns for k in c.scan_iter(match=pattern, count=1000) if c.ttl(k) == -1}
 
 
+#: The shared bookkeeping keys without a TTL found when the session started.
+_BOOKKEEPING_BEFORE = pytest.StashKey[set]()
+
 _PREFIX_IN_KEY = re.compile(rb"tgtest-[0-9a-f]{12}")
 
 
@@ -58,23 +61,57 @@ def _untimed_of_session(c):
     return {k for k, ttl in zip(keys, pipe.execute(), strict=True) if ttl == -1}
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_untimed_keys_left_behind():
-    """After the session: no key without a TTL that the suite made stays in the shared Redis —
-    the tests' own keys (their prefixes, queues and workers all contain the test's prefix) and
-    the shared bookkeeping keys that did not exist before the suite ran. Only this session's
-    prefixes: another session's live keys (its queues, logs, jobs) are left alone."""
+#: The modules that take longest (a minute and more each on 2 cores, measured with
+#: ``--durations``), longest first: they start first, so that the parallel workers
+#: (pytest-xdist, whole modules each) do not end on one of them while the others idle.
+LONGEST_FIRST = (
+    "test_celery_beat.py",
+    "test_celery_failures.py",
+    "test_rq_cron.py",
+    "test_run_identity.py",
+    "test_faults.py",
+    "test_clock_steps.py",
+    "test_celery_limits.py",
+    "test_package.py",
+    "test_celery_guard.py",
+    "test_examples.py",
+    "test_rq.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest keep their order)
+
+
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session):
+    """The shared bookkeeping keys without a TTL that exist before the suite runs (read once, by
+    the process that runs the session: pytest itself, or pytest-xdist's controller)."""
+    if _is_xdist_worker(session.config):
+        return
     c = redis.Redis.from_url(SHARED_URL, socket_connect_timeout=2)
     try:
-        before = _untimed(c, SHARED_BOOKKEEPING)
+        session.config.stash[_BOOKKEEPING_BEFORE] = _untimed(c, SHARED_BOOKKEEPING)
     except redis.RedisError:
-        before = None  # the redis_url fixture reports it
-    yield
-    if before is None:
+        pass  # the redis_url fixture reports it
+    finally:
+        c.close()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """After every test (under pytest-xdist: after every worker has finished, so that no worker's
+    live bookkeeping is taken from under it): the shared bookkeeping keys without a TTL that the
+    suite created are deleted, and the suite's members leave the registries that existed before."""
+    if _is_xdist_worker(session.config) or _BOOKKEEPING_BEFORE not in session.config.stash:
         return
+    before = session.config.stash[_BOOKKEEPING_BEFORE]
+    c = redis.Redis.from_url(SHARED_URL, socket_connect_timeout=2)
     try:
-        ours = _untimed_of_session(c)
-        ours |= _untimed(c, SHARED_BOOKKEEPING) - before
+        ours = _untimed(c, SHARED_BOOKKEEPING) - before
         for key in ("rq:queues", "rq:workers"):  # sets that existed before: drop the suite's members
             if key in before:
                 members = [m for m in c.smembers(key) if b"tgtest-" in m or b"q-tg" in m]
@@ -82,6 +119,27 @@ def no_untimed_keys_left_behind():
                     c.srem(key, *members)
         if ours:
             c.delete(*ours)
+    except redis.RedisError:
+        pass  # the suite's own failures say why
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_untimed_keys_left_behind():
+    """After the session: no key without a TTL that the suite made stays in the shared Redis.
+    Here the tests' own keys (their prefixes, queues and workers all contain the test's prefix),
+    of this session's prefixes only — under pytest-xdist each worker sweeps the prefixes it
+    handed out, and another worker's or another session's live keys (queues, logs, jobs) are left
+    alone; the shared bookkeeping keys are swept by :func:`pytest_sessionfinish`."""
+    yield
+    c = redis.Redis.from_url(SHARED_URL, socket_connect_timeout=2)
+    try:
+        ours = _untimed_of_session(c)
+        if ours:
+            c.delete(*ours)
+    except redis.RedisError:
+        pass  # the redis_url fixture reports it
     finally:
         c.close()
 

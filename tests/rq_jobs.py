@@ -168,13 +168,20 @@ def export_total_killed(tenant):
 
 
 @guarded_job(ttl=3, key="index:{shop}", overlap="coalesce")
-def rebuild(shop, n, seconds=0.3):
-    """overlap="coalesce": ledger entries for the key, and the calls that ran (``n``) with when."""
+def rebuild(shop, n, seconds=0.3, until=None):
+    """overlap="coalesce": ledger entries for the key, and the calls that ran (``n``) with when.
+    ``until``: a key under the test's prefix; the body then runs until it exists (at most
+    ``seconds``)."""
     lease = current_lease()
     _ledger("in", f"index:{shop}", lease)
     r = TimedRedis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
     r.rpush("{" + os.environ["TASKGUARD_PREFIX"] + ":ran:" + shop + "}", f"{n} {time.time():.6f}")
-    time.sleep(seconds)
+    if until is None:
+        time.sleep(seconds)
+    else:
+        deadline = time.monotonic() + seconds
+        while not r.exists("{" + os.environ["TASKGUARD_PREFIX"] + ":" + until + "}") and time.monotonic() < deadline:
+            time.sleep(0.05)
     _ledger("out", f"index:{shop}", lease)
     return n
 

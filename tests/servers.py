@@ -65,6 +65,16 @@ def wait_ping(port: int, timeout: float = 10.0) -> None:
             c.close()
 
 
+def serves(port: int, proc: subprocess.Popen) -> bool:
+    """Whether the server answering on ``port`` is the process ``proc`` (and not another one that
+    took the port first)."""
+    c = redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        return proc.poll() is None and int(c.info("server")["process_id"]) == proc.pid
+    finally:
+        c.close()
+
+
 class RedisServer:
     """One redis-server on a free loopback port in a temporary directory.
 
@@ -77,6 +87,7 @@ class RedisServer:
         self.appendonly = appendonly
         self.extra = extra
         self.proc: subprocess.Popen | None = None
+        self.started = False  # once started, restarts keep the port
 
     @property
     def url(self) -> str:
@@ -104,6 +115,15 @@ class RedisServer:
             args += ["--appendonly", "no"]
         self.proc = subprocess.Popen([*args, *self.extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_ping(self.port)
+        if not serves(self.port, self.proc):
+            # another process took the free port in between (parallel test workers): a first start
+            # moves to another port; a restart cannot (its clients know the port)
+            self.kill()
+            if self.started:
+                raise RuntimeError(f"port {self.port} was taken by another process while the server was down")
+            self.port = free_port()
+            return self.start()
+        self.started = True
         return self
 
     def stop(self) -> None:
@@ -171,8 +191,11 @@ class RedisCluster:
                     stderr=subprocess.DEVNULL,
                 )
             )
-        for port in self.ports:
+        for port, proc in zip(self.ports, self.procs, strict=True):
             wait_ping(port)
+            if not serves(port, proc):
+                self.close()
+                raise RuntimeError(f"cluster node port {port} was taken by another process")
         clients = [redis.Redis(port=p) for p in self.ports]
         n = len(self.ports)
         for i, c in enumerate(clients):

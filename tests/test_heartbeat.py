@@ -49,8 +49,9 @@ def test_heartbeat_renews_all_leases_in_one_pipelined_round_trip(redis_url, pref
     script_exists = 0
     with mon.monitor() as m:
         time.sleep(3.0)  # > 1 TTL: without renewal every lease would be gone
+        c.ping()  # the end marker (sent on whichever pooled connection is free: a new one while a
+        # heartbeat round holds the other, so the connections are listed after it)
         ours = {f"{x['addr']}" for x in mon.client_list() if x.get("name") == f"hb-{prefix}"}
-        c.ping()
         for cmd in m.listen():
             mine = f"{cmd.get('client_address')}:{cmd.get('client_port')}" in ours
             if mine and cmd["command"].upper().startswith("SCRIPT"):

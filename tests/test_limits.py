@@ -134,13 +134,12 @@ def test_a_resent_acquire_finds_its_own_slot(redis_url, prefix):
 # -- across processes: a ledger of entries and exits ------------------------------------------------
 
 
-def _worker(url, prefix, limit, seconds, ledger_path, seed, ready, go):
+def _worker(url, prefix, limit, seconds, start, ledger_path, seed):
     import random
 
     rnd = random.Random(seed)
     locks = RedisLocks.from_url(url, prefix=prefix)
-    ready.put(seed)
-    go.wait(60)  # all six contend together, however long each took to start
+    start.wait(60)  # all six contend from the same moment, however long each took to start
     until = time.time() + seconds
     while time.time() < until:
         acq = locks.acquire("pool", ttl=2, limit=limit, wait=0.5)
@@ -163,13 +162,10 @@ def test_peak_never_exceeds_the_limit_across_processes(redis_url, prefix, tmp_pa
     most 3 are inside, every slot is used, and each slot's fences strictly increase."""
     ledger = tmp_path / "ledger"
     ctx = multiprocessing.get_context("spawn")
-    ready, go = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(redis_url, prefix, 3, 4.0, str(ledger), i, ready, go)) for i in range(6)]
+    start = ctx.Barrier(6)
+    procs = [ctx.Process(target=_worker, args=(redis_url, prefix, 3, 4, start, str(ledger), i)) for i in range(6)]
     for p in procs:
         p.start()
-    for _ in procs:
-        ready.get(timeout=60)
-    go.set()
     for p in procs:
         p.join(30)
         assert p.exitcode == 0

@@ -74,7 +74,7 @@ ELAPSE = st.sampled_from((0, 0, 0, TICK_MS))
 #: millisecond expiry resolution.
 MAX_LAG = 0.040
 #: Replays in a row after pauses before the test gives up (the machine is too loaded).
-MAX_REPLAYS = 5
+MAX_REPLAYS = 20
 
 SETTINGS = settings(
     max_examples=25,
