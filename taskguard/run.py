@@ -492,19 +492,10 @@ class GuardedRun:
     def _same_run(self, acq: Acquisition, mode: str, bound: float, refuse_finished: bool) -> Acquisition:
         """The lease is held by another execution of this run id (a redelivered copy, a retry
         published while the body still runs, an abandoned RQ job re-queued)."""
-        info = next((i for i in self.locks.holders(self.key) if i.run_id == self.run_id), None)
-        # (a holder of this run id found: self.run_id is a str below)
-        if (
-            info is not None
-            and holder_is_dead(info.holder)
-            and self.locks.release_run(self.key, cast(str, self.run_id))
-        ):
-            log.warning(
-                "%s: the previous holder of %r (pid %s) is dead; lease released",
-                self._who(),
-                self.key,
-                info.holder.get("pid"),
-            )
+        released = self._release_dead(self.key)
+        if self.total is not None:  # and its place in the total, which a dead holder keeps too
+            released = self._release_dead(self.total[0]) or released
+        if released:
             acq = self._acquire(0.0, refuse_finished)
             if acq.acquired or acq.holder_run != self.run_id:
                 return acq
@@ -519,6 +510,18 @@ class GuardedRun:
             if acq.acquired or acq.holder_run != self.run_id:
                 return acq
         return Acquisition(False, None, Reason.RUNNING.value, acq.holder_ttl, acq.holder_run)
+
+    def _release_dead(self, key: str) -> bool:
+        """Release ``key``'s lease held by this run id in a process known dead (same host).
+        Returns ``True`` when one was released. Raises LeaseBackendError."""
+        run_id = cast(str, self.run_id)
+        info = next((i for i in self.locks.holders(key) if i.run_id == run_id), None)
+        if info is None or not holder_is_dead(info.holder) or not self.locks.release_run(key, run_id):
+            return False
+        log.warning(
+            "%s: the previous holder of %r (pid %s) is dead; lease released", self._who(), key, info.holder.get("pid")
+        )
+        return True
 
     # -- the body -------------------------------------------------------------------------------
     def call(self, fn: Callable[[Any], Any]) -> Any:

@@ -239,3 +239,42 @@ def test_the_total_key_defaults_to_the_task_name_and_renders_per_call():
     )
     with pytest.raises(ConfigError, match="the lease key itself"):
         same.total_of(("x",), {})  # (renders "export:x" for both)
+
+
+def _hold_and_die(url, prefix, total, cap):
+    import os
+    import socket
+
+    from taskguard import RedisLocks
+
+    locks = RedisLocks.from_url(url, prefix=prefix)
+    holder = {"pid": os.getpid(), "host": socket.gethostname()}
+    run = GuardedRun(locks, RunRequest("export:t1", 20.0, limit=2, total=(total, cap), run_id="R1", holder=holder))
+    assert run.begin()
+    os.kill(os.getpid(), 9)  # SIGKILL while holding both
+
+
+@pytest.mark.parametrize("cap", [1, 5])
+def test_a_copy_of_a_run_whose_holder_was_killed_releases_both_holds_and_runs(redis_url, prefix, cap):
+    """A redelivered copy of run R1 finds R1's holder dead (its pid gone, same host): it releases
+    R1's lease *and* R1's place in the total, and runs at once — also when the total has room
+    for both (before, only the key was released, and the copy answered "running" for the total's
+    whole TTL, the dead run's place in the total held)."""
+    import multiprocessing
+
+    from taskguard import RedisLocks
+
+    locks = RedisLocks.from_url(redis_url, prefix=prefix)
+    total = _total_key(locks, "export:t1")
+    child = multiprocessing.get_context("fork").Process(target=_hold_and_die, args=(redis_url, prefix, total, cap))
+    child.start()
+    child.join(30)
+    assert child.exitcode == -9
+    assert [h.run_id for h in locks.holders(total)] == ["R1"]
+    started = time.monotonic()
+    copy = _run(locks, "export:t1", total, cap=cap, ttl=20.0, run_id="R1")
+    assert copy.begin(), copy.reason
+    assert time.monotonic() - started < 2.0  # not after the dead holds' 20 s TTL
+    assert [h.run_id for h in locks.holders(total)] == ["R1"]  # its own place now, one only
+    copy.finish()
+    assert locks.holders(total) == [] and locks.holders("export:t1") == []
