@@ -67,7 +67,8 @@ class Pace:
 
 GO = Pace(True)
 #: The longest a run that came back before its booked turn waits for it in place, seconds; one
-#: that came back earlier than that (a clock step) goes at once: its turn is booked either way.
+#: that came back earlier than that (its delay read on a clock that runs ahead, e.g. a worker's
+#: stepped wall clock) is deferred again to the same turn: the rate counted it at that turn only.
 MAX_EARLY = 2.0
 
 
@@ -142,9 +143,12 @@ def pace(
         # its turn was booked when it was deferred: the rate already counted it. It goes when the
         # server's clock has surely reached its turn: the clock's reading may run ahead of the
         # server's by its uncertainty (half a round trip), so that much is waited out too
-        early = cast(float, cast(Mapping[str, Any], state)["turn"]) - (now - margin)
+        booked = cast(Mapping[str, Any], state)
+        early = cast(float, booked["turn"]) - (now - margin)
         if 0 < early <= MAX_EARLY:
             return Pace(True, countdown=early)
+        if early > MAX_EARLY:  # far too early: deferred again to the turn it holds (nothing re-booked)
+            return Pace(False, countdown=min(early, max_countdown), state=dict(booked), reason="rate_limited")
     since = now if state is None else state["since"]
     waited = max(0.0, now - since)
     horizon = max(0.0, max_countdown if max_wait is None else min(max_countdown, max_wait - waited))

@@ -401,3 +401,25 @@ def test_beat_takes_its_time_source_from_the_injected_clock(tmp_path):
         assert due and abs(next_in - 6.5) < 1e-6 and core.latest(s.taskguard_entry(entry), core.now())[0] == 1_000_120.0
     finally:
         s.close()
+
+
+def test_a_run_back_far_too_early_is_deferred_again_to_the_same_turn(redis_url, prefix):
+    """Under 1 call per 5 s, one call goes and three book turns 5, 10 and 15 s ahead. Back at
+    once (their delays read on a clock running ahead: more than MAX_EARLY before their turns),
+    each is deferred again to the turn it holds, nothing booked anew. Before, each went at once:
+    4 runs within a millisecond under a rate of 1 per 5 s."""
+    from taskguard.pacing import MAX_EARLY, pace
+
+    locks = RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix)
+    common = dict(rate=(1, 5.0), burst=1, max_wait=None, max_countdown=60.0)
+    assert pace(locks, "api", **common).go
+    booked = [pace(locks, "api", **common) for _ in range(3)]
+    assert not any(p.go for p in booked) and all(p.state and p.state["turn"] for p in booked)
+    for n, p in enumerate(booked, start=1):
+        again = pace(locks, "api", state=p.state, **common)
+        assert not again.go and not again.skip, again
+        assert again.state == p.state  # the same turn, not a new booking
+        assert 5.0 * n - 1.0 < again.countdown <= 5.0 * n + 0.1 and again.countdown > MAX_EARLY
+    # nothing was booked by the early returns: the next fresh call's turn follows the three
+    fresh = pace(locks, "api", **common)
+    assert not fresh.go and fresh.state["turn"] > booked[-1].state["turn"] + 4.0
