@@ -495,6 +495,7 @@ def check_overlap_conflicts(
 _CONFLICTS = {
     "allow": {
         "once=True": "a key's completion is recorded with its lease's release, and allow takes no lease",
+        "limit_total": "allow takes no lease, so its runs would take no place in the total",
     },
     "coalesce": {
         "once=True": "the follow-up of a completed key would only return the stored value",

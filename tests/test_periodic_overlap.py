@@ -65,6 +65,27 @@ def test_entry_overlap_is_checked_at_start_with_did_you_mean_and_against_the_tas
     assert apply_entry_options(once, {"overlap": "replace"}, _body, "t").overlap is Overlap.SKIP
 
 
+def test_entry_options_of_a_task_with_a_total_are_checked_against_it_at_start():
+    """A task with ``limit=2, limit_total=3, limit_total_key="exports"``: an entry ``limit`` above
+    the total, a ``key`` equal to the total's key, and ``overlap="allow"`` (no lease, so no place
+    in the total) are refused when the scheduler starts, as at the task's declaration. Before,
+    they passed there and every run then failed, or ran outside the total."""
+    guard = GuardOptions.build(
+        _body, name="t", key="export:{tenant}", limit=2, limit_total=3, limit_total_key="exports"
+    )
+    for bad, says in (
+        ({"limit": 5}, r"limit \(5\) exceeds the task's limit_total \(3\)"),
+        ({"key": "exports"}, "key must differ from the task's limit_total_key"),
+        ({"overlap": "allow"}, "overlap='allow' cannot be combined with limit_total"),
+    ):
+        with pytest.raises(ConfigError, match=f"entry 'e': {says}"):
+            check_entry_options("entry 'e'", bad, _body, guard=guard)
+    assert check_entry_options("entry 'e'", {"limit": 3, "key": "export:{tenant}:x"}, _body, guard=guard)
+    default_total = GuardOptions.build(_body, name="t", key="export:{tenant}", limit=1, limit_total=3)
+    with pytest.raises(ConfigError, match="key must differ"):  # the total's key defaults to the task's name
+        check_entry_options("entry 'e'", {"key": "t"}, _body, guard=default_total)
+
+
 def test_a_task_refuses_allow_and_says_where_it_belongs():
     with pytest.raises(ConfigError, match="overlap='allow' is for periodic entries only"):
         GuardOptions.build(_body, name="t", overlap="allow")

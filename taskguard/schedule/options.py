@@ -22,7 +22,7 @@ import dataclasses
 import difflib
 import logging
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from ..errors import ConfigError
 from ..keys import KeyTemplate
@@ -111,6 +111,8 @@ def check_entry_options(
                 check_entry_option(field, options[field], fn)
         if guard is not None and options.get("overlap") is not None:
             _check_conflicts(guard, options["overlap"])
+        if guard is not None and guard.limit_total is not None:
+            _check_total(guard, options)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     out = dict(options)
@@ -128,6 +130,20 @@ def _check_conflicts(guard: GuardOptions, overlap: Any) -> None:
         enforce=guard.enforce,
         limit_total=guard.limit_total,
     )
+
+
+def _check_total(guard: GuardOptions, options: Mapping[str, Any]) -> None:
+    """An entry of a task with ``limit_total``: its ``limit`` must fit in the total, and its
+    ``key`` must differ from the total's key (as at the task's declaration)."""
+    total = cast(int, guard.limit_total)
+    limit = options.get("limit")
+    if isinstance(limit, int) and limit > total:
+        raise ConfigError(
+            f"limit ({limit}) exceeds the task's limit_total ({total}): one key could never use its limit"
+        )
+    key, spec = options.get("key"), getattr(guard.limit_total_key, "spec", None)
+    if isinstance(key, str) and isinstance(spec, str) and key == spec:
+        raise ConfigError(f"key must differ from the task's limit_total_key ({spec!r}): they are two caps")
 
 
 def apply_entry_options(
