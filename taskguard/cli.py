@@ -298,6 +298,38 @@ def release(url: str | None, prefix: str | None, as_json: bool, key: str, force:
         click.echo(f"released {key!r}" if ok else f"{key!r} was released meanwhile")
 
 
+#: rq-cron's settings that may come from the environment: (parameter, option, variable).
+_RQ_CRON_ENV = (
+    ("leader_ttl", "--leader-ttl", "TASKGUARD_RQ_CRON_LEADER_TTL"),
+    ("catch_up", "--catch-up", "TASKGUARD_RQ_CRON_CATCH_UP"),
+    ("timezone", "--timezone", "TASKGUARD_RQ_CRON_TIMEZONE"),
+    ("name", "--name", "TASKGUARD_RQ_CRON_NAME"),
+)
+
+
+def _number(value: str | None, option: str) -> float | None:
+    """A seconds setting as given (option or environment), as a number (checked further by the
+    scheduler's settings). Raises ConfigError naming ``option`` for text that is no number."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{option}: must be a number of seconds, got {value!r}") from None
+
+
+def _from_environment(message: str) -> str:
+    """``message`` naming the environment variable, not the option, for a setting that came
+    from the environment (click's ``ParameterSource``)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return message
+    for param, option, variable in _RQ_CRON_ENV:
+        if ctx.get_parameter_source(param) == click.core.ParameterSource.ENVIRONMENT:
+            message = message.replace(option, f"{variable} ({option})", 1)
+    return message
+
+
 @main.command("rq-cron")
 @_url
 @_prefix
@@ -313,20 +345,20 @@ def release(url: str | None, prefix: str | None, as_json: bool, key: str, force:
 @click.option(
     "--name",
     envvar="TASKGUARD_RQ_CRON_NAME",
-    help="Names the leader lease shared by the schedulers of one schedule (default: default).",
+    help="Names the leader lease shared by the schedulers of one schedule "
+    "(default: $TASKGUARD_RQ_CRON_NAME or default).",
 )
 @click.option(
     "--leader-ttl",
-    type=float,
     envvar="TASKGUARD_RQ_CRON_LEADER_TTL",
-    help="Seconds; a standby takes over within it after the leader dies (default 30).",
+    help="Seconds; a standby takes over within it after the leader dies "
+    "(default: $TASKGUARD_RQ_CRON_LEADER_TTL or 30).",
 )
 @click.option(
     "--catch-up",
-    type=float,
     envvar="TASKGUARD_RQ_CRON_CATCH_UP",
     help="Seconds a new leader still enqueues a slot that fell due during a hand-over "
-    "(default: leader TTL + loop + 2; 0: none).",
+    "(default: $TASKGUARD_RQ_CRON_CATCH_UP or leader TTL + loop + 2; 0: none).",
 )
 @click.option(
     "--loop-interval",
@@ -357,8 +389,8 @@ def rq_cron(
     rq_url: str | None,
     timezone: str | None,
     name: str | None,
-    leader_ttl: float | None,
-    catch_up: float | None,
+    leader_ttl: str | None,
+    catch_up: str | None,
     loop_interval: float,
     logging_level: str,
     paths: tuple[str, ...],
@@ -384,15 +416,15 @@ def rq_cron(
             redis.Redis.from_url(str(rq_source)),
             locks,
             config_path,
-            leader_ttl=leader_ttl,
-            catch_up=catch_up,
+            leader_ttl=_number(leader_ttl, "--leader-ttl"),
+            catch_up=_number(catch_up, "--catch-up"),
             name=name,
             timezone=timezone,
             loop_interval=loop_interval,
         )
         scheduler.run()
     except ConfigError as e:
-        click.echo(f"taskguard rq-cron cannot start: {e}", err=True)
+        click.echo(f"taskguard rq-cron cannot start: {_from_environment(str(e))}", err=True)
         sys.exit(EX_CONFIG)
     except LeaseBackendError as e:
         raise click.ClickException(str(e)) from None

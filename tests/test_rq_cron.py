@@ -538,6 +538,25 @@ def test_the_command_exits_78_on_a_refused_configuration_and_names_the_keyword(c
     assert "Traceback" not in out
 
 
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"TASKGUARD_RQ_CRON_CATCH_UP": "soon"}, "TASKGUARD_RQ_CRON_CATCH_UP (--catch-up): must be a number"),
+        ({"TASKGUARD_RQ_CRON_TIMEZONE": "Mars/X"}, "TASKGUARD_RQ_CRON_TIMEZONE (--timezone): unknown time zone"),
+    ],
+)
+def test_a_bad_setting_from_the_environment_exits_78_naming_the_variable(cron_env, tmp_path, env, says):
+    """Settings given in the environment are checked at start like the options: exit 78, one line
+    naming the variable (before, a non-number exited 2 with click's own message, naming the option).
+    (The leader TTL is read the same way as the catch-up window; these processes pass --leader-ttl.)"""
+    path = write_config(tmp_path, "cron.register(rq_jobs.cron_tick, Q, interval=5)")
+    s = CronProcess(cron_env, [], config=path, env=env).start()
+    assert s.proc.wait(30) == 78
+    out = s.output()
+    s.log.close()
+    assert says in out and "Traceback" not in out, out
+
+
 def test_the_cli_imports_no_rq():
     out = subprocess.run(
         [sys.executable, "-c", "import sys, taskguard.cli; print('rq' in sys.modules)"],
