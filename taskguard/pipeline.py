@@ -97,7 +97,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from .errors import LeaseBackendError, LeaseLost, RateLimited
+from .errors import ConfigError, LeaseBackendError, LeaseLost, RateLimited
 from .keys import KeyTemplate
 from .overlap import (
     Pending,
@@ -574,6 +574,11 @@ def _pace(
     rate_key = cast(KeyTemplate, opts.rate_key).render(args, kwargs)  # (a guard with a rate has its key)
     rate = cast("tuple[int, float]", opts.rate)
     cost = opts.cost_of(args, kwargs)
+    if opts.rate_burst is not None and cost > opts.rate_burst:
+        raise ConfigError(
+            f"task {ex.task!r}: a call of cost {cost} can never pass its rate, whose rate_burst is "
+            f"{opts.rate_burst} (cost units): raise rate_burst to at least {cost} or split the call"
+        )
     bound = hooks.rate_bound()
     if not opts.enforce:  # shadow mode: checked, not consumed; reported; the run goes ahead
         reason = shadow_reason(

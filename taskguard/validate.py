@@ -263,7 +263,10 @@ def check_replicas(replicas: Any, replica_timeout: Any) -> tuple[int, float]:
             f"replicas must be an int from 0 to {MAX_REPLICAS} (replicas that must acknowledge an "
             f"acquisition before its body starts), got {replicas!r}"
         )
-    timeout = check_seconds("replica_timeout", replica_timeout)
-    if timeout > 60:
-        raise ConfigError(f"replica_timeout must be at most 60 seconds, got {replica_timeout!r}")
+    try:
+        timeout = check_seconds("replica_timeout", replica_timeout)
+    except ConfigError:
+        timeout = math.nan
+    if not 0 < timeout <= 60:
+        raise ConfigError(f"replica_timeout must be a number of seconds > 0 and at most 60, got {replica_timeout!r}")
     return replicas, timeout

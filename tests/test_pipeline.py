@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from taskguard import Skipped
+from taskguard import ConfigError, Skipped
 from taskguard.overlap import pending
 from taskguard.pipeline import Defer, Duplicate, Execution, Pend, Run, Skip, Stored, decide
 from taskguard.policy import GuardOptions
@@ -152,6 +152,16 @@ def test_past_rate_max_wait_it_is_a_rate_limited_skip(any_locks):
     d = go(any_locks, o, h, args=(8,))
     assert isinstance(d, Skip) and d.skipped.reason == "rate_limited" and d.skipped.key == "api" and d.run is None
     assert h.calls == [("clear_mark",)]
+
+
+def test_a_call_whose_cost_exceeds_rate_burst_is_refused_naming_the_task_and_the_option(any_locks):
+    """A callable cost is known per call: a call costing more than ``rate_burst`` could never pass,
+    and the error says which task and which of its options (before: the throttle's own words,
+    "raise burst", naming neither)."""
+    o = opts(rate=(10, 1.0), rate_key="api", rate_burst=5, cost=lambda invoice_id, **_: invoice_id)
+    with pytest.raises(ConfigError, match=r"task 't.charge': a call of cost 7 .* raise rate_burst to at least 7"):
+        go(any_locks, o, Hooks())
+    assert isinstance(go(any_locks, o, Hooks(), args=(5,)), Run)
 
 
 def test_shadow_mode_runs_and_reports_what_it_would_have_done(any_locks):
