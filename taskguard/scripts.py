@@ -7,8 +7,9 @@ everything that is not a key goes in ARGV):
                    for ``K``; while held, ``o`` the secret owner token, ``x`` the expiry (server
                    time, ms), ``h`` the holder metadata (JSON), ``s`` since (server ms), ``r`` the
                    run id given at acquire/claim; a release deletes them all (a release by run
-                   id leaves ``o`` = ``~``) and keeps ``n``, the release call's nonce and answer
-                   (a client retry of that release still answers as it did), and ``l`` the
+                   id leaves ``o`` = ``~``) and keeps ``n``, the release call's nonce, 8 hex digits
+                   of the owner token's SHA1 and the answer (a client retry of that release
+                   still answers as it did; another owner's call never matches), and ``l`` the
                    identity of the run that finished, if one did (the next acquisition drops
                    it), so an idle key holds ``f`` and ``n`` only; ``w`` (server ms) until
                    when someone waits for the lease;
@@ -342,6 +343,9 @@ RELEASE = Script(
     + _SLOT
     + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w', 'n' .. s)
+-- this call's mark: its nonce and 8 hex digits of the owner token's SHA1 (never the token), so
+-- that a re-send of this very call answers as it did and another owner's call never matches
+local tomb = '~' .. ARGV[4] .. string.sub(redis.sha1hex(ARGV[1]), 1, 8)
 local exp = tonumber(v[2])
 if v[1] == ARGV[1] and exp and exp > now then
   local code = 1
@@ -351,17 +355,15 @@ if v[1] == ARGV[1] and exp and exp > now then
   -- the held fields go (the owner token too: an idle key keeps only its fence and release record)
   redis.call('HDEL', KEYS[1], 'o' .. s, 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s, 'w')
   if ARGV[5] ~= '' then
-    redis.call('HSET', KEYS[1], 'n' .. s, '~' .. ARGV[4] .. code, 'l', ARGV[5])
+    redis.call('HSET', KEYS[1], 'n' .. s, tomb .. code, 'l', ARGV[5])
   else
-    redis.call('HSET', KEYS[1], 'n' .. s, '~' .. ARGV[4] .. code)
+    redis.call('HSET', KEYS[1], 'n' .. s, tomb .. code)
   end
   if KEYS[2] then
     redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
   end
   return code
 end
--- this very call's mark: '~' and its nonce (the owner's call did not find its lease held)
-local tomb = '~' .. ARGV[4]
 """
     + _RELEASED
     + _KEEP_TTL
@@ -391,6 +393,9 @@ RELEASE_STORING = Script(
     + _SLOT
     + """
 local v = redis.call('HMGET', KEYS[1], 'o' .. s, 'x' .. s, 'w', 'n' .. s)
+-- this call's mark: its nonce and 8 hex digits of the owner token's SHA1 (never the token), so
+-- that a re-send of this very call answers as it did and another owner's call never matches
+local tomb = '~' .. ARGV[4] .. string.sub(redis.sha1hex(ARGV[1]), 1, 8)
 local exp = tonumber(v[2])
 if v[1] == ARGV[1] and exp and exp > now then
   local code = 1
@@ -398,14 +403,13 @@ if v[1] == ARGV[1] and exp and exp > now then
     code = 2
   end
   redis.call('HDEL', KEYS[1], 'o' .. s, 'x' .. s, 'h' .. s, 's' .. s, 'r' .. s, 'w')
-  redis.call('HSET', KEYS[1], 'n' .. s, '~' .. ARGV[4] .. code, 'l', ARGV[5])
+  redis.call('HSET', KEYS[1], 'n' .. s, tomb .. code, 'l', ARGV[5])
   redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[7], 'NX')
   if KEYS[3] then
     redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[3])
   end
   return code
 end
-local tomb = '~' .. ARGV[4]
 """
     + _RELEASED
     + _KEEP_TTL
