@@ -235,6 +235,19 @@ def test_rate_max_wait_zero_runs_when_the_rate_has_room_and_skips_when_not(any_l
     assert pace(any_locks, "rmw2", **kw, state={"since": time.time() - 5, "turn": None}).go  # waited, room now
 
 
+def test_a_beat_entry_with_guard_options_for_a_task_that_is_not_guarded_is_refused_at_start(app):
+    """``options["taskguard"]`` on an entry whose task this beat knows and is a plain task: refused
+    when the scheduler starts (as rq-cron refuses it for a plain function), not silently unused."""
+
+    @app.task(name="tg.plain_for_beat", shared=False)
+    def plain():
+        return 1
+
+    with pytest.raises(ConfigError, match="beat entry 'e3': .*'tg.plain_for_beat' is not a GuardedTask"):
+        validate_entry_options("e3", {"overlap": "coalesce"}, app.tasks["tg.plain_for_beat"])
+    assert validate_entry_options("e3", {"limit": 2})  # a task this process does not know: checked alone
+
+
 def test_a_beat_entry_template_is_bound_to_its_task_at_start_and_a_bad_field_drops_only_itself(app, caplog):
     task = app.tasks["tg.export"]
     with pytest.raises(ConfigError, match="beat entry 'e2': rate_key"):

@@ -72,6 +72,11 @@ def validate_entry_options(name: str, options: Any, task: Any = None) -> dict:
     the task's signature and its ``overlap`` checked against the task's options here too. Raises
     ConfigError naming the entry (with "did you mean" for a misspelt option or overlap value)."""
     guard = getattr(task, "taskguard_options", None) if task is not None else None
+    if task is not None and guard is None:
+        raise ConfigError(
+            f"beat entry {name!r}: options[{ENTRY_OPTION!r}] given, but its task {getattr(task, 'name', task)!r} "
+            "is not a GuardedTask: nothing would apply them"
+        )
     fn = task.run if guard is not None else None
     return check_entry_options(f"beat entry {name!r}", options, fn, container=f"options[{ENTRY_OPTION!r}]", guard=guard)
 
