@@ -115,6 +115,7 @@ from .pacing import back_off, charging, pace, shadow_reason
 from .policy import GuardOptions
 from .run import GuardedRun, RunRequest
 from .skipped import Skipped
+from .validate import check_seconds
 from .values import Overlap, Reason, plain
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -714,8 +715,14 @@ def perform(
         except RateLimited as exc:
             if not opts.enforce:  # shadow mode: the guard does not act on it; it is the body's failure
                 hooks.settle(run, exc)
-                backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)  # (reported only)
+                try:
+                    backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)  # (reported only)
+                except (ConfigError, LeaseBackendError) as e:  # the body's own exception stays the answer
+                    log.warning("%s: shadow mode: could not report the back-off (%s)", ex.task or "run", e)
                 raise
+            if not _pause_given(exc):  # a bad retry_after: the run fails with ConfigError, as documented
+                hooks.settle(run, exc)
+                raise ConfigError(f"{exc!r}: retry_after must be a number of seconds > 0") from exc
             run.hand_back()  # it runs again after the pause
             after = backed_off(opts, key, args, kwargs, ex, hooks, locks, exc)
             if after is None:
@@ -738,3 +745,13 @@ def perform(
             raise
         return Performed(instead=Skip(replaced))
     return Performed(value)
+
+
+def _pause_given(exc: RateLimited) -> bool:
+    """Does ``exc`` name a pause :func:`backed_off` can set (``retry_after`` seconds > 0, a rate
+    key that is ``None`` or a non-empty ``str``)?"""
+    try:
+        check_seconds("retry_after", exc.retry_after)
+    except ConfigError:
+        return False
+    return exc.key is None or (isinstance(exc.key, str) and exc.key != "")

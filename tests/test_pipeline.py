@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from taskguard import ConfigError, Skipped
+from taskguard import ConfigError, RateLimited, Skipped
 from taskguard.overlap import pending
 from taskguard.pipeline import Defer, Duplicate, Execution, Pend, Run, Skip, Stored, decide
 from taskguard.policy import GuardOptions
@@ -256,3 +256,42 @@ def test_replace_takes_the_lease_over_from_the_oldest_holder_and_its_retry_is_a_
     assert isinstance(again, Skip) and again.skipped.reason == Reason.REPLACED
     new.run.finish(None)
     younger.run.finish(None)
+
+
+class EndingHooks(Hooks):
+    """:class:`Hooks` with the body's end recorded (as :func:`taskguard.pipeline.perform` asks)."""
+
+    def failed(self, exc):
+        return isinstance(exc, Exception)
+
+    def settle(self, run, exc):
+        self.calls.append(("settle", type(exc).__name__))
+        run.fail()
+
+    def returned(self, run, value):
+        return False
+
+
+def _raise(exc):
+    raise exc
+
+
+@pytest.mark.parametrize("bad", [RateLimited("soon"), RateLimited(-1), RateLimited(5, key="")])
+def test_a_bad_back_off_fails_the_run_with_config_error_and_shadow_mode_keeps_the_bodys_exception(any_locks, bad):
+    """``RateLimited`` with no usable pause: enforced, the run is settled as a failure (not handed
+    back) and ends with ConfigError; in shadow mode the body's own ``RateLimited`` is what the
+    caller gets (before: a ConfigError replaced it, after the run was settled for it)."""
+    from taskguard.pipeline import perform
+
+    o = opts(rate=(100, 1.0), rate_key="api")
+    h = EndingHooks()
+    d = go(any_locks, o, h)
+    with pytest.raises(ConfigError, match="retry_after must be a number of seconds"):
+        perform(d, lambda: _raise(bad), o, "inv:7", (7,), {}, ex(), h, any_locks)
+    assert ("settle", "RateLimited") in h.calls and d.run.state == RunState.FINISHED
+    shadow = opts(rate=(100, 1.0), rate_key="api", enforce=False)
+    h = EndingHooks()
+    d = go(any_locks, shadow, h, args=(8,))
+    with pytest.raises(RateLimited):
+        perform(d, lambda: _raise(bad), shadow, "inv:8", (8,), {}, ex(), h, any_locks)
+    assert ("settle", "RateLimited") in h.calls
