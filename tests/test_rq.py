@@ -213,10 +213,18 @@ def test_bad_options_fail_at_declaration():
 
 
 def _wait_running(job: Job, key: str, timeout: float = 20.0) -> None:
+    """Until ``job`` holds ``key`` *and* has stored its handle: the work-horse saves the handle one
+    round trip after its lease, so a test that injects an end right after seeing the lease could
+    otherwise strike between the two."""
+    from taskguard_rq.handles import load_handle
+
+    def running() -> bool:
+        return locks().holder(key) is not None and load_handle(locks(), job.id) is not None
+
     deadline = time.monotonic() + timeout
-    while locks().holder(key) is None and time.monotonic() < deadline:
+    while not running() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert locks().holder(key) is not None, f"job {job.id} never held {key}"
+    assert running(), f"job {job.id} never held {key} with its handle stored"
 
 
 @pytest.mark.parametrize("how", ["stop_job", "kill_horse", "cold_shutdown"])
