@@ -22,10 +22,12 @@ lists on Redis directly; the parent injects a fault every 0.1-0.3 s (beat: 0.5-1
   replaced.
 * ``unique``: 4 publishers ``mark_queued`` then push to a queue list (5 % of publishes fail on
   purpose; cut connections fail others) and ``clear_queued`` a failed publish, as the adapters
-  do; 4 runners pop, ``acquire`` with the task and run id in the holder metadata, then
-  ``clear_queued``, then release. No publish is suppressed by a run whose mark was cleared before
-  the publish asked (the run over, or its publish failed); no mark is left naming such a run, nor
-  set for longer than its TTL.
+  do; 4 runners pop and ``acquire`` with the task and run id in the holder metadata and the
+  run's ``queued_mark`` (the acquisition clears it), ``clear_queued`` when skipped, then
+  release. No publish is suppressed by a run whose mark was cleared before the publish asked
+  (the run over, or its publish failed); no mark is left naming such a run, nor set for longer
+  than its TTL; no mark outlives its run's acquisition (read directly after each acquisition,
+  and at the end), whatever process is killed when.
 * ``throttle``: 8 processes call ``Locks.throttle`` on an unweighted rate (20/s, burst 5) and a
   weighted one (60 units/s, burst 10, costs 1-4), each call bracketed by two reads of the Redis
   server's ``TIME``. For every window the admitted cost inside it is at most ``burst + rate x
@@ -307,16 +309,26 @@ def runner(proxy_url: str, url: str, prefix: str, seed: int, unguarded: bool) ->
             continue
         key, run = item[1].split()
         try:
-            acq = locks.acquire(key, ttl=TTL, renew=True, holder={"task": TASK, "task_id": run}, run_id=run)
+            # as the adapters do: the acquisition itself clears the run's mark (one script)
+            mark = None if unguarded else (TASK, run)
+            acq = locks.acquire(
+                key, ttl=TTL, renew=True, holder={"task": TASK, "task_id": run}, run_id=run, queued_mark=mark
+            )
         except LeaseBackendError:
-            continue  # it will not run: the mark is left to its TTL (a worker would get it again)
-        store.hset(f"{prefix}:started", run, 1)
-        try:
-            cleared = unguarded or locks.clear_queued(key, run, TASK)
-            store.hset(f"{prefix}:unmarked", run, 1)
-        except LeaseBackendError:
-            store.incr(f"{prefix}:clear_failed")
-            cleared = False
+            continue  # it will not run (or its lease runs out): a worker would get the message again
+        if acq.acquired:
+            store.hset(f"{prefix}:started", run, 1)
+            # read past the proxy: the mark must be gone by the time the acquisition answered
+            left = store.hget(f"{{{prefix}:{key}}}", f"q:{TASK}")
+            if left is not None and left.split(" ")[0] == run:
+                store.incr(f"{prefix}:outlived")
+            cleared = True
+        else:  # skipped (the key is held): it will not run, no longer queued
+            try:
+                cleared = unguarded or locks.clear_queued(key, run, TASK)
+            except LeaseBackendError:
+                store.incr(f"{prefix}:clear_failed")
+                cleared = False
         store.incr(f"{prefix}:runs" if acq.acquired else f"{prefix}:skipped")
         held = True
         if acq.acquired:
@@ -359,18 +371,22 @@ def unique_report(admin, prefix: str) -> tuple[list[str], int]:
     stale = check_unique(suppressed, cleared)
     marks = {f"k{k}": admin.hget(f"{{{prefix}:k{k}}}", f"q:{TASK}") for k in range(UNIQUE_KEYS)}
     left = left_marks(marks, cleared, int(server_time(admin) * 1000))
-    n = {k: int(admin.get(f"{prefix}:{k}") or 0) for k in ("runs", "skipped", "publish_failed", "clear_failed")}
-    started = admin.hgetall(f"{prefix}:started")
-    unclear = set(started) - set(admin.hkeys(f"{prefix}:unmarked"))
-    by_unclear = sum(1 for line in suppressed if line.split()[2] in unclear)
+    n = {
+        k: int(admin.get(f"{prefix}:{k}") or 0)
+        for k in ("runs", "skipped", "publish_failed", "clear_failed", "outlived")
+    }
+    started = set(admin.hkeys(f"{prefix}:started"))
+    left_started = sum(1 for m in marks.values() if m and m.split(" ")[0] in started)
+    outlived = n["outlived"] + left_started
+    bad = stale + left + outlived
     return [
         f"suppressed publishes {len(suppressed):,}; runs {n['runs']:,} (+{n['skipped']:,} skipped: key held); "
         f"publishes failed {n['publish_failed']:,}",
-        f"clears that failed (mark left to its {MARK_TTL:g} s TTL) {n['clear_failed']:,}; runs that started and "
-        f"never cleared their mark (killed or cut before the clear) {len(unclear):,}, which suppressed "
-        f"{by_unclear:,} publishes (while running, then until the mark's TTL)",
-        f"violations: {stale + left} ({stale} publishes suppressed by a cleared run, {left} marks left)",
-    ], stale + left
+        f"clears of a skipped run's or failed publish's mark that failed (left to its {MARK_TTL:g} s TTL) "
+        f"{n['clear_failed']:,}",
+        f"violations: {bad} ({stale} publishes suppressed by a cleared run, {left} marks left, "
+        f"{outlived} marks that outlived their run's acquisition)",
+    ], bad
 
 
 # -- throttle -----------------------------------------------------------------------------------------

@@ -59,6 +59,9 @@ class AcquireRequest:
         replicas: replicas that must acknowledge the acquisition before it counts (0: none
             waited for; see :class:`~taskguard.RedisLocks`).
         replica_timeout: the longest wait for them, seconds.
+        queued_mark: ``(task, run id)``: the queued mark of ``task`` on ``key``
+            (:meth:`~taskguard.Locks.mark_queued`) cleared in the same atomic step as the
+            acquisition, when it names that run id; ``None``: no mark is touched.
     """
 
     key: str
@@ -72,6 +75,7 @@ class AcquireRequest:
     limit: int = 1
     replicas: int = 0
     replica_timeout: float = 0.1
+    queued_mark: tuple[str, str] | None = None
 
 
 class AcquireStatus(enum.Enum):

@@ -26,6 +26,7 @@ from .validate import (
     check_key,
     check_limit,
     check_name,
+    check_queued_mark,
     check_replicas,
     check_run_id,
     check_seconds,
@@ -117,6 +118,7 @@ class LeaseRequest(AcquireRequest):
         limit: int = 1,
         replicas: int = 0,
         replica_timeout: float = 0.1,
+        queued_mark: tuple[str, str] | None = None,
     ) -> LeaseRequest:
         """Validate the arguments of :meth:`~taskguard.Locks.acquire` (see there; ``max_hold``:
         ``None`` for no bound) and draw a fresh owner token. Raises ConfigError."""
@@ -141,10 +143,11 @@ class LeaseRequest(AcquireRequest):
             limit,
             replicas,
             replica_timeout,
-            wait,
-            renew,
-            max_hold,
-            meta,
+            check_queued_mark(queued_mark),
+            wait=wait,
+            renew=renew,
+            max_hold=max_hold,
+            holder=meta,
         )
 
 

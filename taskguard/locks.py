@@ -139,6 +139,7 @@ class Locks:
         limit: int = 1,
         replicas: int | None = None,
         replica_timeout: float | None = None,
+        queued_mark: tuple[str, str] | None = None,
     ) -> Acquisition:
         """Try to take the lease on ``key`` for ``ttl`` seconds, waiting up to ``wait`` seconds.
 
@@ -187,6 +188,11 @@ class Locks:
                 ``replica_timeout`` seconds (default: the object's), the lease is released
                 again and the reason is ``"unreplicated"``.
             replica_timeout: seconds (float > 0, at most 60) to wait for those replicas.
+            queued_mark: ``(task, run id)``: when the lease is acquired, the queued mark of
+                ``task`` on ``key`` (:meth:`mark_queued`) is cleared in the same atomic step if
+                it names that run id — the run has started, so it no longer counts as queued,
+                and no crash between the two can leave the mark to its TTL. ``None`` (default):
+                no mark is touched. A refused acquisition leaves the mark as it is.
 
         Returns:
             :class:`~taskguard.Acquisition`; when not acquired, ``reason`` is ``"held"``
@@ -198,7 +204,7 @@ class Locks:
 
         Raises:
             ConfigError: invalid ``key``, ``ttl``, ``wait``, ``max_hold``, ``limit``,
-                ``replicas``, ``replica_timeout`` or ``holder``; ``replicas`` > 0 on a Redis
+                ``replicas``, ``replica_timeout``, ``queued_mark`` or ``holder``; ``replicas`` > 0 on a Redis
                 Cluster client.
             LeaseBackendError: Redis unreachable or failing. Never reported as "held".
         """
@@ -218,6 +224,7 @@ class Locks:
                 limit,
                 self.replicas if replicas is None else replicas,
                 self.replica_timeout if replica_timeout is None else replica_timeout,
+                queued_mark,
             )
         )
 

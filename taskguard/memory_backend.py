@@ -122,6 +122,10 @@ class MemoryBackend:
                 self._slots[key] = m
             else:
                 self._slots.pop(key, None)
+            if request.queued_mark is not None:  # the run started: no longer queued (as ACQUIRE)
+                task, marked = request.queued_mark
+                if self._queued.get((key, task), ("",))[0] == marked:
+                    del self._queued[(key, task)]
             return AcquireReply(AcquireStatus.ACQUIRED, fence, slot=free)
 
     def wait_signal(self, key: str, timeout: float) -> None:

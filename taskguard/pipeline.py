@@ -79,9 +79,12 @@ raised anything else (shadow mode's ``RateLimited`` too)    as the framework tre
                                                             (:meth:`Hooks.settle`); re-raised
 ==========================================================  ===================================
 
-The publish-time queued mark (``unique``) is cleared through :meth:`Hooks.clear_mark` as soon as
-the execution started or will never run: on every decision but a rate :class:`Defer` (still
-queued), and before any exception raised while deciding. What a decision means for the
+The publish-time queued mark (``unique``) is cleared as soon as the execution started or will
+never run: on every decision but a rate :class:`Defer` (still queued), and before any exception
+raised while deciding. A run that takes its lease clears it in the same atomic step as the
+acquisition (:meth:`Hooks.queued_mark`, ``queued_mark`` of :meth:`taskguard.Locks.acquire`), so a
+worker that dies right after its lease was taken leaves no mark behind; every other decision
+clears it through :meth:`Hooks.clear_mark`. What a decision means for the
 framework (a stored result, a re-published message, an ``Ignore``, ``TaskSkipped``, RQ's
 ``Retry``) is the adapter's: it only translates.
 
@@ -193,6 +196,10 @@ class Hooks(Protocol):
 
     def clear_mark(self) -> None:
         """Clear the publish-time queued mark naming this execution. Never raises."""
+
+    def queued_mark(self) -> tuple[str, str, str] | None:
+        """``(key, run id, task)`` of the queued mark this execution was published with
+        (``unique=True``, enforced), or ``None``. Never raises."""
 
     def result_codec(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """``(dumps, loads)`` for a ``once`` value, as the framework stores results."""
@@ -331,6 +338,13 @@ class Pend:
 Decision = Run | Skip | Defer | Stored | Duplicate | Pend
 
 
+def _mark_of(hooks: Hooks, key: str) -> tuple[str, str] | None:
+    """``(task, run id)`` of this execution's queued mark when it lives on the lease's own key
+    (the acquisition then clears it atomically), else ``None``."""
+    mark = hooks.queued_mark()
+    return (mark[2], mark[1]) if mark is not None and mark[0] == key else None
+
+
 def decide(
     opts: GuardOptions,
     key: str,
@@ -405,6 +419,7 @@ def decide(
                 opts.total_of(args, kwargs),
                 opts.replicas,
                 opts.replica_timeout,
+                _mark_of(hooks, key) if opts.enforce else None,
             ),
             on_lost_report=hooks.lost,
             tag=ex.tag,
@@ -438,7 +453,8 @@ def decide(
     except BaseException:
         hooks.clear_mark()  # it will not run: no longer queued
         raise
-    hooks.clear_mark()  # it started, or will not run: no longer queued
+    if not (began and run.unmarked):  # (a run that took its lease cleared its mark with it)
+        hooks.clear_mark()  # it started, or will not run: no longer queued
     if not began:
         if run.reason == Reason.ONCE:
             return Stored(run.stored_value(), key)

@@ -261,6 +261,7 @@ class RedisBackend:
             "1" if request.refuse_finished else "0",
             finished_id or "",
             request.limit,
+            *(request.queued_mark or ()),
         )
         acked = None
         if request.replicas > 0:

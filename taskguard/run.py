@@ -74,6 +74,7 @@ class RunRequest:
     total: tuple[str, int] | None = None
     replicas: int | None = None
     replica_timeout: float | None = None
+    queued_mark: tuple[str, str] | None = None
 
 
 class GuardedRun:
@@ -121,6 +122,9 @@ class GuardedRun:
             shadow runs report ``"once"`` or ``"idempotency_conflict"`` as enforcement would.
         replicas, replica_timeout: the durability option of the lease's acquisition or claim
             (see :meth:`~taskguard.Locks.acquire`); ``None``: the locks' own.
+        queued_mark: ``(task, run id)`` of the publish-time queued mark this run's acquisition
+            of ``key`` clears atomically (see :meth:`~taskguard.Locks.acquire`), or ``None``;
+            :attr:`unmarked` says whether an acquisition carrying it took the lease.
 
     Attributes:
         lease: the held :class:`~taskguard.Lease` after a successful :meth:`begin`, else ``None``.
@@ -136,6 +140,8 @@ class GuardedRun:
         state: a :class:`~taskguard.values.RunState`: ``"new"``, ``"running"``, ``"skipped"``,
             ``"finished"``, ``"handed_back"`` or ``"kept"``.
         tag: free for the adapter (e.g. the Celery task object the run belongs to).
+        unmarked: ``True`` once the lease was acquired with :attr:`RunRequest.queued_mark`:
+            the mark is gone with the acquisition (a lease restored from a handle clears none).
         delivery: which delivery of ``run_id`` this is, when an id can run more than once (a
             Celery publish stamp): finished runs are recorded per (``run_id``, ``delivery``).
 
@@ -170,6 +176,7 @@ class GuardedRun:
         "total",
         "_record",
         "on_end",
+        "unmarked",
     )
 
     def __init__(
@@ -204,6 +211,7 @@ class GuardedRun:
         self.holder_ttl: float | None = None
         self.state = RunState.NEW
         self._ctx: running | None = None
+        self.unmarked = False
         #: called with the run after it released its lease for good (finish, fail, hand back;
         #: not keep): the pipeline wakes a key's pending follow-up through it. Never raises.
         self.on_end: Callable[[GuardedRun], None] | None = None
@@ -473,7 +481,8 @@ class GuardedRun:
             log.warning("%s: could not give back lease %r (its TTL bounds it): %s", self._who(), lease.key, e)
 
     def _acquire_key(self, wait: float, refuse_finished: bool = False) -> Acquisition:
-        return self.locks.acquire(
+        mark = self.request.queued_mark
+        acq = self.locks.acquire(
             self.key,
             ttl=self.ttl,
             wait=wait,
@@ -487,7 +496,11 @@ class GuardedRun:
             limit=self.limit,
             replicas=self.request.replicas,
             replica_timeout=self.request.replica_timeout,
+            queued_mark=mark,
         )
+        if acq.acquired and mark is not None:
+            self.unmarked = True
+        return acq
 
     def _same_run(self, acq: Acquisition, mode: str, bound: float, refuse_finished: bool) -> Acquisition:
         """The lease is held by another execution of this run id (a redelivered copy, a retry

@@ -143,7 +143,10 @@ local now = math.floor(now_us / 1000)
 # ARGV[5] ms the caller will wait if the lease is held (0: it will not wait), ARGV[6] run id ('' if
 # none), ARGV[7] '1' when a run that already finished must be refused (a redelivered copy), '0'
 # when this is a new run, ARGV[8] the identity finished runs are recorded under ('' if none),
-# ARGV[9] the limit N: how many holders may hold the key at once (absent or 1: a lease)
+# ARGV[9] the limit N: how many holders may hold the key at once (absent or 1: a lease),
+# optional ARGV[10] a task name and ARGV[11] a run id: when acquired, the task's queued mark
+# (``q:TASK``, see QUEUE) is deleted if it names that run, atomically with the lease, so the run
+# is never left marked as queued once it has started, whatever process dies when
 # -> {1, fence, ttl_ms, slot} when acquired (the owner token of slot i > 0 is ARGV[1] .. '#i');
 #    {0, ms until the soonest holder's expiry, the holder's run id if there is only one} when N
 #    holders are in, or
@@ -251,6 +254,12 @@ if redis.call('PTTL', KEYS[1]) < math.max(idle - math.floor(idle / 100), ttl) th
 end
 if KEYS[2] and ARGV[7] == '0' then
   redis.call('DEL', KEYS[2])
+end
+if ARGV[10] then
+  local q = redis.call('HGET', KEYS[1], 'q:' .. ARGV[10])
+  if q and (string.match(q, '^(.*) %d+ ~%w+$') or string.match(q, '^(.*) %d+$')) == ARGV[11] then
+    redis.call('HDEL', KEYS[1], 'q:' .. ARGV[10])
+  end
 end
 return {1, fence, ttl, free}
 """,

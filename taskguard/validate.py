@@ -20,6 +20,7 @@ __all__ = [
     "MAX_SECONDS",
     "MIN_TTL",
     "check_seconds",
+    "check_queued_mark",
     "check_ttl",
     "check_fraction",
     "check_key",
@@ -178,6 +179,15 @@ def check_run_id(run_id: Any) -> str | None:
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise ConfigError(f"run_id must be a non-empty str or None, got {run_id!r}")
     return run_id if run_id is None else encodable("run_id", run_id)
+
+
+def check_queued_mark(mark: Any) -> tuple[str, str] | None:
+    """An acquisition's queued mark to clear: ``(task, run id)``, both non-empty ``str``, or ``None``."""
+    if mark is None:
+        return None
+    if not isinstance(mark, tuple) or len(mark) != 2 or not all(isinstance(x, str) and x for x in mark):
+        raise ConfigError(f"queued_mark must be a (task, run id) pair of non-empty str or None, got {mark!r}")
+    return encodable("task", mark[0]), encodable("run_id", mark[1])
 
 
 _PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

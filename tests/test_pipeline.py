@@ -40,6 +40,9 @@ class Hooks:
     def clear_mark(self):
         self.calls.append(("clear_mark",))
 
+    def queued_mark(self):
+        return getattr(self, "mark", None)
+
     def result_codec(self):
         return None, None  # JSON
 
@@ -95,6 +98,35 @@ def test_a_free_key_runs_and_the_queued_mark_is_cleared(any_locks):
     assert d.run.state == "running"  # a str enum: plain strings keep comparing
     assert h.calls == [("clear_mark",)]
     d.run.finish(None)
+
+
+def test_a_run_that_takes_its_lease_clears_its_queued_mark_in_the_same_step(any_locks):
+    """The execution was published with ``unique=True``: its acquisition deletes the mark (one
+    script), so no separate clear is sent and no crash after the lease can leave it behind. A
+    mark on another key than the lease's is cleared the separate way."""
+    assert any_locks.mark_queued("inv:7", "id-1", ttl=60, task="t.charge").marked
+    h = Hooks()
+    h.mark = ("inv:7", "id-1", "t.charge")
+    d = go(any_locks, opts(), h)
+    assert isinstance(d, Run) and d.run.unmarked and h.calls == []
+    d.run.finish(None)
+    assert any_locks.mark_queued("inv:7", "id-2", ttl=60, task="t.charge") == (True, "id-2")
+    h = Hooks()
+    h.mark = ("elsewhere", "id-3", "t.charge")
+    d = go(any_locks, opts(), h, run_id="id-3", args=(8,))
+    assert isinstance(d, Run) and not d.run.unmarked and h.calls == [("clear_mark",)]
+    d.run.finish(None)
+
+
+def test_a_skipped_run_clears_its_mark_after_the_refusal(any_locks):
+    any_locks.acquire("inv:7", ttl=5)
+    assert any_locks.mark_queued("inv:7", "id-1", ttl=60, task="t.charge").marked
+    h = Hooks()
+    h.mark = ("inv:7", "id-1", "t.charge")
+    d = go(any_locks, opts(), h)
+    assert isinstance(d, Skip) and not d.run.unmarked
+    assert h.calls == [("clear_mark",)]  # (the refused acquisition left the mark to this clear)
+    assert any_locks.mark_queued("inv:7", "id-2", ttl=60, task="t.charge") == (False, "id-1")
 
 
 def test_a_held_key_is_a_skip_not_yet_reported(any_locks):

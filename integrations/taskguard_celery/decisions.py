@@ -113,6 +113,9 @@ class CeleryHooks:
     def clear_mark(self) -> None:
         uniqueness.clear(self.task, self.req)
 
+    def queued_mark(self) -> tuple[str, str, str] | None:
+        return uniqueness.mark_of(self.task, self.req)
+
     def result_codec(self) -> Any:
         return skipping.result_codec(self.task)
 

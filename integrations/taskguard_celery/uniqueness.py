@@ -6,7 +6,7 @@ single-key script on the lease hash: a run of the key that is queued (an unexpir
 running (a live lease) answers with its task id, and the publish returns that run's
 ``AsyncResult`` and publishes nothing; else the new task id is marked and the message published
 with the ``taskguard_unique`` header. The mark is cleared by the worker when the run starts
-(after it took its lease or was skipped), by the worker's main process when the message is
+(atomically with its lease, or when it is skipped), by the worker's main process when the message is
 revoked or expires (``task_revoked``), at once when the publish itself fails, and otherwise by
 its TTL (``unique_ttl``, default the publish's ``expires`` or 1 hour, plus any countdown): a
 message lost after publishing blocks the key no longer than that.
@@ -31,7 +31,7 @@ from taskguard import ConfigError, LeaseBackendError
 from .headers import UNIQUE_HEADER, read_header
 from .metrics import install_if_wanted
 
-__all__ = ["publish", "clear", "DEFAULT_UNIQUE_TTL"]
+__all__ = ["publish", "clear", "mark_of", "DEFAULT_UNIQUE_TTL"]
 
 log = logging.getLogger("taskguard.celery")
 
@@ -112,14 +112,24 @@ def publish(
         raise
 
 
+def mark_of(task: Any, request: Any) -> tuple[str, str, str] | None:
+    """``(key, task id, task name)`` of the queued mark ``request`` was published with (the
+    arguments of :meth:`taskguard.Locks.clear_queued`), or ``None``."""
+    key = read_header(request, UNIQUE_HEADER)
+    run_id = getattr(request, "id", None)
+    if not isinstance(key, str) or not key or not isinstance(run_id, str) or not run_id:
+        return None
+    return key, run_id, task.name
+
+
 def clear(task: Any, request: Any) -> None:
     """The run of ``request`` started (or will never run): clear its key's queued mark if it
     names this task id. Never raises (logged)."""
-    key = read_header(request, UNIQUE_HEADER)
-    if not isinstance(key, str) or not key or not getattr(request, "id", None):
+    mark = mark_of(task, request)
+    if mark is None:
         return
     try:
         opts = getattr(task, "taskguard_options", None)
-        task.taskguard_locks.clear_queued(key, request.id, task.name, opts is not None and not opts.enforce)
+        task.taskguard_locks.clear_queued(*mark, opts is not None and not opts.enforce)
     except (ConfigError, LeaseBackendError) as e:
         log.warning("task %s[%s]: could not clear its queued mark (its TTL bounds it): %s", task.name, request.id, e)

@@ -48,7 +48,7 @@ from . import unique
 from .config import locks_for
 from .cron_runs import entry_guard
 from .handles import drop_handle, load_handle, save_handle
-from .unique import clear_mark
+from .unique import clear_mark, mark_of
 
 __all__ = ["guarded_job", "skip_count", "META_KEY", "RATE_META_KEY", "ON_SKIP"]
 
@@ -344,6 +344,9 @@ class _Hooks:
 
     def clear_mark(self) -> None:
         clear_mark(self.locks, self.job)
+
+    def queued_mark(self) -> tuple[str, str, str] | None:
+        return mark_of(self.job)
 
     def result_codec(self) -> Any:
         return _result_codec(self.job)

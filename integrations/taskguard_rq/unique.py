@@ -33,7 +33,7 @@ from taskguard.validate import check_seconds
 
 from .config import locks_for
 
-__all__ = ["enqueue_unique", "clear_mark", "UNIQUE_META_KEY", "DEFAULT_UNIQUE_TTL"]
+__all__ = ["enqueue_unique", "clear_mark", "mark_of", "UNIQUE_META_KEY", "DEFAULT_UNIQUE_TTL"]
 
 log = logging.getLogger("rq.worker.taskguard")
 
@@ -202,19 +202,23 @@ def _enqueue(queue: Any, fn: Any, args: tuple, kwargs: dict, job_id: str, at: An
     return queue.enqueue_call(fn, args=args, kwargs=kwargs, job_id=job_id, **options)
 
 
+def mark_of(job: Any) -> tuple[str, str, str] | None:
+    """``(key, job id, job name)`` of the queued mark ``job`` was enqueued with (the arguments of
+    :meth:`taskguard.Locks.clear_queued`), or ``None``."""
+    key = (getattr(job, "meta", None) or {}).get(UNIQUE_META_KEY) if job is not None else None
+    if not isinstance(key, str) or not key:
+        return None
+    return key, job.id, getattr(job.func, "taskguard_name", None) or job.func_name
+
+
 def clear_mark(locks: Any, job: Any) -> None:
     """The job started (or will not run): clear its key's queued mark if it names this job.
     Never raises (logged)."""
-    key = (getattr(job, "meta", None) or {}).get(UNIQUE_META_KEY) if job is not None else None
-    if not isinstance(key, str) or not key:
+    mark = mark_of(job)
+    if mark is None:
         return
     try:
         opts = getattr(job.func, "taskguard_options", None)
-        locks.clear_queued(
-            key,
-            job.id,
-            getattr(job.func, "taskguard_name", None) or job.func_name,
-            opts is not None and not opts.enforce,
-        )  # shadow mode: its shadow mark
+        locks.clear_queued(*mark, opts is not None and not opts.enforce)  # shadow mode: its shadow mark
     except (ConfigError, LeaseBackendError) as e:
         log.warning("job %s: could not clear its queued mark (its TTL bounds it): %s", job.id, e)
