@@ -13,6 +13,7 @@ from .errors import (
     RateLimited,
     TaskguardError,
     TaskSkipped,
+    Unreplicated,
 )
 from .events import LeaseEvent, add_listener, remove_listener
 from .lease import Acquisition, HolderInfo, Lease
@@ -33,6 +34,7 @@ __all__ = [
     "IdempotencyConflict",
     "Lease",
     "LeaseBackendError",
+    "Unreplicated",
     "LeaseEvent",
     "LeaseLost",
     "Locks",

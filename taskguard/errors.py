@@ -15,6 +15,7 @@ __all__ = [
     "TaskguardError",
     "ConfigError",
     "LeaseBackendError",
+    "Unreplicated",
     "LeaseLost",
     "TaskSkipped",
     "IdempotencyConflict",
@@ -66,6 +67,24 @@ class LeaseBackendError(TaskguardError):
         op, key, detail = self.args
         where = f" of lease {key!r}" if key is not None else ""
         return f"Redis failed during {op}{where}: {detail}"
+
+
+class Unreplicated(LeaseBackendError):
+    """A write reached the primary, but fewer replicas than asked acknowledged it within
+    ``replica_timeout`` (the durability option, ``replicas=``; Redis ``WAIT``,
+    https://redis.io/docs/latest/commands/wait/). Raised by a lease record written with the option
+    (:meth:`taskguard.Lease.put_record`; beat's and ``rq-cron``'s slot claims are such records):
+    the write stays on the primary, where a failover may lose it. Acquisitions and claims do not
+    raise it: they answer ``reason="unreplicated"`` and give the lease back.
+
+    ``Unreplicated(operation, key, detail)``, as :class:`LeaseBackendError`, whose handlers it
+    reaches; Redis itself answered.
+    """
+
+    def __str__(self) -> str:
+        op, key, detail = self.args
+        where = f" of lease {key!r}" if key is not None else ""
+        return f"not replicated in time during {op}{where}: {detail}"
 
 
 class LeaseLost(TaskguardError):

@@ -33,7 +33,7 @@ from .backend import (
     RenewItem,
     not_a_counter,
 )
-from .errors import ConfigError, LeaseBackendError, TaskguardError
+from .errors import ConfigError, LeaseBackendError, TaskguardError, Unreplicated
 from .lease import HolderInfo, slot_suffix
 
 __all__ = ["RedisBackend", "backend_error", "DEFAULT_FENCE_IDLE_TTL", "RENEW_BATCH", "SIGNAL_TTL"]
@@ -103,6 +103,18 @@ def socket_timeout_of(client: Any) -> float | None:
         kwargs = getattr(getattr(client, "nodes_manager", None), "connection_kwargs", {}) or {}
     value = kwargs.get("socket_timeout")
     return float(value) if value else None
+
+
+def check_replica_timeout(client: Any, replica_timeout: float) -> None:
+    """Raise ConfigError unless ``replica_timeout`` (seconds) is below ``client``'s socket
+    timeout: ``WAIT`` blocks the connection that long, and a socket timeout firing first would
+    turn an unreplicated lease into a Redis error (and leave the lease held to its TTL)."""
+    st = socket_timeout_of(client)
+    if st is not None and replica_timeout >= st:
+        raise ConfigError(
+            f"replica_timeout ({replica_timeout} s) must be below the client's socket_timeout ({st} s): "
+            "WAIT blocks that long"
+        )
 
 
 class RedisBackend:
@@ -197,6 +209,7 @@ class RedisBackend:
         acknowledged. Raises ConfigError on a Redis Cluster client, LeaseBackendError when Redis fails."""
         if self.cluster:
             raise ConfigError(CLUSTER_REPLICAS)
+        check_replica_timeout(self.client, timeout)  # (one given per call or per guard, too)
 
         def send(use_eval: bool) -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
@@ -473,7 +486,7 @@ class RedisBackend:
         """With :attr:`replicas` > 0 (the locks' durability option) the write is ``WAIT`` ed for
         like an acquisition (beat's and ``rq-cron``'s slot claims are lease records: a slot is
         published only once its claim is on the replicas); a write fewer replicas acknowledged
-        in time raises LeaseBackendError (it stays written on the primary)."""
+        in time raises :class:`~taskguard.Unreplicated` (it stays written on the primary)."""
         keys, args = (self.lease_key(key),), (owner, "d:" + name, value, cond.value, expect)
         if not self.replicas:
             return _LEASE_WRITE[int(self._run("record", key, scripts.PUT_LEASE_RECORD, keys, args))]
@@ -482,11 +495,11 @@ class RedisBackend:
         )
         outcome = _LEASE_WRITE[int(res)]
         if outcome is LeaseWrite.WRITTEN and acked < self.replicas:
-            raise LeaseBackendError(
+            raise Unreplicated(
                 "record",
                 key,
                 f"lease record {name!r} written but acknowledged by {acked} of the {self.replicas} replicas "
-                f"asked for within {self.replica_timeout} s (unreplicated): a failover may lose it",
+                f"asked for within {self.replica_timeout} s: a failover may lose it",
             )
         return outcome
 

@@ -11,7 +11,7 @@ from .errors import ConfigError
 from .events import Listener
 from .lease import HolderInfo
 from .locks import Locks
-from .redis_backend import CLUSTER_REPLICAS, DEFAULT_FENCE_IDLE_TTL, RedisBackend, socket_timeout_of
+from .redis_backend import CLUSTER_REPLICAS, DEFAULT_FENCE_IDLE_TTL, RedisBackend, check_replica_timeout
 from .redis_client import client_from_url
 from .validate import check_prefix, check_replicas, check_seconds
 
@@ -69,12 +69,7 @@ class RedisLocks(Locks):
         self.replicas, self.replica_timeout = check_replicas(replicas, replica_timeout)
         if self.replicas and hasattr(client, "nodes_manager"):
             raise ConfigError(CLUSTER_REPLICAS)
-        st = socket_timeout_of(client)
-        if st is not None and self.replica_timeout >= st:
-            raise ConfigError(
-                f"replica_timeout ({self.replica_timeout} s) must be below the client's socket_timeout ({st} s): "
-                "WAIT blocks that long"
-            )
+        check_replica_timeout(client, self.replica_timeout)
         self.poll_interval = check_seconds("poll_interval", poll_interval)
         self.fence_idle_ttl = check_seconds("fence_idle_ttl", fence_idle_ttl)
         super().__init__(

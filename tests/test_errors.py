@@ -25,6 +25,7 @@ from taskguard import (
     Skipped,
     TaskguardError,
     TaskSkipped,
+    Unreplicated,
 )
 
 from .servers import free_port
@@ -35,6 +36,7 @@ EXAMPLES = [
     ConfigError("ttl must be a finite number of seconds > 0, got 0"),
     LeaseBackendError("acquire", "nightly-report", "ConnectionError: Error 111 connecting to 127.0.0.1:6379."),
     LeaseBackendError("renew", None, "TimeoutError: Timeout reading from socket"),
+    Unreplicated("record", "beat-leader:default", "lease record 'slot:e' acknowledged by 0 of the 1 replicas"),
     LeaseLost("nightly-report", "renewal found another owner or no lease"),
     LeaseLost("nightly-report"),
     TaskSkipped("nightly-report", "held", "reports.nightly", 12.5),

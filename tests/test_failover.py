@@ -176,7 +176,7 @@ def test_a_slot_claim_is_a_lease_record_waited_for_like_an_acquisition(pair):
     """Beat's and rq-cron's slot claims are lease records of the leader lease: with replicas=1 a
     claim the replica did not acknowledge raises (the scheduler tries again in a second, and
     publishes only once a claim is on the replica)."""
-    from taskguard import LeaseBackendError
+    from taskguard import LeaseBackendError, Unreplicated
     from taskguard.schedule.claims import claim, read_record
 
     locks = pair.locks(replicas=1)
@@ -187,8 +187,9 @@ def test_a_slot_claim_is_a_lease_record_waited_for_like_an_acquisition(pair):
         assert first is not None
         assert pair.replica_client.hget(locks.backend.lease_key("beat-leader:failover"), "d:slot:report") is not None
         pair.proxy.blackhole = True
-        with pytest.raises(LeaseBackendError, match=r"acknowledged by 0 of the 1 replicas.*unreplicated"):
+        with pytest.raises(Unreplicated, match=r"not replicated in time.*acknowledged by 0 of the 1 replicas"):
             claim(leader, "report", 160.0, "beat-a", read_record(locks, "beat-leader:failover", "report"))
+        assert issubclass(Unreplicated, LeaseBackendError)  # (what callers catching outages reach)
         pair.proxy.blackhole = False
         plain = pair.locks()  # replicas=0: records are not waited for
         try:
@@ -200,6 +201,54 @@ def test_a_slot_claim_is_a_lease_record_waited_for_like_an_acquisition(pair):
             plain.close()
     finally:
         pair.proxy.blackhole = False
+        locks.close()
+
+
+def test_a_scheduler_reports_an_unacknowledged_claim_or_lead_as_unreplicated_not_as_an_outage(pair, caplog):
+    """A periodic scheduler (beat's and rq-cron's core) with replicas=1: a slot claim, then the
+    leader lease itself, that the replica does not acknowledge is logged as such and counted in
+    ``stats["unreplicated"]``, the slot tried again in a second and published once the replica is
+    back. Before, both read "Redis unreachable" (an outage Redis never had) and "unknown leads"."""
+    import logging
+
+    from taskguard.clock import FixedClock
+    from taskguard.schedule import PeriodicEntry, PeriodicScheduler, schedule_settings
+    from taskguard.schedule.slots import Interval
+
+    from .test_schedule_core import NAMES, ListAdapter
+
+    locks = pair.locks(replicas=1)
+    now = [1_000_000.5]
+    settings = schedule_settings(NAMES, leader_ttl=30, default_name="durable", loop_interval=1.0)
+    adapter = ListAdapter([PeriodicEntry("e", Interval(10))])
+    s = PeriodicScheduler(locks, settings, adapter=adapter, clock=FixedClock(lambda: now[0]), role="sched")
+    caplog.set_level(logging.INFO, logger="taskguard")
+    try:
+        s.tick()  # leads; the start's window is not published
+        assert s.lease is not None
+        now[0] = 1_000_010.2
+        pair.proxy.blackhole = True
+        s.tick()
+        assert adapter.published == [] and s.stats["unreplicated"] == 1 and s.stats["redis_errors"] == 0
+        assert "slot every10s:100001 was not acknowledged by the replicas in time" in caplog.text
+        assert "unreachable" not in caplog.text
+        pair.proxy.blackhole = False
+        deadline = time.monotonic() + 10
+        while not adapter.published and time.monotonic() < deadline:
+            now[0] += 0.5  # (the scheduler's clock) tried again in a second, within the catch-up window
+            s.tick()
+            time.sleep(0.2)
+        assert [h["slot"] for h in adapter.published] == ["every10s:100001"]
+        s.lease.release()
+        s.lease = None
+        pair.proxy.blackhole = True
+        caplog.clear()
+        s.tick()
+        assert s.lease is None and s.stats["unreplicated"] == 2
+        assert "the replicas did not acknowledge it in time" in caplog.text and "unknown" not in caplog.text
+    finally:
+        pair.proxy.blackhole = False
+        s.close()
         locks.close()
 
 
@@ -272,6 +321,31 @@ def test_doctor_reports_the_replicas_and_whether_the_option_can_be_met(pair):
 def test_bad_durability_options_are_config_errors(redis_url, opts, match):
     with pytest.raises(ConfigError, match=match):
         RedisLocks(redis.Redis.from_url(redis_url, socket_timeout=5), **opts)
+
+
+def test_a_replica_timeout_per_call_or_per_guard_is_checked_against_the_socket_timeout(redis_url, prefix):
+    """A ``replica_timeout`` given to one call (or a guard's, which reaches the call) above the
+    client's socket timeout would let the socket time out during ``WAIT``: a Redis error instead
+    of ``"unreplicated"``, with the lease left held to its TTL. It is refused before anything is
+    sent, on the acquisition, a claim and a guarded run."""
+    from taskguard.run import GuardedRun
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=1)
+    locks = RedisLocks(client, prefix=prefix)
+    try:
+        with pytest.raises(ConfigError, match=r"replica_timeout \(2.0 s\) must be below the client's socket_timeout"):
+            locks.acquire("k", ttl=5, replicas=1, replica_timeout=2.0)
+        assert locks.holder("k") is None
+        lease = locks.acquire("k", ttl=5).lease
+        with pytest.raises(ConfigError, match="below the client's socket_timeout"):
+            locks.claim("k", lease.owner_token, ttl=5, replicas=1, replica_timeout=1.0)
+        assert locks.claim("k", lease.owner_token, ttl=5).acquired  # the token was not spent
+        run = GuardedRun(locks, "g", ttl=5, replicas=1, replica_timeout=1.5)
+        with pytest.raises(ConfigError, match="below the client's socket_timeout"):
+            run.begin()
+        assert locks.holder("g") is None
+    finally:
+        client.close()
 
 
 def test_a_guard_checks_its_durability_options_at_declaration():

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from ..clock import Clock
-from ..errors import LeaseBackendError, LeaseLost
+from ..errors import LeaseBackendError, LeaseLost, Unreplicated
 from ..lease import Lease
 from ..locks import Locks
 from .claims import PUBLISHED, claim, confirm, read_record
@@ -195,6 +195,15 @@ class PeriodicScheduler:
             self._note_outage(e)
             return None
         self._note_recovered()
+        if not acq.acquired and acq.reason == "unreplicated":
+            self.log.warning(
+                "%s %s: took the leader lease but the replicas did not acknowledge it in time; gave it back "
+                "(not publishing; trying again next loop)",
+                self.role,
+                self.id,
+            )
+            self.stats["unreplicated"] += 1
+            return None
         if not acq.acquired:
             leader = acq.holder_run or "unknown"
             if leader != self._seen:
@@ -368,6 +377,19 @@ class PeriodicScheduler:
             self.log.warning(
                 "%s %s: lost the leader lease before claiming %s slot %s (%s)", self.role, self.id, entry.name, slot, e
             )
+            return None
+        except Unreplicated as e:  # Redis answered: no outage, but not published on a claim a failover may lose
+            self.log.warning(
+                "%s %s: the claim of %s slot %s was not acknowledged by the replicas in time; not publishing "
+                "it yet (tried again in a second): %s",
+                self.role,
+                self.id,
+                entry.name,
+                slot,
+                e,
+            )
+            self.stats["unreplicated"] += 1
+            self._try_again(entry)
             return None
         except LeaseBackendError as e:
             self._note_outage(e)
