@@ -841,6 +841,22 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         base=GuardedTask,
         bind=True,
         shared=False,
+        name="tg.unique_limited",
+        ttl=30,
+        key="ul:{name}",
+        unique=True,
+        unique_ttl=60,
+        time_limit=1,
+    )
+    def unique_limited(self, name, seconds=10.0):
+        note(f"unique-limited:{name}:{self.request.id}")
+        time.sleep(seconds)
+        return self.request.id
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
         name="tg.unique_short",
         ttl=5,
         key="us:{name}",

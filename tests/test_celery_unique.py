@@ -148,6 +148,31 @@ def test_a_sigkilled_worker_releases_the_key_with_its_lease_ttl(app, prefix):
     assert task.delay("g").id != running.id
 
 
+def test_a_run_killed_by_its_hard_time_limit_leaves_the_key_free_to_publish(app, prefix):
+    """celery-singleton#40: a task killed by its hard time limit left its lock, and every later
+    publish was refused as a duplicate of the dead task until the lock expired. Here the run's
+    mark went with its acquisition and the worker's main process releases the lease of the
+    killed child: the next publish (ttl 30, unique_ttl 60) is a new message at once, and runs."""
+    task = app.tasks["tg.unique_limited"]
+    locks = app.conf.taskguard_locks
+    with WorkerProcess(f"q-{prefix}", prefix, concurrency=1):
+        first = task.delay("h")
+        deadline = time.monotonic() + 20
+        while locks.holder("ul:h") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert locks.holder("ul:h") is not None and _queued(app, "ul:h", "tg.unique_limited") is None
+        assert task.delay("h").id == first.id  # running: suppressed
+        with pytest.raises(Exception) as err:
+            first.get(timeout=15)
+        assert "TimeLimitExceeded" in type(err.value).__name__
+        deadline = time.monotonic() + 5
+        while locks.holder("ul:h") is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = task.delay("h", seconds=0)
+        assert second.id != first.id
+        assert second.get(timeout=15) == second.id
+
+
 def test_steps_of_a_chain_or_group_are_never_suppressed(app):
     from celery import chain, group
 
