@@ -38,11 +38,13 @@ from .urls import check_url, is_sentinel_url, redact_url
 from .validate import (
     MAX_REPLICAS,
     MAX_SECONDS,
+    WAIT_MARGIN,
     check_fraction,
     check_prefix,
     check_replicas,
     check_seconds,
     check_setting_names,
+    replica_timeout_fits,
 )
 
 if TYPE_CHECKING:  # redis_locks imports this module
@@ -203,10 +205,10 @@ def from_env(environ: Mapping[str, str] | None = None, *, client: Any = None, **
             "name the sentinels monitor the primary under"
         )
     socket_timeout = opts.get("socket_timeout", 5.0)
-    if opts.get("replica_timeout", 0.1) >= socket_timeout:
+    if not replica_timeout_fits(opts.get("replica_timeout", 0.1), socket_timeout):
         raise ConfigError(
             f"TASKGUARD_REPLICA_TIMEOUT ({opts.get('replica_timeout')} s) must be below TASKGUARD_SOCKET_TIMEOUT "
-            f"({socket_timeout} s): WAIT blocks that long on the client's socket"
+            f"({socket_timeout} s) by at least {WAIT_MARGIN} s: WAIT blocks that long on the client's socket"
         )
     try:
         return RedisLocks.from_url(url, **opts)

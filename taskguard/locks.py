@@ -192,7 +192,8 @@ class Locks:
                 ``task`` on ``key`` (:meth:`mark_queued`) is cleared in the same atomic step if
                 it names that run id — the run has started, so it no longer counts as queued,
                 and no crash between the two can leave the mark to its TTL. ``None`` (default):
-                no mark is touched. A refused acquisition leaves the mark as it is.
+                no mark is touched. A refused acquisition leaves the mark as it is; one given
+                back as ``"unreplicated"`` had taken the lease, so the mark is gone with it.
 
         Returns:
             :class:`~taskguard.Acquisition`; when not acquired, ``reason`` is ``"held"``
@@ -552,6 +553,11 @@ class Locks:
 
         Starts no background work and touches no lease, so it suits readiness endpoints."""
         return self.backend.check_health()
+
+    def check_durability(self, replicas: int | None, replica_timeout: float | None) -> None:
+        """Raise ConfigError when the durability option (``replicas``, ``replica_timeout``) cannot
+        be honoured by these locks (see :meth:`taskguard.RedisLocks.check_durability`); locks
+        without replicas (:class:`~taskguard.MemoryLocks`) ignore the option."""
 
     def close(self, timeout: float | None = None) -> None:
         """Release every lease this object still holds in this process (best effort), spending

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from redis import connection as redis_connection
 from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
 
 from . import scripts
@@ -35,6 +36,7 @@ from .backend import (
 )
 from .errors import ConfigError, LeaseBackendError, TaskguardError, Unreplicated
 from .lease import HolderInfo, slot_suffix
+from .validate import WAIT_MARGIN, replica_timeout_fits
 
 __all__ = ["RedisBackend", "backend_error", "DEFAULT_FENCE_IDLE_TTL", "RENEW_BATCH", "SIGNAL_TTL"]
 
@@ -95,25 +97,33 @@ def _text_or_none(raw: Any) -> str | None:
 
 
 def socket_timeout_of(client: Any) -> float | None:
-    """The client's ``socket_timeout`` in seconds, or ``None`` when it sets none."""
+    """The client's ``socket_timeout`` in seconds, or ``None`` when its reads never time out. A
+    client made without one (``redis.Redis.from_url(url)``) has redis-py's own default:
+    ``redis.connection.DEFAULT_SOCKET_TIMEOUT`` (5 s) in redis-py 8, which its connections apply
+    without naming it in the pool's ``connection_kwargs``; none in redis-py 5-7."""
     pool = getattr(client, "connection_pool", None)
     if pool is not None:
         kwargs = getattr(pool, "connection_kwargs", {})
     else:  # RedisCluster
         kwargs = getattr(getattr(client, "nodes_manager", None), "connection_kwargs", {}) or {}
-    value = kwargs.get("socket_timeout")
+    value = (
+        kwargs["socket_timeout"]
+        if "socket_timeout" in kwargs
+        else getattr(redis_connection, "DEFAULT_SOCKET_TIMEOUT", None)
+    )
     return float(value) if value else None
 
 
 def check_replica_timeout(client: Any, replica_timeout: float) -> None:
-    """Raise ConfigError unless ``replica_timeout`` (seconds) is below ``client``'s socket
-    timeout: ``WAIT`` blocks the connection that long, and a socket timeout firing first would
-    turn an unreplicated lease into a Redis error (and leave the lease held to its TTL)."""
+    """Raise ConfigError unless ``replica_timeout`` (seconds) fits in ``client``'s socket timeout
+    (:func:`~taskguard.validate.replica_timeout_fits`): ``WAIT`` blocks the connection that long,
+    and a socket timeout firing first would turn an unreplicated lease into a Redis error (and
+    leave the lease held to its TTL)."""
     st = socket_timeout_of(client)
-    if st is not None and replica_timeout >= st:
+    if st is not None and not replica_timeout_fits(replica_timeout, st):
         raise ConfigError(
-            f"replica_timeout ({replica_timeout} s) must be below the client's socket_timeout ({st} s): "
-            "WAIT blocks that long"
+            f"replica_timeout ({replica_timeout} s) must be below the client's socket_timeout ({st} s) by at least "
+            f"{WAIT_MARGIN} s: WAIT blocks that long, and Redis ends it only on its next event-loop tick"
         )
 
 

@@ -67,9 +67,8 @@ class RedisLocks(Locks):
         if client is None or not hasattr(client, "evalsha"):
             raise ConfigError("client must be a redis-py client (redis.Redis or redis.cluster.RedisCluster)")
         self.replicas, self.replica_timeout = check_replicas(replicas, replica_timeout)
-        if self.replicas and hasattr(client, "nodes_manager"):
-            raise ConfigError(CLUSTER_REPLICAS)
-        check_replica_timeout(client, self.replica_timeout)
+        self.client = client
+        self.check_durability(self.replicas, self.replica_timeout)
         self.poll_interval = check_seconds("poll_interval", poll_interval)
         self.fence_idle_ttl = check_seconds("fence_idle_ttl", fence_idle_ttl)
         super().__init__(
@@ -81,9 +80,20 @@ class RedisLocks(Locks):
             listeners=listeners,
         )
         self.backend.replicas, self.backend.replica_timeout = self.replicas, self.replica_timeout
-        self.client = client
         self._owns_client = False
         self._server_clock: ServerClock | None = None
+
+    def check_durability(self, replicas: int | None, replica_timeout: float | None) -> None:
+        """Raise ConfigError when ``replicas`` > 0 cannot be honoured on this client: a Redis
+        Cluster client (redis-py sends ``WAIT`` to an arbitrary node), or a ``replica_timeout``
+        (``None``: the locks' own) that does not fit in the client's socket timeout
+        (:func:`~taskguard.redis_backend.check_replica_timeout`). Called when the locks are made
+        and when a guard declared with these locks is; every ``WAIT`` checks again."""
+        if not replicas:
+            return
+        if hasattr(self.client, "nodes_manager"):
+            raise ConfigError(CLUSTER_REPLICAS)
+        check_replica_timeout(self.client, self.replica_timeout if replica_timeout is None else replica_timeout)
 
     @classmethod
     def from_url(

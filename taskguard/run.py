@@ -418,7 +418,10 @@ class GuardedRun:
         total_key, total_limit = cast("tuple[str, int]", self.total)
         deadline = time.monotonic() + wait
         while True:
-            acq = self._acquire_key(max(0.0, deadline - time.monotonic()), refuse_finished)
+            # (no queued mark here: the key's slot may be given back to wait for the total, and a
+            # run waiting is still queued; it goes with the key's acquisition below, or is
+            # cleared the separate way once the run began)
+            acq = self._acquire_key(max(0.0, deadline - time.monotonic()), refuse_finished, unmark=False)
             if not acq.acquired:
                 return acq
             lease = cast(Lease, acq.lease)
@@ -480,8 +483,8 @@ class GuardedRun:
         except LeaseBackendError as e:
             log.warning("%s: could not give back lease %r (its TTL bounds it): %s", self._who(), lease.key, e)
 
-    def _acquire_key(self, wait: float, refuse_finished: bool = False) -> Acquisition:
-        mark = self.request.queued_mark
+    def _acquire_key(self, wait: float, refuse_finished: bool = False, unmark: bool = True) -> Acquisition:
+        mark = self.request.queued_mark if unmark else None
         acq = self.locks.acquire(
             self.key,
             ttl=self.ttl,

@@ -21,6 +21,8 @@ __all__ = [
     "MIN_TTL",
     "check_seconds",
     "check_queued_mark",
+    "replica_timeout_fits",
+    "WAIT_MARGIN",
     "check_ttl",
     "check_fraction",
     "check_key",
@@ -179,6 +181,17 @@ def check_run_id(run_id: Any) -> str | None:
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise ConfigError(f"run_id must be a non-empty str or None, got {run_id!r}")
     return run_id if run_id is None else encodable("run_id", run_id)
+
+
+#: Seconds a ``replica_timeout`` must stay below the client's socket timeout: Redis ends a
+#: ``WAIT`` on an event-loop tick (``hz`` 10 by default: up to 0.1 s late,
+#: https://redis.io/docs/latest/commands/wait/), and the script and the round trip come on top.
+WAIT_MARGIN = 0.5
+
+
+def replica_timeout_fits(replica_timeout: float, socket_timeout: float) -> bool:
+    """Can ``WAIT`` for ``replica_timeout`` seconds answer before a ``socket_timeout`` fires?"""
+    return replica_timeout + WAIT_MARGIN <= socket_timeout
 
 
 def check_queued_mark(mark: Any) -> tuple[str, str] | None:

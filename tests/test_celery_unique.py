@@ -14,6 +14,7 @@ from kombu.exceptions import OperationalError
 from prometheus_client import CollectorRegistry
 
 from taskguard.metrics import Metrics
+from taskguard_celery import GuardedTask
 
 from .celery_app import make_app
 from .celery_support import WorkerProcess, body_log, embedded_worker
@@ -245,3 +246,55 @@ print(REGISTRY.get_sample_value("taskguard_publishes_suppressed_total", {{"task"
         r.delete(f"q-{prefix}", f"{prefix}:log")
         for k in r.scan_iter(match=f"{prefix}*"):
             r.delete(k)
+
+
+def test_a_unique_run_waiting_in_the_worker_for_a_place_in_the_total_suppresses_a_second_publish(
+    app, redis_url, prefix
+):
+    """The run of key ``ut:a`` took its key's slot (deleting its queued mark with the
+    acquisition), found the total full, gave the slot back and now waits for a place, blocking
+    its worker slot. It has not started: a second ``delay`` of the same key must return the first
+    run's ``AsyncResult`` (as it did when the mark was cleared only once the run had begun). It
+    published a second message when the acquisition deleted the mark before the total had a
+    place, and the key ran twice."""
+    r = redis.Redis.from_url(redis_url)
+    ran = f"{prefix}:brk-ran"
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.brk_unique_total",
+        ttl=10,
+        key="ut:{tenant}",
+        unique=True,
+        unique_ttl=60,
+        limit_total=1,
+        limit_total_key="ut-total",
+        wait=20,
+        blocking_wait=True,
+    )
+    def unique_total(self, tenant):
+        r.pipeline().rpush(ran, self.request.id).expire(ran, 600).execute()
+        return self.request.id
+
+    locks = app.conf.taskguard_locks
+    blocker = locks.acquire("ut-total", ttl=30, limit=1)  # the total is full
+    assert blocker.acquired
+    gave_back = threading.Event()
+    remove = locks.add_listener(lambda e: gave_back.set() if e.kind == "release" and e.key == "ut:a" else None)
+    try:
+        first = unique_total.delay("a")
+        with embedded_worker(app):
+            assert gave_back.wait(20), "the run never took its key's slot"
+            second = unique_total.delay("a")  # the first run is still waiting in the worker
+            blocker.lease.release()
+            assert first.get(timeout=20) == first.id
+            if second.id != first.id:
+                second.get(timeout=20)
+    finally:
+        remove()
+        if not blocker.lease.released:
+            blocker.lease.release()
+    runs = [x.decode() for x in r.lrange(ran, 0, -1)]
+    assert second.id == first.id and runs == [first.id], f"second publish went out; runs of ut:a: {runs}"

@@ -24,18 +24,20 @@ CLAIMED, PUBLISHED = "claimed", "published"
 
 
 class SlotRecord:
-    """An entry's slot record as read (``raw`` ``None``: none; then ``instant`` is ``-inf``)."""
+    """An entry's slot record as read (``raw`` ``None``: none; then ``instant`` is ``-inf``);
+    ``by`` the scheduler that wrote it (``""`` if unknown)."""
 
-    __slots__ = ("instant", "state", "fence", "raw")
+    __slots__ = ("instant", "state", "fence", "raw", "by")
 
     def __init__(self, raw: str | None) -> None:
-        self.raw, self.instant, self.state, self.fence = raw, -math.inf, "", 0
+        self.raw, self.instant, self.state, self.fence, self.by = raw, -math.inf, "", 0, ""
         parts = (raw or "").split(" ")
         if len(parts) >= 3:
             try:
                 self.instant, self.state, self.fence = float(parts[0]), parts[1], int(parts[2])
             except ValueError:
                 self.instant = -math.inf
+            self.by = " ".join(parts[3:])
 
 
 def _value(instant: float, state: str, leader: Lease, by: str) -> str:

@@ -48,6 +48,10 @@ from .slots import SLOT_KEEP_MIN, Schedule
 __all__ = ["PeriodicEntry", "PeriodicScheduler", "ScheduleAdapter", "Slot", "slot_run"]
 
 
+#: What :attr:`PeriodicScheduler._seen` holds while the leader lease is given back unreplicated.
+_UNREPLICATED = "\x00unreplicated"
+
+
 @dataclasses.dataclass(frozen=True)
 class PeriodicEntry:
     """One entry as the core sees it: its ``name`` (unique per scheduler), its ``schedule``
@@ -154,6 +158,7 @@ class PeriodicScheduler:
         self._handled: dict[str, float] = {}  # entry name -> latest slot instant known handled
         self._retry_at: dict[str, float] = {}  # entry name -> when (monotonic) a failed claim/publish is retried
         self._outage = False
+        self._unreplicated: dict[str, float] = {}  # entry name -> slot instant whose claim was not acknowledged
         self.started = self.now()
 
     # -- time ---------------------------------------------------------------------------------------
@@ -196,12 +201,14 @@ class PeriodicScheduler:
             return None
         self._note_recovered()
         if not acq.acquired and acq.reason == "unreplicated":
-            self.log.warning(
-                "%s %s: took the leader lease but the replicas did not acknowledge it in time; gave it back "
-                "(not publishing; trying again next loop)",
-                self.role,
-                self.id,
-            )
+            if self._seen != _UNREPLICATED:  # once, until something else is seen (as an outage)
+                self.log.warning(
+                    "%s %s: took the leader lease but the replicas did not acknowledge it in time; gave it back "
+                    "(not publishing; trying again every loop)",
+                    self.role,
+                    self.id,
+                )
+                self._seen = _UNREPLICATED
             self.stats["unreplicated"] += 1
             return None
         if not acq.acquired:
@@ -359,7 +366,9 @@ class PeriodicScheduler:
                         slot,
                     )
                     self.stats["missed_slots"] += skipped
-            if cur.instant == instant:
+            if cur.instant == instant and self._unreplicated.get(entry.name) == instant and cur.by == self.id:
+                pass  # this scheduler's own claim, not acknowledged by the replicas: never published
+            elif cur.instant == instant:
                 self.log.warning(
                     "%s %s: %s slot %s was claimed (leader fence %s) but not confirmed published; "
                     "publishing it again (the worker runs a slot once)",
@@ -389,6 +398,7 @@ class PeriodicScheduler:
                 e,
             )
             self.stats["unreplicated"] += 1
+            self._unreplicated[entry.name] = instant
             self._try_again(entry)
             return None
         except LeaseBackendError as e:
@@ -431,6 +441,7 @@ class PeriodicScheduler:
             self._try_again(entry)
             return None
         self.stats["published"] += 1
+        self._unreplicated.pop(entry.name, None)
         self._handled[entry.name] = instant
         self._retry_at.pop(entry.name, None)
         try:
