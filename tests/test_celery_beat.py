@@ -132,6 +132,45 @@ def test_sigkill_of_the_leader_beat_hands_over_within_the_leader_ttl(beat_env):
     check_once_per_slot(runs, runs[0][2], stopped)
 
 
+def test_a_leader_beat_paused_past_its_lease_keeps_running_and_publishes_nothing_twice(beat_env):
+    """redbeat#230: a beat whose lock expired mid-run (a pause longer than the lock's timeout)
+    died with ``LockNotOwnedError`` on its next extend, in a restart loop. Here the leader beat is
+    SIGSTOPped for twice its leader TTL (3 s), then SIGCONTinued: the standby leads meanwhile; the
+    resumed beat keeps running (logs the lost lease, becomes the standby), no slot runs twice,
+    and the ticks go on."""
+    app, queue, prefix, tmp = beat_env
+    conf = {"TG_TEST_CONF": json.dumps({"taskguard_beat_leader_ttl": 3})}
+    with WorkerProcess(queue, prefix, pool="threads", concurrency=4):
+        beats = [BeatProcess(queue, prefix, tmp, n, env=conf).start() for n in ("a", "b")]
+        leader_pid(app)
+        time.sleep(2.0)
+        pid = leader_pid(app)
+        paused = next(b for b in beats if b.proc.pid == pid)
+        os.kill(pid, signal.SIGSTOP)
+        say(f"injected: SIGSTOP of the leader beat (pid {pid}) for 6 s; leader TTL 3 s")
+        try:
+            time.sleep(6.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        resumed = time.time()
+        time.sleep(5.0)
+        stopped = time.time()
+        alive = paused.proc.poll() is None
+        new_leader = leader_pid(app)
+        for b in beats:
+            b.stop()
+    runs = ticks(app)
+    out = paused.output()
+    say(
+        f"observed: paused beat alive after resuming: {alive}; leader after: {new_leader}; lost lease logged: "
+        f"{'lost the leader lease' in out}"
+    )
+    assert alive and new_leader != pid, out[-3000:]
+    assert "lost the leader lease" in out and "LockNotOwnedError" not in out and "Traceback" not in out, out[-3000:]
+    check_once_per_slot(runs, runs[0][2], stopped)
+    assert [r for r in runs if r[2] > resumed + 1.5]  # ticks go on after the resume
+
+
 def test_a_message_from_an_older_leader_runs_and_a_slot_runs_once(beat_env):
     """Slots are claimed in Redis against the leader lease, so the worker no longer drops a message
     because leadership changed after it was published; and every message naming one slot (a slot
