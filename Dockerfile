@@ -7,7 +7,9 @@ COPY taskguard ./taskguard
 COPY integrations ./integrations
 RUN pip install --no-cache-dir ".[celery,rq,prometheus]" flower
 COPY examples ./examples
+# the metrics samples of every container's processes, on the volume docker-compose.yml shares
+# between them (app-data at /data), so the metrics service serves the workers' samples
 ENV PYTHONPATH=/app:/app/examples/outbox:/app/examples/rq_sync \
-    PROMETHEUS_MULTIPROC_DIR=/tmp/taskguard-metrics \
+    PROMETHEUS_MULTIPROC_DIR=/data/metrics \
     TASKGUARD_METRICS=1
-RUN mkdir -p /tmp/taskguard-metrics
+RUN mkdir -p /data/metrics

@@ -17,7 +17,7 @@ import click
 import redis
 
 from . import __version__
-from .config import parse_prefix, read_env
+from .config import EX_CONFIG, parse_prefix, read_env
 from .errors import ConfigError, LeaseBackendError
 from .redis_locks import RedisLocks
 from .urls import check_url, redacted
@@ -405,7 +405,7 @@ def rq_cron(
     sys.path[:0] = [p for p in paths if p not in sys.path]
     locks = _locks(url, prefix)
     try:
-        from taskguard_rq.cron import EX_CONFIG, RQCronScheduler
+        from taskguard_rq.cron import RQCronScheduler
     except ImportError as e:
         raise click.UsageError(f"taskguard rq-cron needs RQ (pip install 'taskguard[rq]'): {e}") from None
     rq_source = rq_url or url
@@ -436,8 +436,21 @@ def rq_cron(
 @click.option("--port", type=int, default=9808, show_default=True)
 @click.option("--addr", default="0.0.0.0", show_default=True)
 def metrics(port: int, addr: str) -> None:
-    """Serve Prometheus /metrics (every process's samples when PROMETHEUS_MULTIPROC_DIR is set)."""
+    """Serve Prometheus /metrics: the samples every worker process writes to
+    PROMETHEUS_MULTIPROC_DIR (required: without it this process has no taskguard samples to
+    serve). --addr 127.0.0.1 keeps the endpoint local."""
     from .metrics import serve
+
+    where = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not where or not os.path.isdir(where):
+        click.echo(
+            "taskguard metrics cannot start: PROMETHEUS_MULTIPROC_DIR "
+            + ("is not set" if not where else f"({where}) is not a directory")
+            + ": set it to the directory the workers' processes write their samples to "
+            "(the same value as theirs, with TASKGUARD_METRICS=1 there)",
+            err=True,
+        )
+        sys.exit(EX_CONFIG)
 
     serve(port, addr)
     click.echo(f"serving taskguard metrics on {addr}:{port}/metrics")

@@ -50,7 +50,11 @@ from .validate import (
 if TYPE_CHECKING:  # redis_locks imports this module
     from .redis_locks import RedisLocks
 
-__all__ = ["from_env", "read_env", "parse_prefix", "ENV_VARS"]
+__all__ = ["from_env", "read_env", "parse_prefix", "ENV_VARS", "EX_CONFIG"]
+
+#: The exit code of a command that refuses its configuration (``EX_CONFIG`` of sysexits.h):
+#: ``celery beat -S taskguard``, ``taskguard rq-cron`` and ``taskguard metrics`` exit with it.
+EX_CONFIG = 78
 
 
 def _show(raw: str) -> str:

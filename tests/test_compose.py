@@ -77,3 +77,20 @@ def test_every_command_exists_in_the_project(monkeypatch):
                 [sys.executable, "-m", "taskguard.cli", cmd[1], "--help"], capture_output=True, text=True, timeout=30
             )
             assert out.returncode == 0, f"{name}: taskguard {cmd[1]}: {out.stderr}"
+
+
+def test_the_metrics_service_reads_the_samples_the_workers_write():
+    """``taskguard metrics`` serves the files of PROMETHEUS_MULTIPROC_DIR: in the stack that
+    directory must be on the volume every app container mounts, not in each container's own
+    filesystem (where the metrics service would serve none of the workers' samples)."""
+    compose = load()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    where = next(
+        line.split("PROMETHEUS_MULTIPROC_DIR=")[1].split()[0].rstrip("\\")
+        for line in dockerfile.splitlines()
+        if "PROMETHEUS_MULTIPROC_DIR=" in line
+    )
+    assert f"mkdir -p {where}" in dockerfile
+    for name in ("worker-1", "worker-2", "rq-worker", "metrics"):
+        mounts = [v.split(":")[1] for v in compose["services"][name]["volumes"]]
+        assert any(where == m or where.startswith(m.rstrip("/") + "/") for m in mounts), (name, where, mounts)

@@ -141,6 +141,21 @@ def test_taskguard_metrics_command_serves_the_multiprocess_directory(tmp_path):
         server.wait(10)
 
 
+def test_taskguard_metrics_without_a_multiprocess_directory_refuses_to_start(tmp_path):
+    """Without PROMETHEUS_MULTIPROC_DIR the command would serve only its own process's samples
+    (none of taskguard's): it exits 78 naming the variable instead of serving an empty endpoint."""
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    for extra, said in (({}, "is not set"), ({"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "none")}, "not a directory")):
+        out = subprocess.run(
+            [sys.executable, "-m", "taskguard.cli", "metrics", "--port", str(free_port()), "--addr", "127.0.0.1"],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 78 and "PROMETHEUS_MULTIPROC_DIR" in out.stderr and said in out.stderr, out
+
+
 @pytest.mark.parametrize("mode", ["result", "ignore"])
 def test_flower_counts_task_skipped_events(redis_url, prefix, mode):
     """A real ``celery flower`` counts the worker's task-skipped events in

@@ -50,6 +50,7 @@ from typing import Any
 
 from taskguard import ConfigError, LeaseBackendError, Locks
 from taskguard.clock import Clock
+from taskguard.config import EX_CONFIG
 from taskguard.policy import OPTION_NAMES, check_option_names
 from taskguard.schedule.cron import parse_cron
 from taskguard.schedule.options import ENTRY_OPTIONS, check_entry_options
@@ -74,8 +75,6 @@ __all__ = [
     "slot_job_id",
 ]
 
-#: Exit status of a scheduler refused at start for its configuration (sysexits.h ``EX_CONFIG``).
-EX_CONFIG = 78
 #: Key of the per-entry guard options inside a registration's ``meta``.
 ENTRY_OPTION = "taskguard"
 #: Names the leader lease (``rq-cron-leader:<name>``), the holder and the logger (``taskguard.rq-cron``).
@@ -503,10 +502,11 @@ class RQCronScheduler:
                 signal.signal(sig, lambda *_: stop.set())
         self.check_zone()
         self.log.info(
-            "%s %s: %d entries from %s, cron time zone %s, leader lease %s (ttl %gs)",
+            "%s %s: %d %s from %s, cron time zone %s, leader lease %s (ttl %gs)",
             ROLE,
             self.core.id,
             len(self.entries),
+            "entry" if len(self.entries) == 1 else "entries",
             self.config_path,
             self.zone_name,
             self.core.leader_key,

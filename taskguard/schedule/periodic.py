@@ -356,8 +356,9 @@ class PeriodicScheduler:
                 skipped = sched.count_between(cur.instant, instant)
                 if skipped:
                     self.log.warning(
-                        "%s %s: %d slot(s) of %s fell due after its last handled one and are beyond the "
-                        "catch-up window (%gs): not published; publishing the latest, %s",
+                        "%s %s: %d earlier slot(s) of %s fell due since its last handled one and were not "
+                        "published (a hand-over publishes only the latest slot within the catch-up window, "
+                        "%gs); publishing the latest, %s",
                         self.role,
                         self.id,
                         skipped,
