@@ -77,7 +77,7 @@ class CronProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def wait_ready(self, text: str = "entries from", timeout: float = 20.0) -> CronProcess:
+    def wait_ready(self, text: str = "cron time zone", timeout: float = 20.0) -> CronProcess:
         deadline = time.monotonic() + timeout
         while text not in self.output():
             if not self.alive() or time.monotonic() > deadline:
