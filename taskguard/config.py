@@ -209,7 +209,7 @@ def from_env(environ: Mapping[str, str] | None = None, *, client: Any = None, **
             "name the sentinels monitor the primary under"
         )
     socket_timeout = opts.get("socket_timeout", 5.0)
-    if not replica_timeout_fits(opts.get("replica_timeout", 0.1), socket_timeout):
+    if opts.get("replicas") and not replica_timeout_fits(opts.get("replica_timeout", 0.1), socket_timeout):
         raise ConfigError(
             f"TASKGUARD_REPLICA_TIMEOUT ({opts.get('replica_timeout')} s) must be below TASKGUARD_SOCKET_TIMEOUT "
             f"({socket_timeout} s) by at least {WAIT_MARGIN} s: WAIT blocks that long on the client's socket"

@@ -83,6 +83,18 @@ def test_from_env_reads_os_environ_by_default(monkeypatch, redis_url, prefix):
         locks.close()
 
 
+def test_the_replica_timeout_margin_applies_only_where_replicas_are_asked_for(redis_url, prefix):
+    """A short socket timeout without the durability option is fine (TASKGUARD_REPLICA_TIMEOUT's
+    default is never used); with TASKGUARD_REPLICAS the replica timeout must stay 0.5 s below it."""
+    base = {URL_VAR: redis_url, "TASKGUARD_PREFIX": prefix, "TASKGUARD_SOCKET_TIMEOUT": "0.5"}
+    from_env(base).close()
+    with pytest.raises(ConfigError, match="TASKGUARD_REPLICA_TIMEOUT .* by at least 0.5 s"):
+        from_env({**base, "TASKGUARD_REPLICAS": "1"})
+    from_env(
+        {**base, "TASKGUARD_SOCKET_TIMEOUT": "1.0", "TASKGUARD_REPLICAS": "1", "TASKGUARD_REPLICA_TIMEOUT": "0.5"}
+    ).close()
+
+
 def test_a_client_replaces_the_url_and_the_connection_variables(client, prefix):
     environ = {
         "TASKGUARD_PREFIX": prefix,
