@@ -272,14 +272,10 @@ class CeleryHooks:
 def outcome(task: Any, decision: Decision, skips: int, redelivered: bool) -> Any:
     """What a decision other than ``Run`` means for this execution: the result, or the
     exception Celery turns into its state (``Retry``, ``Ignore``, ``TaskSkipped``)."""
-    if isinstance(decision, Skip):
-        return skipping.skip(task, decision.skipped, skips, task.taskguard_locks)
-    if isinstance(decision, Stored):
-        return skipping.completed(task, decision.key, decision.value)
-    if isinstance(decision, Duplicate):
-        if decision.run is not None:
-            identity.end_chain(task, decision.run)
-        return skipping.duplicate(task, decision.key, task.taskguard_locks)
+    if isinstance(decision, Duplicate) and decision.run is not None:
+        identity.end_chain(task, decision.run)
+    if isinstance(decision, (Skip, Stored, Duplicate)):
+        return skipping.settle(task, decision, skips)
     if isinstance(decision, Pend):
         _pend(task, decision)
     assert isinstance(decision, Defer)
