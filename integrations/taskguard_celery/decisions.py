@@ -301,12 +301,6 @@ def _defer_rate(task: Any, d: Defer) -> None:
     """Re-publish this request for its turn under the rate; raises ``Retry``."""
     req = task.request
     header = read_header(req)
-    skips = header.get("skips") if isinstance(header, dict) else None
-    headers = {**(req.headers or {}), RATE_HEADER: d.state}
-    headers.pop(DEFER_HEADER, None)
-    headers.pop(HEADER, None)
-    if skips:
-        headers[HEADER] = {"skips": skips}
     skipping.send_skip_event(
         task,
         cast(Skipped, d.skipped),
@@ -324,6 +318,5 @@ def _defer_rate(task: Any, d: Defer) -> None:
         "its turn is booked" if booked else "it asks again",
         d.countdown,
     )
-    sig = task.signature_from_request(req, countdown=d.countdown, retries=req.retries, headers=headers)
-    sig.apply_async()
-    raise Retry(f"{what}; deferred {d.countdown:.2f}s", when=d.countdown, sig=sig)
+    skips = header.get("skips") if isinstance(header, dict) else None
+    skipping.republish(task, d.countdown, f"{what}; deferred {d.countdown:.2f}s", skips, rate=d.state)

@@ -82,6 +82,12 @@ SQS_VISIBILITY_TIMEOUT = 1800.0
 #: Other transports.
 DEFAULT_REDELIVERY_TIMEOUT = 3600.0
 
+_TRANSPORT_TIMEOUTS = {
+    "redis": REDIS_VISIBILITY_TIMEOUT,
+    "sqs": SQS_VISIBILITY_TIMEOUT,
+    "amqp": RABBITMQ_CONSUMER_TIMEOUT,
+}
+
 _timeouts: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
 
@@ -110,15 +116,8 @@ def redelivery_timeout(app: Any) -> float:
             driver = app.connection_for_write().transport.driver_type  # builds no connection
         except Exception:  # an unknown transport: the generic bound
             driver = ""
+        default = _TRANSPORT_TIMEOUTS.get(driver, DEFAULT_REDELIVERY_TIMEOUT)
         options = conf.broker_transport_options or {}
-        if driver == "redis":
-            default = REDIS_VISIBILITY_TIMEOUT
-        elif driver == "sqs":
-            default = SQS_VISIBILITY_TIMEOUT
-        elif driver == "amqp":
-            default = RABBITMQ_CONSUMER_TIMEOUT
-        else:
-            default = DEFAULT_REDELIVERY_TIMEOUT
         raw = options.get("visibility_timeout", default) if driver in ("redis", "sqs") else default
         value = check_seconds("broker_transport_options['visibility_timeout']", raw)
     _timeouts[app] = value

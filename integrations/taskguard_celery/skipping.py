@@ -4,7 +4,7 @@ values, duplicates, as :mod:`taskguard.settlement` decides), and the events that
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 from celery.exceptions import Ignore, Retry
 
@@ -16,9 +16,11 @@ from taskguard.values import Ending
 from .headers import DEFER_HEADER, HEADER, RATE_HEADER
 from .serialization import result_value
 
-__all__ = ["settle", "result_codec", "send_event", "skip_count"]
+__all__ = ["settle", "republish", "result_codec", "send_event", "skip_count"]
 
 log = logging.getLogger("taskguard.celery")
+
+NO_RATE = object()  # (republish: no pacing state to carry)
 
 
 def result_codec(task: Any) -> tuple[Any, Any]:
@@ -75,19 +77,28 @@ def settle(task: Any, decision: Skip | Stored | Duplicate, skips: int) -> Any:
     return result_value(s.skipped, task)
 
 
-def retry_after_skip(task: Any, countdown: float, skips: int, reason: str = "held") -> None:
-    """Re-publish this request ``countdown`` seconds later without counting a retry
-    (``max_retries`` is for the body's failures, not for contention)."""
-    req = task.request
-    headers = {**(req.headers or {}), HEADER: {"skips": skips}}
-    headers.pop(DEFER_HEADER, None)
-    headers.pop(RATE_HEADER, None)  # its turn was used: the next attempt asks the rate again
-    sig = task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers)
+def retry_after_skip(task: Any, countdown: float, skips: int, reason: str = "held") -> NoReturn:
+    """``on_skip="retry"``: re-publish this request ``countdown`` seconds later (:func:`republish`)."""
     why = {
         "limit": "every slot of the lease held (limit)",
         "limit_total": "every place in the total held (limit_total)",
     }.get(reason, f"lease {reason}")
-    message = f"{why}; retry {skips} of {task.taskguard_options.skip_max_retries}"
+    republish(task, countdown, f"{why}; retry {skips} of {task.taskguard_options.skip_max_retries}", skips)
+
+
+def republish(task: Any, countdown: float, message: str, skips: Any, rate: Any = NO_RATE) -> NoReturn:
+    """Re-publish this request ``countdown`` seconds later as the same run without counting a
+    retry (``max_retries`` is for the body's failures, not for contention or a rate turn): its
+    ``skips`` so far in the ``taskguard`` header, with ``rate`` its pacing state in the
+    ``taskguard_rate`` header (else none: its turn was used, the next attempt asks the rate
+    again), no deferral header. Raises ``Retry``."""
+    req = task.request
+    headers = {k: v for k, v in (req.headers or {}).items() if k not in (HEADER, DEFER_HEADER, RATE_HEADER)}
+    if skips:
+        headers[HEADER] = {"skips": skips}
+    if rate is not NO_RATE:
+        headers[RATE_HEADER] = rate
+    sig = task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers)
     if req.is_eager:
         raise Retry(message, when=countdown, is_eager=True, sig=sig)
     sig.apply_async()
