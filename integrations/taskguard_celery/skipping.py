@@ -13,7 +13,7 @@ from taskguard.pipeline import Duplicate, Skip, Stored
 from taskguard.settlement import settle as settle_decision
 from taskguard.values import Ending
 
-from .headers import DEFER_HEADER, HEADER, RATE_HEADER
+from .headers import HEADER, RATE_HEADER, without
 from .serialization import result_value
 
 __all__ = ["settle", "republish", "result_codec", "send_event", "skip_count"]
@@ -93,7 +93,7 @@ def republish(task: Any, countdown: float, message: str, skips: Any, rate: Any =
     ``taskguard_rate`` header (else none: its turn was used, the next attempt asks the rate
     again), no deferral header. Raises ``Retry``."""
     req = task.request
-    headers = {k: v for k, v in (req.headers or {}).items() if k not in (HEADER, DEFER_HEADER, RATE_HEADER)}
+    headers = without(req.headers)
     if skips:
         headers[HEADER] = {"skips": skips}
     if rate is not NO_RATE:

@@ -38,6 +38,7 @@ from .headers import (
     RATE_HEADER,
     new_publish_stamp,
     read_header,
+    without,
 )
 
 __all__ = ["GuardedTask", "guarded_task", "current_lease", "HEADER"]  # current_lease: taskguard.context
@@ -342,10 +343,8 @@ class GuardedTask(Task):
             raise exc
         if run is None or req.called_directly or run.state != "running":
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
-        headers = {**(req.headers or {}), **(options.pop("headers", None) or {})}
-        headers.pop(HEADER, None)
-        headers.pop(DEFER_HEADER, None)
-        headers.pop(RATE_HEADER, None)  # a retry is a new call: it asks the rate again
+        # a retry is a new call: it asks the rate again
+        headers = without({**(req.headers or {}), **(options.pop("headers", None) or {})})
         if not throw:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
         handle = run.keep(_retry_delay(eta, countdown, self.default_retry_delay) + self.taskguard_options.ttl)
