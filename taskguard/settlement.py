@@ -23,8 +23,11 @@ retry it (not a direct call), the reason is not       seconds, attempt ``skips +
 cannot retry)                                        unless ``continue_on_skip``
 ===================================================  =========================================
 
-Shadow mode (``enforce=False``) never reaches here: the pipeline runs the body of a call the
-guard would have held back and reports that through :meth:`taskguard.pipeline.Hooks.shadow`.
+Shadow mode (``enforce=False``) holds no run back: the pipeline runs the body of a call the
+guard would have held back and reports that (a ``skip`` event with ``shadow=True``, and
+:meth:`taskguard.pipeline.Hooks.shadow`). The decisions it still makes — a duplicate of a run
+that finished, a copy of a debounce window that ran already — are settled here as in enforced
+mode.
 
 This module imports no task framework.
 """
