@@ -28,6 +28,7 @@ __all__ = [
     "AcquireRequest",
     "AcquireStatus",
     "AcquireReply",
+    "ClaimRequest",
     "ClaimReply",
     "RateVerdict",
     "RateMode",
@@ -76,6 +77,31 @@ class AcquireRequest:
     replicas: int = 0
     replica_timeout: float = 0.1
     queued_mark: tuple[str, str] | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """One claim of a kept lease (a persisted handle's), as the lease policy asks the backend for it.
+
+    Attributes:
+        key: the user's lease key (validated).
+        owner: the kept owner token (its slot suffix names the slot).
+        new_owner: the owner token that replaces it (same slot suffix).
+        ttl: lease TTL from now, seconds.
+        holder_json: the holder metadata, JSON text.
+        run_id: the run claiming, or ``None``.
+        replicas: replicas that must acknowledge the claim before it counts (0: none waited for).
+        replica_timeout: the longest wait for them, seconds.
+    """
+
+    key: str
+    owner: str
+    new_owner: str
+    ttl: float
+    holder_json: str
+    run_id: str | None = None
+    replicas: int = 0
+    replica_timeout: float = 0.1
 
 
 class AcquireStatus(enum.Enum):
@@ -209,19 +235,10 @@ class Backend(Protocol):
     ) -> bool:
         """:meth:`release` and write the key's completion record in one atomic step."""
 
-    def claim(
-        self,
-        key: str,
-        owner: str,
-        new_owner: str,
-        ttl: float,
-        holder_json: str,
-        run_id: str | None = None,
-        replicas: int = 0,
-        replica_timeout: float = 0.1,
-    ) -> ClaimReply:
-        """Swap ``owner`` for ``new_owner`` if ``owner`` holds ``key``; with ``replicas`` > 0, give
-        the claim back unless that many replicas acknowledge it within ``replica_timeout`` s."""
+    def claim(self, request: ClaimRequest) -> ClaimReply:
+        """Swap ``request.owner`` for ``request.new_owner`` if ``owner`` holds ``key``; with
+        ``replicas`` > 0, give the claim back unless that many replicas acknowledge it within
+        ``replica_timeout`` s."""
 
     def release_run(self, key: str, run_id: str) -> bool: ...
 

@@ -50,7 +50,7 @@ from .validate import (
 if TYPE_CHECKING:  # redis_locks imports this module
     from .redis_locks import RedisLocks
 
-__all__ = ["from_env", "read_env", "parse_prefix", "ENV_VARS", "EX_CONFIG"]
+__all__ = ["from_env", "from_settings", "read_env", "parse_prefix", "ENV_VARS", "EX_CONFIG"]
 
 #: The exit code of a command that refuses its configuration (``EX_CONFIG`` of sysexits.h):
 #: ``celery beat -S taskguard``, ``taskguard rq-cron`` and ``taskguard metrics`` exit with it.
@@ -218,3 +218,42 @@ def from_env(environ: Mapping[str, str] | None = None, *, client: Any = None, **
         return RedisLocks.from_url(url, **opts)
     except ConfigError as e:
         raise ConfigError(f"TASKGUARD_REDIS_URL: {e}") from None
+
+
+def from_settings(
+    where: str,
+    url: Any,
+    prefix: Any = None,
+    *,
+    sentinel_master: Any = None,
+    sentinel_password: Any = None,
+    replicas: Any = None,
+    replica_timeout: Any = None,
+) -> RedisLocks:
+    """Build a :class:`~taskguard.RedisLocks` from a framework's own settings (already typed
+    values, ``None`` for one not set), e.g. Celery's ``app.conf.taskguard_*``: ``where`` is the
+    settings' common name prefix (``"app.conf.taskguard_"``), which every error names, followed
+    by the setting's (``redis_url``, ``prefix`` (default ``"taskguard"``; ``""`` is refused like
+    any bad prefix), ``sentinel_master``, ``sentinel_password``, ``replicas``,
+    ``replica_timeout``). No round trip is made. Raises ConfigError naming the setting (an error
+    of the URL's own names ``redis_url``)."""
+    try:
+        url = check_url(url, f"{where}redis_url")
+        opts: dict[str, Any] = {"prefix": parse_prefix(f"{where}prefix", "taskguard" if prefix is None else prefix)}
+        if sentinel_master is not None:
+            opts["sentinel_master"] = check_master_name(f"{where}sentinel_master", sentinel_master)
+        if sentinel_password is not None:
+            if not isinstance(sentinel_password, str) or not sentinel_password:
+                raise ConfigError(f"{where}sentinel_password must be a non-empty str")
+            opts["sentinel_password"] = sentinel_password
+        try:
+            if replicas is not None:
+                opts["replicas"] = check_replicas(replicas, 0.1)[0]
+            if replica_timeout is not None:
+                opts["replica_timeout"] = check_replicas(0, replica_timeout)[1]
+        except ConfigError as e:  # "replicas must be ..." -> "<where>replicas must be ..."
+            raise ConfigError(f"{where}{e}") from None
+        return RedisLocks.from_url(url, **opts)
+    except ConfigError as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith(where) else f"{where}redis_url: {msg}") from None

@@ -22,6 +22,7 @@ that lease.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -33,7 +34,16 @@ from .lease import Acquisition, Lease, slot_of
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["persist", "handle_of", "parse_handle", "resume", "release_handle", "restore_handle"]
+__all__ = [
+    "persist",
+    "handle_of",
+    "parse_handle",
+    "ResumeRequest",
+    "resume",
+    "resume_request",
+    "release_handle",
+    "restore_handle",
+]
 
 log = logging.getLogger("taskguard")
 
@@ -115,6 +125,51 @@ def parse_handle(data: Any, _nested: bool = False) -> dict[str, Any]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ResumeRequest:
+    """What :func:`resume` asks for once the handle is set aside: the lease on ``key`` (see
+    :meth:`Locks.acquire` for each field), and with ``total`` ``(total key, limit_total)`` a place
+    in the task's total."""
+
+    key: str
+    ttl: float
+    holder: Mapping[str, Any] | None = None
+    renew: bool = True
+    max_hold: float | None = None
+    run_id: str | None = None
+    refuse_finished: bool = False
+    delivery: str | None = None
+    markers: bool = True
+    limit: int = 1
+    total: tuple[str, int] | None = None
+    replicas: int | None = None
+    replica_timeout: float | None = None
+
+    def acquire(self, locks: Locks) -> Acquisition:
+        """Acquire ``key`` afresh."""
+        return locks.acquire(
+            self.key,
+            ttl=self.ttl,
+            holder=self.holder,
+            renew=self.renew,
+            max_hold=self.max_hold,
+            run_id=self.run_id,
+            refuse_finished=self.refuse_finished,
+            delivery=self.delivery,
+            markers=self.markers,
+            limit=self.limit,
+            replicas=self.replicas,
+            replica_timeout=self.replica_timeout,
+        )
+
+    def of_total(self) -> ResumeRequest:
+        """The same request for the place in the total (no finished-run checks, no markers)."""
+        key, limit = cast("tuple[str, int]", self.total)
+        return dataclasses.replace(
+            self, key=key, limit=limit, total=None, refuse_finished=False, delivery=None, markers=False
+        )
+
+
 def resume(
     locks: Locks,
     handle: Mapping[str, Any],
@@ -155,32 +210,40 @@ def resume(
 
     Raises ConfigError for a malformed handle, LeaseBackendError when Redis fails (a lease taken
     by this call is given back first)."""
+    return resume_request(
+        locks,
+        handle,
+        ResumeRequest(
+            key,
+            ttl,
+            holder,
+            renew,
+            max_hold,
+            run_id,
+            refuse_finished,
+            delivery,
+            markers,
+            limit,
+            total,
+            replicas,
+            replica_timeout,
+        ),
+    )
+
+
+def resume_request(locks: Locks, handle: Mapping[str, Any], request: ResumeRequest) -> Acquisition:
+    """:func:`resume` with its request as one :class:`ResumeRequest`."""
     h = parse_handle(handle)
     th = h.pop("total", None)
-    common: dict[str, Any] = dict(
-        holder=holder, renew=renew, max_hold=max_hold, run_id=run_id, replicas=replicas, replica_timeout=replica_timeout
-    )
-    acq = _resume_one(
-        locks,
-        h,
-        key=key,
-        ttl=ttl,
-        refuse_finished=refuse_finished,
-        delivery=delivery,
-        markers=markers,
-        limit=limit,
-        **common,
-    )
-    if total is None or not acq.acquired:
+    acq = _resume_one(locks, h, request)
+    if request.total is None or not acq.acquired:
         if th is not None:
             _release_quietly(locks, th)
         return acq
     lease = cast(Lease, acq.lease)
+    total = request.of_total()
     try:
-        if th is not None:
-            tacq = _resume_one(locks, th, key=total[0], ttl=ttl, limit=total[1], markers=False, **common)
-        else:
-            tacq = locks.acquire(total[0], ttl=ttl, limit=total[1], markers=False, **common)
+        tacq = _resume_one(locks, th, total) if th is not None else total.acquire(locks)
     except BaseException:
         _release_quietly(locks, lease)
         raise
@@ -192,58 +255,29 @@ def resume(
     return acq
 
 
-def _resume_one(
-    locks: Locks,
-    h: Mapping[str, Any],
-    *,
-    key: str,
-    ttl: float,
-    holder: Mapping[str, Any] | None,
-    renew: bool,
-    max_hold: float | None,
-    run_id: str | None,
-    refuse_finished: bool = False,
-    delivery: str | None = None,
-    markers: bool = True,
-    limit: int = 1,
-    replicas: int | None = None,
-    replica_timeout: float | None = None,
-) -> Acquisition:
-    """:func:`resume` for one parsed handle ``h`` (without a nested total)."""
-    again: dict[str, Any] = dict(
-        ttl=ttl,
-        holder=holder,
-        renew=renew,
-        max_hold=max_hold,
-        run_id=run_id,
-        refuse_finished=refuse_finished,
-        delivery=delivery,
-        markers=markers,
-        limit=limit,
-        replicas=replicas,
-        replica_timeout=replica_timeout,
-    )
-    if h["key"] != key:
-        release_handle(locks, h, ttl=ttl)
-        return locks.acquire(key, **again)
+def _resume_one(locks: Locks, h: Mapping[str, Any], r: ResumeRequest) -> Acquisition:
+    """:func:`resume_request` for one parsed handle ``h`` (without a nested total)."""
+    if h["key"] != r.key:
+        release_handle(locks, h, ttl=r.ttl)
+        return r.acquire(locks)
     acq = locks.claim(
-        key,
+        r.key,
         h["owner"],
-        ttl=ttl,
-        holder=holder,
-        renew=renew,
-        max_hold=max_hold,
-        run_id=run_id,
-        delivery=delivery,
-        replicas=replicas,
-        replica_timeout=replica_timeout,
+        ttl=r.ttl,
+        holder=r.holder,
+        renew=r.renew,
+        max_hold=r.max_hold,
+        run_id=r.run_id,
+        delivery=r.delivery,
+        replicas=r.replicas,
+        replica_timeout=r.replica_timeout,
     )
     if acq.acquired or acq.reason == "unreplicated":
         return acq
-    if acq.reason == "expired" or limit > 1:  # (or already claimed and released by another copy of the handle)
-        return locks.acquire(key, **again)
+    if acq.reason == "expired" or r.limit > 1:  # (or already claimed and released by another copy of the handle)
+        return r.acquire(locks)
     slot = slot_of(h["owner"])  # who took it: another execution of this run, or another run?
-    info = next((i for i in locks.holders(key) if i.slot == slot), None)
+    info = next((i for i in locks.holders(r.key) if i.slot == slot), None)
     return Acquisition(False, None, "held", acq.holder_ttl, info.run_id if info is not None else None)
 
 

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from .backend import AcquireRequest, AcquireStatus, Backend, LeaseWrite, RecordCondition, RenewItem
+from .backend import AcquireRequest, AcquireStatus, Backend, ClaimRequest, LeaseWrite, RecordCondition, RenewItem
 from .clock import LOCAL, Clock
 from .errors import ConfigError, LeaseBackendError, LeaseLost
 from .events import Emitter, LeaseEvent
@@ -305,7 +305,9 @@ class Leases:
         started = time.monotonic()
         sent_mono, sent_at = self.clock.monotonic(), self.clock.time()
         try:
-            reply = self.backend.claim(key, owner_token, new_owner, ttl, meta_json, run_id, replicas, replica_timeout)
+            reply = self.backend.claim(
+                ClaimRequest(key, owner_token, new_owner, ttl, meta_json, run_id, replicas, replica_timeout)
+            )
         except LeaseBackendError as e:
             self._emit("claim", key, "error", duration=time.monotonic() - started, ttl=ttl, error=str(e))
             raise

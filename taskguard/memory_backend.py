@@ -13,6 +13,7 @@ from .backend import (
     AcquireRequest,
     AcquireStatus,
     ClaimReply,
+    ClaimRequest,
     Health,
     LeaseWrite,
     QueueReply,
@@ -166,25 +167,16 @@ class MemoryBackend:
                 self._completions[key] = (record, self._clock() + record_ttl)
             return self.release(key, owner, finished_run or None, finished_ttl)
 
-    def claim(
-        self,
-        key: str,
-        owner: str,
-        new_owner: str,
-        ttl: float,
-        holder_json: str,
-        run_id: str | None = None,
-        replicas: int = 0,
-        replica_timeout: float = 0.1,
-    ) -> ClaimReply:
+    def claim(self, request: ClaimRequest) -> ClaimReply:
         # (an in-process store has no replicas: ``replicas`` has nothing to wait for)
+        r = request
         with self._cond:
-            e = self._live_entry(key, slot_of(owner))
+            e = self._live_entry(r.key, slot_of(r.owner))
             if e is None:
                 return ClaimReply(False, expired=True)
-            if e.owner != owner:
+            if e.owner != r.owner:
                 return ClaimReply(False, None, max(0.0, e.expires - self._clock()))
-            e.owner, e.holder, e.expires, e.run = new_owner, holder_json, self._clock() + ttl, run_id
+            e.owner, e.holder, e.expires, e.run = r.new_owner, r.holder_json, self._clock() + r.ttl, r.run_id
             return ClaimReply(True, e.fence)
 
     def force_release(self, key: str) -> bool:

@@ -24,6 +24,7 @@ from .backend import (
     AcquireRequest,
     AcquireStatus,
     ClaimReply,
+    ClaimRequest,
     Health,
     LeaseWrite,
     QueueReply,
@@ -413,23 +414,15 @@ class RedisBackend:
                 log.warning("could not signal the waiters of %r: %s", key, e)
         return code >= 1
 
-    def claim(
-        self,
-        key: str,
-        owner: str,
-        new_owner: str,
-        ttl: float,
-        holder_json: str,
-        run_id: str | None = None,
-        replicas: int = 0,
-        replica_timeout: float = 0.1,
-    ) -> ClaimReply:
+    def claim(self, request: ClaimRequest) -> ClaimReply:
+        r = request
+        key, replicas = r.key, r.replicas
         keys = (self.lease_key(key),)
-        args = (owner, new_owner, ms(ttl), holder_json, run_id or "", self._idle_ms)
+        args = (r.owner, r.new_owner, ms(r.ttl), r.holder_json, r.run_id or "", self._idle_ms)
         if replicas > 0:
-            res, acked = self._run_waiting("claim", key, scripts.CLAIM, keys, args, replicas, replica_timeout)
+            res, acked = self._run_waiting("claim", key, scripts.CLAIM, keys, args, replicas, r.replica_timeout)
             if int(res[0]) == 1 and acked < replicas:
-                self._give_back(key, new_owner, acked, replicas)
+                self._give_back(key, r.new_owner, acked, replicas)
                 return ClaimReply(False, unreplicated=True)
         else:
             res = self._run("claim", key, scripts.CLAIM, keys, args)

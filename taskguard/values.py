@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-__all__ = ["Reason", "RunState", "OnSkip", "OnLost", "Overlap", "plain"]
+__all__ = ["Reason", "RunState", "OnSkip", "OnLost", "Overlap", "Ending", "plain"]
 
 
 class _Value(str, enum.Enum):
@@ -51,6 +51,15 @@ class Reason(_Value):
     REPLACED = "replaced"
     DEBOUNCED = "debounced"
     UNREPLICATED = "unreplicated"  # the lease was not on enough replicas in time (``replicas=``)
+
+
+class Ending(_Value):
+    """How an execution that does not run its body ends (:class:`taskguard.settlement.Settlement`)."""
+
+    RESULT = "result"  # it returns a value: the Skipped, or a once value stored earlier
+    RAISE = "raise"  # it fails with TaskSkipped
+    IGNORE = "ignore"  # it ends without a result (Celery's Ignore)
+    RETRY = "retry"  # it runs again later, without consuming the task's own retries
 
 
 class RunState(_Value):

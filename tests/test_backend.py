@@ -16,6 +16,7 @@ from taskguard.backend import (
     AcquireStatus,
     Backend,
     ClaimReply,
+    ClaimRequest,
     LeaseWrite,
     QueueReply,
     RateReply,
@@ -56,9 +57,9 @@ def test_replies_are_typed_values(backend):
     assert held.status is AcquireStatus.HELD and held.holder_run == "r1" and 0 < held.holder_ttl <= 5.0
     assert held.fencing_token is None
 
-    claimed = backend.claim("k", "owner-1", "owner-3", 5.0, "{}", "r1")
+    claimed = backend.claim(ClaimRequest("k", "owner-1", "owner-3", 5.0, "{}", "r1"))
     assert isinstance(claimed, ClaimReply) and claimed.claimed and claimed.fencing_token == first.fencing_token
-    stale = backend.claim("k", "owner-1", "owner-4", 5.0, "{}")
+    stale = backend.claim(ClaimRequest("k", "owner-1", "owner-4", 5.0, "{}"))
     assert not stale.claimed and not stale.expired and 0 < stale.holder_ttl <= 5.0
     assert backend.put_lease_record("k", "owner-3", "n", "v", RecordCondition.ANY, "") is LeaseWrite.WRITTEN
     assert backend.put_lease_record("k", "owner-3", "n", "w", RecordCondition.ABSENT, "") is LeaseWrite.REFUSED
@@ -68,7 +69,7 @@ def test_replies_are_typed_values(backend):
         backend.acquire(AcquireRequest("k", "o5", 5.0, "{}", "r1", refuse_finished=True), 0.0).status
         is AcquireStatus.FINISHED
     )
-    gone = backend.claim("k", "owner-3", "owner-6", 5.0, "{}")
+    gone = backend.claim(ClaimRequest("k", "owner-3", "owner-6", 5.0, "{}"))
     assert not gone.claimed and gone.expired and gone.holder_ttl is None
 
     mark = backend.mark_queued("q", "run-1", 5.0, "t")
@@ -97,7 +98,7 @@ def test_an_unreachable_redis_is_a_lease_backend_error_on_every_path(prefix):
         lambda: backend.wait_signal("k", 0.05),
         lambda: backend.renew("k", "o", 5.0),
         lambda: backend.release("k", "o"),
-        lambda: backend.claim("k", "o", "p", 5.0, "{}"),
+        lambda: backend.claim(ClaimRequest("k", "o", "p", 5.0, "{}")),
         lambda: backend.holders("k"),
         lambda: backend.get_record("k", "n"),
         lambda: backend.count_record("k", "n", 1, None),

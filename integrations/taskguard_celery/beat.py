@@ -9,7 +9,7 @@ confirm/republish, catch-up, clocks, outages — is the framework-free core's
 (:mod:`taskguard.schedule`); this module adapts Celery's entries to it: each entry's schedule
 becomes a slot schedule (:mod:`taskguard_celery.schedules`), Celery's heap and ``is_due`` follow
 the core's decisions, and a claimed slot is published through the scheduler below the mixin with
-the ``taskguard_beat`` header. The worker reads that header in :mod:`taskguard_celery.beat_runs`.
+the ``taskguard_beat`` header. The worker reads that header in ``GuardedTask`` without importing this module.
 
 * **Per-entry options.** ``beat_schedule[name]["options"]["taskguard"] = {"key": ..., "ttl": ...}``
   gives the run of that entry its own lease key (a template over the task's arguments) and TTL,
@@ -38,10 +38,10 @@ from celery.utils.log import LoggingProxy
 
 from taskguard import ConfigError, Lease
 from taskguard.clock import Clock
-from taskguard.schedule.options import check_entry_options
+from taskguard.policy import GuardOptions
+from taskguard.schedule.options import apply_entry_options, check_entry_options
 from taskguard.schedule.periodic import PeriodicEntry, PeriodicScheduler, Slot
 
-from .beat_runs import beat_run, entry_guard
 from .config import beat_settings, locks_for
 from .headers import BEAT_HEADER
 from .schedules import latest_due, slot_id, slot_schedule
@@ -59,7 +59,6 @@ __all__ = [
     "BEAT_HEADER",
     "ENTRY_OPTION",
     "entry_guard",
-    "beat_run",
     "validate_entry_options",
 ]
 
@@ -79,6 +78,12 @@ def validate_entry_options(name: str, options: Any, task: Any = None) -> dict:
         )
     fn = task.run if guard is not None else None
     return check_entry_options(f"beat entry {name!r}", options, fn, container=f"options[{ENTRY_OPTION!r}]", guard=guard)
+
+
+def entry_guard(task: Any, opts: GuardOptions, header: dict) -> GuardOptions:
+    """The guard options of a run published for a beat entry, as the worker applies them: the
+    task's own, with the entry's (:func:`taskguard.schedule.options.apply_entry_options`)."""
+    return apply_entry_options(opts, header, task.run, task.name, cache=type(task))
 
 
 class _WithOptions:

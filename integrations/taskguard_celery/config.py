@@ -23,9 +23,8 @@ import weakref
 from typing import Any
 
 import taskguard
-from taskguard import ConfigError, Locks, RedisLocks
-from taskguard.config import parse_prefix
-from taskguard.redis_client import check_master_name
+from taskguard import ConfigError, Locks
+from taskguard.config import from_settings
 from taskguard.schedule.settings import (
     LEADER_TTL,
     LEADER_TTL_MAX,
@@ -34,8 +33,7 @@ from taskguard.schedule.settings import (
     SettingNames,
     schedule_settings,
 )
-from taskguard.urls import check_url
-from taskguard.validate import check_replicas, check_setting_names
+from taskguard.validate import check_setting_names
 
 __all__ = [
     "locks_for",
@@ -96,17 +94,12 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
                 raise ConfigError(f"app.conf.taskguard_locks must be a taskguard.Locks, got {type(obj).__name__}")
             locks = obj
         elif url:
-            prefix = conf.get("taskguard_prefix")
-            prefix = "taskguard" if prefix is None else prefix  # "" is refused like any bad prefix
-            try:
-                url = check_url(url, "app.conf.taskguard_redis_url")
-                prefix = parse_prefix("app.conf.taskguard_prefix", prefix)
-                locks = RedisLocks.from_url(url, prefix=prefix, **_redis_settings(conf))
-            except ConfigError as e:
-                msg = str(e)
-                raise ConfigError(
-                    msg if msg.startswith("app.conf.") else f"app.conf.taskguard_redis_url: {msg}"
-                ) from None
+            locks = from_settings(
+                "app.conf.taskguard_",
+                url,
+                conf.get("taskguard_prefix"),
+                **{n: conf.get(f"taskguard_{n}") for n in _REDIS_SETTINGS},
+            )
         else:
             try:
                 locks = taskguard.from_env()
@@ -119,27 +112,8 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
         return locks
 
 
-def _redis_settings(conf: Any) -> dict[str, Any]:
-    """The Sentinel and durability settings given in ``conf``, checked, as
-    :meth:`taskguard.RedisLocks.from_url` options. Raises ConfigError naming the setting."""
-    out: dict[str, Any] = {}
-    master = conf.get("taskguard_sentinel_master")
-    if master is not None:
-        out["sentinel_master"] = check_master_name("app.conf.taskguard_sentinel_master", master)
-    password = conf.get("taskguard_sentinel_password")
-    if password is not None:
-        if not isinstance(password, str) or not password:
-            raise ConfigError("app.conf.taskguard_sentinel_password must be a non-empty str")
-        out["sentinel_password"] = password
-    replicas, timeout = conf.get("taskguard_replicas"), conf.get("taskguard_replica_timeout")
-    try:
-        if replicas is not None:
-            out["replicas"] = check_replicas(replicas, 0.1)[0]
-        if timeout is not None:
-            out["replica_timeout"] = check_replicas(0, timeout)[1]
-    except ConfigError as e:  # "replicas must be ..." -> "app.conf.taskguard_replicas must be ..."
-        raise ConfigError(f"app.conf.taskguard_{e}") from None
-    return out
+#: The Sentinel and durability settings, passed to :func:`taskguard.config.from_settings`.
+_REDIS_SETTINGS = ("sentinel_master", "sentinel_password", "replicas", "replica_timeout")
 
 
 def use_locks(app: Any, locks: Locks) -> None:

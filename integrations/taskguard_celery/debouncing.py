@@ -11,38 +11,23 @@ the body runs with the stored arguments of the latest call."""
 
 from __future__ import annotations
 
-import base64
 import logging
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from celery.exceptions import Ignore
-from kombu.serialization import dumps, loads
 
 from taskguard import Skipped
 from taskguard.debounce import due as window_due, publish as window_publish, published as window_published
 from taskguard.values import Reason
 
-from .headers import COALESCE_HEADER, DEBOUNCE_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, read_header
+from .headers import COALESCE_HEADER, DEBOUNCE_HEADER, PUBLISH_HEADER, RUN_HEADERS, read_header, without
+from .serialization import decode, encode
 
-__all__ = ["encode", "decode", "publish", "arrived", "is_window_message"]
+__all__ = ["publish", "arrived", "is_window_message"]
 
 log = logging.getLogger("taskguard.celery")
-
-
-def encode(task: Any, value: Any) -> dict:
-    """``value`` in the task's serializer, as a JSON value (kept in a Redis record)."""
-    content_type, encoding, body = dumps(value, serializer=task.serializer)
-    if isinstance(body, bytes):
-        return {"ct": content_type, "enc": encoding, "b64": base64.b64encode(body).decode()}
-    return {"ct": content_type, "enc": encoding, "body": body}
-
-
-def decode(m: dict) -> Any:
-    """What :func:`encode` made, decoded (only its own content type is accepted)."""
-    data = base64.b64decode(m["b64"]) if "b64" in m else m["body"]
-    return loads(data, m["ct"], m["enc"], accept=[m["ct"]])
 
 
 def is_window_message(headers: Any) -> bool:
@@ -83,7 +68,7 @@ def publish(
     return result
 
 
-_OWN = (HEADER, DEFER_HEADER, RATE_HEADER, PUBLISH_HEADER, COALESCE_HEADER)
+_OWN = (*RUN_HEADERS, PUBLISH_HEADER, COALESCE_HEADER)
 
 
 def arrived(task: Any, req: Any, key: str) -> tuple[tuple, dict]:
@@ -95,7 +80,7 @@ def arrived(task: Any, req: Any, key: str) -> tuple[tuple, dict]:
         call = decode(value)
         return tuple(call["args"]), dict(call["kwargs"])
     if state == "wait":
-        headers = {k: v for k, v in (req.headers or {}).items() if k not in _OWN}
+        headers = without(req.headers, _OWN)
         headers[DEBOUNCE_HEADER] = read_header(req, DEBOUNCE_HEADER)
         task.signature_from_request(req, countdown=value, retries=req.retries, headers=headers).apply_async()
         raise Ignore(f"{task.name}[{req.id}]: debounce window of {key!r} open {value:.2f}s more")

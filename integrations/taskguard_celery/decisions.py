@@ -26,7 +26,6 @@ each of its decisions means for a Celery execution.
 
 from __future__ import annotations
 
-import base64
 import logging
 from typing import Any, cast
 
@@ -41,8 +40,8 @@ from taskguard.skipped import Skipped
 from taskguard.values import Reason
 
 from . import identity, skipping, uniqueness
-from .headers import COALESCE_HEADER, DEFER_HEADER, HEADER, PUBLISH_HEADER, RATE_HEADER, UNIQUE_HEADER, read_header
-from .serialization import NATIVE
+from .headers import COALESCE_HEADER, PUBLISH_HEADER, RATE_HEADER, RUN_HEADERS, UNIQUE_HEADER, read_header, without
+from .serialization import decode, encode, stored_form
 
 __all__ = ["CeleryHooks", "execution", "outcome", "max_countdown"]
 
@@ -83,11 +82,11 @@ def _is_backstop(req: Any) -> bool:
 
 #: headers of this delivery that a re-published follow-up must not carry: the retry handle (never
 #: claimed twice), deferral and rate state, the publish stamp (a new publish), the queued mark.
-_OWN_HEADERS = (HEADER, DEFER_HEADER, RATE_HEADER, PUBLISH_HEADER, COALESCE_HEADER, UNIQUE_HEADER)
+_OWN_HEADERS = (*RUN_HEADERS, PUBLISH_HEADER, COALESCE_HEADER, UNIQUE_HEADER)
 
 
 def _fresh_headers(req: Any) -> dict:
-    return {k: v for k, v in (req.headers or {}).items() if k not in _OWN_HEADERS}
+    return without(req.headers, _OWN_HEADERS)
 
 
 class CeleryHooks:
@@ -179,23 +178,13 @@ class CeleryHooks:
     # -- overlap="coalesce" ------------------------------------------------------------------------
     def pending_message(self) -> dict:
         """This call's own message (task id, arguments, options), in the task's serializer."""
-        from kombu.serialization import dumps
-
         req = self.req
         sig = self.task.signature_from_request(req, retries=req.retries, headers=_fresh_headers(req))
-        content_type, encoding, body = dumps(dict(sig), serializer=self.task.serializer)
-        if isinstance(body, bytes):
-            return {"ct": content_type, "enc": encoding, "b64": base64.b64encode(body).decode()}
-        return {"ct": content_type, "enc": encoding, "body": body}
+        return encode(self.task, dict(sig))
 
     def wake(self, p: Pending) -> None:
         """Publish the follow-up's own message (same task id, a new publish)."""
-        from kombu.serialization import loads
-
-        m = p.message
-        data = base64.b64decode(m["b64"]) if "b64" in m else m["body"]
-        sig = self.task.app.signature(loads(data, m["ct"], m["enc"], accept=[m["ct"]]))
-        sig.apply_async()
+        self.task.app.signature(decode(p.message)).apply_async()
         log.info("task %s: woke the pending follow-up %s", self.task.name, p.run_id)
 
     def supersede(self, prev: Pending, skipped: Skipped) -> None:
@@ -217,9 +206,7 @@ class CeleryHooks:
             log.warning("task %s[%s]: could not report its skip: %s", task.name, task_id, e)
         try:
             if not task.ignore_result:
-                serializer = getattr(task.backend, "serializer", None) or task.app.conf.result_serializer
-                value = skipped if serializer in NATIVE else skipped.to_dict()
-                task.backend.store_result(task_id, value, "SUCCESS")
+                task.backend.store_result(task_id, stored_form(skipped, task), "SUCCESS")
         except Exception as e:
             log.warning("task %s[%s]: could not store its %s result: %s", task.name, task_id, skipped.reason, e)
         try:
@@ -272,14 +259,10 @@ class CeleryHooks:
 def outcome(task: Any, decision: Decision, skips: int, redelivered: bool) -> Any:
     """What a decision other than ``Run`` means for this execution: the result, or the
     exception Celery turns into its state (``Retry``, ``Ignore``, ``TaskSkipped``)."""
-    if isinstance(decision, Skip):
-        return skipping.skip(task, decision.skipped, skips, task.taskguard_locks)
-    if isinstance(decision, Stored):
-        return skipping.completed(task, decision.key, decision.value)
-    if isinstance(decision, Duplicate):
-        if decision.run is not None:
-            identity.end_chain(task, decision.run)
-        return skipping.duplicate(task, decision.key, task.taskguard_locks)
+    if isinstance(decision, Duplicate) and decision.run is not None:
+        identity.end_chain(task, decision.run)
+    if isinstance(decision, (Skip, Stored, Duplicate)):
+        return skipping.settle(task, decision, skips)
     if isinstance(decision, Pend):
         _pend(task, decision)
     assert isinstance(decision, Defer)
@@ -305,12 +288,6 @@ def _defer_rate(task: Any, d: Defer) -> None:
     """Re-publish this request for its turn under the rate; raises ``Retry``."""
     req = task.request
     header = read_header(req)
-    skips = header.get("skips") if isinstance(header, dict) else None
-    headers = {**(req.headers or {}), RATE_HEADER: d.state}
-    headers.pop(DEFER_HEADER, None)
-    headers.pop(HEADER, None)
-    if skips:
-        headers[HEADER] = {"skips": skips}
     skipping.send_skip_event(
         task,
         cast(Skipped, d.skipped),
@@ -328,6 +305,5 @@ def _defer_rate(task: Any, d: Defer) -> None:
         "its turn is booked" if booked else "it asks again",
         d.countdown,
     )
-    sig = task.signature_from_request(req, countdown=d.countdown, retries=req.retries, headers=headers)
-    sig.apply_async()
-    raise Retry(f"{what}; deferred {d.countdown:.2f}s", when=d.countdown, sig=sig)
+    skips = header.get("skips") if isinstance(header, dict) else None
+    skipping.republish(task, d.countdown, f"{what}; deferred {d.countdown:.2f}s", skips, rate=d.state)

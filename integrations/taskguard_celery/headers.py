@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import secrets
-import time
 from typing import Any
+
+from taskguard.stamps import new_stamp, stamp_time
 
 __all__ = [
     "HEADER",
@@ -18,6 +18,8 @@ __all__ = [
     "new_publish_stamp",
     "publish_time",
     "read_header",
+    "RUN_HEADERS",
+    "without",
 ]
 
 #: The handle of a lease kept for a retry, ``{"key", "owner", "fence", "expires"}``, plus ``"skips"``
@@ -28,10 +30,9 @@ BEAT_HEADER = "taskguard_beat"
 #: Header of a copy taskguard re-published to look again later while another execution of its task
 #: id runs: ``{"chain", "nonce", "redelivered"}`` (see :mod:`taskguard_celery.identity`).
 DEFER_HEADER = "taskguard_defer"
-#: Stamp of one publish of a guarded task: ``"<publish time, ms, hex>.<random>"``. Every publish
-#: through ``GuardedTask.apply_async`` (a call, a retry, a replacement, a chain step) gets a new one;
-#: a broker redelivery and taskguard's deferred copies keep it. Finished runs are recorded per
-#: (task id, stamp), so a new publish of an id is never taken for a copy of an earlier one.
+#: Stamp of one publish of a guarded task (:mod:`taskguard.stamps`). Every publish through
+#: ``GuardedTask.apply_async`` (a call, a retry, a replacement, a chain step) gets a new one; a
+#: broker redelivery and taskguard's deferred copies keep it.
 PUBLISH_HEADER = "taskguard_publish"
 #: Header of a message published with ``unique=True``: the key it marked queued (the worker clears
 #: the mark when the run starts, is skipped or revoked).
@@ -46,19 +47,8 @@ COALESCE_HEADER = "taskguard_coalesce"
 DEBOUNCE_HEADER = "taskguard_debounce"
 
 
-def new_publish_stamp() -> str:
-    """A publish stamp (see :data:`PUBLISH_HEADER`): publish time in ms (hex), a dot, 32 random bits."""
-    return f"{int(time.time() * 1000):x}.{secrets.token_hex(4)}"
-
-
-def publish_time(stamp: Any) -> float | None:
-    """The publish time (Unix epoch seconds) in a stamp, or ``None`` for anything else."""
-    if not isinstance(stamp, str) or "." not in stamp:
-        return None
-    try:
-        return int(stamp.split(".", 1)[0], 16) / 1000.0
-    except ValueError:
-        return None
+#: A new publish stamp, and a stamp's publish time (:mod:`taskguard.stamps`).
+new_publish_stamp, publish_time = new_stamp, stamp_time
 
 
 def read_header(request: Any, name: str = HEADER) -> Any:
@@ -71,3 +61,14 @@ def read_header(request: Any, name: str = HEADER) -> Any:
     if value is None:
         value = getattr(request, name, None)
     return value
+
+
+#: The headers that carry this run's state from one execution to the next (a retry's handle and
+#: skip count, a deferred copy's chain, a pacing state): a new attempt is published without them,
+#: then given its own.
+RUN_HEADERS = (HEADER, DEFER_HEADER, RATE_HEADER)
+
+
+def without(headers: Any, names: tuple[str, ...] = RUN_HEADERS) -> dict:
+    """A copy of a request's ``headers`` (or ``None``) without ``names``."""
+    return {k: v for k, v in (headers or {}).items() if k not in names}

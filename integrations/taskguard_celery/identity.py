@@ -12,12 +12,8 @@ The rules (design §3b):
   and without ``acks_on_timeout``, ``reject_on_worker_lost``) is not finished: its redelivery runs.
 * A copy that finds another execution of its task id holding the lease is re-published to look
   again later (a *deferred copy*, which carries the redelivered status forward in its
-  ``taskguard_defer`` header). At most one deferred copy per delivery is pending at any time: a
-  record under the lease key names the pending one; the copy that defers next publishes its own
-  copy and then swaps the record to it atomically; a copy the record does not name (the broker's
-  own redelivery of a superseded copy, the loser of a swap) is dropped. The chain continues until
-  the holder ends, so if it dies the work still runs once, and a crash anywhere in a deferral
-  loses nothing: the record only ever names a copy that was published.
+  ``taskguard_defer`` header), at most one per delivery pending at any time
+  (:mod:`taskguard.deferral`).
 
 Where a run's outcome is recorded:
 
@@ -33,20 +29,20 @@ Where a run's outcome is recorded:
 from __future__ import annotations
 
 import logging
-import secrets
 import weakref
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any
 
 from celery.backends.base import DisabledBackend
 from celery.backends.rpc import RPCBackend
 from celery.exceptions import Ignore, TimeLimitExceeded
 
-from taskguard import LeaseBackendError
+from taskguard import deferral, stamps
 from taskguard.run import GuardedRun
+from taskguard.stamps import predates
 from taskguard.validate import check_seconds
 
-from .headers import DEFER_HEADER, PUBLISH_HEADER, publish_time, read_header
+from .headers import DEFER_HEADER, PUBLISH_HEADER, read_header
 
 __all__ = [
     "redelivery_timeout",
@@ -65,11 +61,8 @@ log = logging.getLogger("taskguard.celery")
 
 #: Task states that mean the run finished (its message was acked).
 READY_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
-#: Clock difference between hosts allowed when a stored result's ``date_done`` is compared with a
-#: publish stamp, seconds.
-CLOCK_SKEW = 1.0
-#: Longest a deferred copy waits before looking again, seconds.
-DEFER_MAX = 10.0
+CLOCK_SKEW = stamps.CLOCK_SKEW  # (a stored result's date_done against a publish stamp)
+DEFER_MAX = deferral.DEFER_MAX
 #: Added to the broker's redelivery timeout for its restore sweep and clock skew, seconds.
 SWEEP_MARGIN = 60.0
 #: RabbitMQ's default ``consumer_timeout`` (30 minutes): an unacked delivery older than that
@@ -81,6 +74,12 @@ REDIS_VISIBILITY_TIMEOUT = 3600.0
 SQS_VISIBILITY_TIMEOUT = 1800.0
 #: Other transports.
 DEFAULT_REDELIVERY_TIMEOUT = 3600.0
+
+_TRANSPORT_TIMEOUTS = {
+    "redis": REDIS_VISIBILITY_TIMEOUT,
+    "sqs": SQS_VISIBILITY_TIMEOUT,
+    "amqp": RABBITMQ_CONSUMER_TIMEOUT,
+}
 
 _timeouts: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
@@ -110,15 +109,8 @@ def redelivery_timeout(app: Any) -> float:
             driver = app.connection_for_write().transport.driver_type  # builds no connection
         except Exception:  # an unknown transport: the generic bound
             driver = ""
+        default = _TRANSPORT_TIMEOUTS.get(driver, DEFAULT_REDELIVERY_TIMEOUT)
         options = conf.broker_transport_options or {}
-        if driver == "redis":
-            default = REDIS_VISIBILITY_TIMEOUT
-        elif driver == "sqs":
-            default = SQS_VISIBILITY_TIMEOUT
-        elif driver == "amqp":
-            default = RABBITMQ_CONSUMER_TIMEOUT
-        else:
-            default = DEFAULT_REDELIVERY_TIMEOUT
         raw = options.get("visibility_timeout", default) if driver in ("redis", "sqs") else default
         value = check_seconds("broker_transport_options['visibility_timeout']", raw)
     _timeouts[app] = value
@@ -174,7 +166,8 @@ def finished_in_backend(task: Any, request: Any) -> bool:
         log.warning("task %s[%s]: could not read its state from the result backend: %s", task.name, request.id, e)
         return False
     state = meta.get("status")
-    if state in READY_STATES and _stored_before_this_publish(meta, read_header(request, PUBLISH_HEADER)):
+    # Celery stores date_done in UTC (celery/backends/base.py, _get_result_meta)
+    if state in READY_STATES and predates(meta.get("date_done"), read_header(request, PUBLISH_HEADER)):
         return False  # the outcome of an earlier publish of this id, not of this delivery's run
     if (
         state == "FAILURE"
@@ -188,99 +181,34 @@ def finished_in_backend(task: Any, request: Any) -> bool:
     return state in READY_STATES
 
 
-def _stored_before_this_publish(meta: dict, stamp: Any) -> bool:
-    published = publish_time(stamp)
-    done = meta.get("date_done")
-    if published is None or done is None:
-        return False  # an unstamped publish (a client without taskguard): the task id decides
-    try:
-        done_dt = done if isinstance(done, datetime) else datetime.fromisoformat(str(done))
-    except ValueError:
-        return False
-    if done_dt.tzinfo is None:  # Celery stores UTC (celery/backends/base.py, _get_result_meta)
-        done_dt = done_dt.replace(tzinfo=timezone.utc)
-    return done_dt.timestamp() < published - CLOCK_SKEW
-
-
-def _chain_record(req: Any, redelivered: bool, header: dict | None) -> tuple[str, str]:
-    """(chain, record name) of this copy's deferral chain: its own header's, else one chain for
-    the broker's redeliveries of this delivery (task id and publish stamp), else a new one."""
-    if header:
-        chain = header["chain"]
-    elif redelivered:
-        stamp = read_header(req, PUBLISH_HEADER)
-        chain = "r:" + (stamp if isinstance(stamp, str) else "")
-    else:
-        chain = secrets.token_hex(8)
-    return chain, f"defer:{req.id}:{chain}"
-
-
-def _defer_header(req: Any) -> dict | None:
-    header = read_header(req, DEFER_HEADER)
-    if (
-        not isinstance(header, dict)
-        or not isinstance(header.get("chain"), str)
-        or not isinstance(header.get("nonce"), str)
-    ):
-        return None
-    return header
-
-
 def end_chain(task: Any, run: GuardedRun) -> None:
-    """A deferred copy runs, or is dropped as a duplicate: its chain ends, so its record goes
-    (only while it still names this copy)."""
+    """A deferred copy runs, or is dropped as a duplicate: its chain ends
+    (:func:`taskguard.deferral.end`)."""
     req = task.request
-    header = _defer_header(req)
-    if header is None:
-        return
-    _chain, record = _chain_record(req, False, header)
-    try:
-        run.locks.delete_record(run.key, record, if_value=header["nonce"])
-    except LeaseBackendError as e:  # it expires by itself
-        log.warning("task %s[%s]: could not end its deferral record: %s", task.name, req.id, e)
+    header = deferral.carried(read_header(req, DEFER_HEADER))
+    if header is not None:
+        deferral.end(run.locks, run.key, req.id, header, f"task {task.name}[{req.id}]")
 
 
 def defer(task: Any, run: GuardedRun, redelivered: bool) -> None:
     """Another execution of this task id holds the lease: re-publish this copy to look again when
-    that lease could have ended, unless another deferred copy of the same delivery is pending.
-    Always raises :class:`celery.exceptions.Ignore` (this copy stores no result and is acked)."""
+    that lease could have ended, unless another deferred copy of the same delivery is pending
+    (:mod:`taskguard.deferral`: the broker's redeliveries of one delivery join that delivery's
+    one chain; each publish starts a chain of its own). Always raises
+    :class:`celery.exceptions.Ignore` (this copy stores no result and is acked)."""
     req = task.request
-    header = _defer_header(req)
-    # the broker's redeliveries of one delivery join that delivery's one chain; each publish
-    # starts a chain of its own
-    chain, record = _chain_record(req, redelivered, header)
     timeout = redelivery_timeout(task.app)
-    countdown = min(max(run.holder_ttl or 1.0, 0.5), DEFER_MAX, max(0.5, timeout / 2))
-    nonce = secrets.token_hex(8)
+    header = deferral.carried(read_header(req, DEFER_HEADER))
+    d = deferral.plan(req.id, header, redelivered, read_header(req, PUBLISH_HEADER), run.holder_ttl, timeout / 2)
     if req.called_directly or req.is_eager:
         raise Ignore(f"{task.name}[{req.id}] runs in another execution")
-    expected = header["nonce"] if header else None
-    locks = run.locks
-    try:
-        current = locks.get_record(run.key, record)
-    except LeaseBackendError as e:
-        log.warning(
-            "task %s[%s]: could not read its deferred copy's record (%s); deferring anyway", task.name, req.id, e
-        )
-        current = None
-    if current is not None and current != expected:
-        log.info(
-            "task %s[%s]: another execution runs it and a deferred copy is pending; this copy is dropped",
-            task.name,
-            req.id,
-        )
+    who = f"task {task.name}[{req.id}]"
+    if deferral.superseded(run.locks, run.key, d, who):
+        log.info("%s: another execution runs it and a deferred copy is pending; this copy is dropped", who)
         raise Ignore(f"duplicate of running {task.name}[{req.id}]")
-    # publish first, then name the new copy in the record: the record only ever names a copy that
-    # exists, so a crash between the two loses nothing (this copy, unacked, comes back and still
-    # matches the record); a copy published by a loser of the swap finds itself unnamed and goes
-    headers = {**(req.headers or {}), DEFER_HEADER: {"chain": chain, "nonce": nonce, "redelivered": redelivered}}
-    task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers).apply_async()
-    try:
-        if not locks.put_record(
-            run.key, record, nonce, ttl=countdown + timeout + SWEEP_MARGIN, if_absent=True, if_value=expected
-        ):
-            log.info("task %s[%s]: another copy deferred first; this one's copy will be dropped", task.name, req.id)
-    except LeaseBackendError as e:
-        log.warning("task %s[%s]: could not record its deferred copy: %s", task.name, req.id, e)
-    log.info("task %s[%s]: another execution runs it; this copy looks again in %.1fs", task.name, req.id, countdown)
-    raise Ignore(f"{task.name}[{req.id}] runs in another execution; deferred {countdown:.1f}s")
+    # publish first, then name the new copy in the record
+    headers = {**(req.headers or {}), DEFER_HEADER: d.header()}
+    task.signature_from_request(req, countdown=d.countdown, retries=req.retries, headers=headers).apply_async()
+    deferral.name(run.locks, run.key, d, d.countdown + timeout + SWEEP_MARGIN, who)
+    log.info("%s: another execution runs it; this copy looks again in %.1fs", who, d.countdown)
+    raise Ignore(f"{task.name}[{req.id}] runs in another execution; deferred {d.countdown:.1f}s")

@@ -16,13 +16,15 @@ releases, which encoded ``Skipped`` with it.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
+from kombu.serialization import dumps, loads
 from kombu.utils.json import register_type
 
 from taskguard import Skipped
 
-__all__ = ["MARKER", "result_value"]
+__all__ = ["MARKER", "result_value", "stored_form", "encode", "decode"]
 
 MARKER = "taskguard.skipped"
 NATIVE = ("pickle", "application/x-python-serialize")
@@ -36,5 +38,25 @@ def result_value(skipped: Skipped, task: Any) -> Any:
     req = task.request
     if req.called_directly or req.is_eager:
         return skipped
+    return stored_form(skipped, task)
+
+
+def stored_form(skipped: Skipped, task: Any) -> Any:
+    """``skipped`` as the task's result backend stores it (see the module docstring)."""
     serializer = getattr(getattr(task, "backend", None), "serializer", None) or task.app.conf.result_serializer
     return skipped if serializer in NATIVE else skipped.to_dict()
+
+
+def encode(task: Any, value: Any) -> dict:
+    """``value`` in the task's serializer, as a JSON value (kept in a Redis record: a debounce
+    window's call, a pending follow-up's message)."""
+    content_type, encoding, body = dumps(value, serializer=task.serializer)
+    if isinstance(body, bytes):
+        return {"ct": content_type, "enc": encoding, "b64": base64.b64encode(body).decode()}
+    return {"ct": content_type, "enc": encoding, "body": body}
+
+
+def decode(m: dict) -> Any:
+    """What :func:`encode` made, decoded (only its own content type is accepted)."""
+    data = base64.b64decode(m["b64"]) if "b64" in m else m["body"]
+    return loads(data, m["ct"], m["enc"], accept=[m["ct"]])

@@ -1,41 +1,26 @@
-"""What a guarded Celery task does when it does not run its body: skips (per ``on_skip``),
-duplicates, and the events that report them."""
+"""What a guarded Celery task does when it does not run its body (skips per ``on_skip``, stored
+values, duplicates, as :mod:`taskguard.settlement` decides), and the events that report them."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 from celery.exceptions import Ignore, Retry
 
-from taskguard import Locks, Skipped, TaskSkipped
+from taskguard import Skipped
+from taskguard.pipeline import Duplicate, Skip, Stored
+from taskguard.settlement import settle as settle_decision
+from taskguard.values import Ending
 
-from .headers import DEFER_HEADER, HEADER, RATE_HEADER
+from .headers import HEADER, RATE_HEADER, without
 from .serialization import result_value
 
-__all__ = ["skip", "duplicate", "completed", "result_codec", "send_event", "skip_count"]
+__all__ = ["settle", "republish", "result_codec", "send_event", "skip_count"]
 
 log = logging.getLogger("taskguard.celery")
 
-
-def duplicate(task: Any, key: str, locks: Locks) -> Any:
-    """A redelivered copy of a run that already finished: store nothing, ack it."""
-    req = task.request
-    skipped = Skipped(key=key, reason="duplicate", task=task.name)
-    locks.report_skip(skipped)
-    send_skip_event(task, skipped)
-    log.info("task %s[%s]: redelivered copy of a finished run ignored", task.name, req.id)
-    raise Ignore(f"duplicate of finished {task.name}[{req.id}]")
-
-
-def completed(task: Any, key: str, value: Any) -> Any:
-    """``once=True``: the key's work was completed by an earlier call; its stored ``value`` is this
-    run's result (reason ``"once"``, reported; the chain goes on: the value is the work's)."""
-    skipped = Skipped(key=key, reason="once", task=task.name)
-    send_event(task, "task-skipped", key=key, reason="once", holder_ttl=None, result=skipped.describe(), retrying=False)
-    log.info("task %s[%s]: %r already completed; returning the stored value", task.name, task.request.id, key)
-    return value
+NO_RATE = object()  # (republish: no pacing state to carry)
 
 
 def result_codec(task: Any) -> tuple[Any, Any]:
@@ -57,44 +42,63 @@ def result_codec(task: Any) -> tuple[Any, Any]:
     return dumps, loads
 
 
-def skip(task: Any, skipped: Skipped, skips: int, locks: Locks) -> Any:
-    """A run that did not get its lease, per ``on_skip``: reported, then a value, a retry,
-    an ``Ignore`` or a ``TaskSkipped``."""
-    opts = task.taskguard_options
+def settle(task: Any, decision: Skip | Stored | Duplicate, skips: int) -> Any:
+    """End an execution that does not run its body as the core settles it
+    (:func:`taskguard.settlement.settle`): the ``task-skipped`` event, then a value, a skip
+    retry (``Retry``), an ``Ignore`` or a ``TaskSkipped``."""
     req = task.request
-    if opts.on_skip == "retry" and not req.called_directly and skipped.reason != "rate_limited":
-        if skips < opts.skip_max_retries:
-            locks.report_skip(skipped)
-            send_skip_event(task, skipped, retrying=True)
-            retry_after_skip(task, opts.retry_delay(skipped.holder_ttl), skips + 1, skipped.reason)
-        skipped = dataclasses.replace(skipped, reason="retry_exhausted")
-    locks.report_skip(skipped)
-    send_skip_event(task, skipped)
-    if opts.on_skip == "raise":
-        raise TaskSkipped(skipped.key, skipped.reason, task.name, skipped.holder_ttl, skipped.follow_up)
-    if opts.on_skip == "ignore":
-        raise Ignore(skipped.describe())
-    if not opts.continue_on_skip:
+    s = settle_decision(
+        task.taskguard_options,
+        decision,
+        task.taskguard_locks,
+        task.name,
+        skips=skips,
+        can_retry=not req.called_directly,
+    )
+    send_skip_event(task, s.skipped, retrying=s.ending == Ending.RETRY)
+    if s.ending == Ending.RETRY:
+        retry_after_skip(task, s.countdown, s.attempt, s.skipped.reason)
+    if isinstance(decision, Stored):
+        # the chain goes on: the value is the work's
+        log.info("task %s[%s]: %r already completed; returning the stored value", task.name, req.id, decision.key)
+        return s.value
+    if isinstance(decision, Duplicate):
+        log.info("task %s[%s]: redelivered copy of a finished run ignored", task.name, req.id)
+        raise Ignore(f"duplicate of finished {task.name}[{req.id}]")
+    if s.ending == Ending.RAISE:
+        raise s.error()
+    if s.ending == Ending.IGNORE:
+        raise Ignore(s.skipped.describe())
+    if s.stop_chain:
         # the tracer reads these from this very request after we return
         # (celery/app/trace.py, _dispatch_callbacks_and_chain)
         req.callbacks = None
         req.chain = None
-    return result_value(skipped, task)
+    return result_value(s.skipped, task)
 
 
-def retry_after_skip(task: Any, countdown: float, skips: int, reason: str = "held") -> None:
-    """Re-publish this request ``countdown`` seconds later without counting a retry
-    (``max_retries`` is for the body's failures, not for contention)."""
-    req = task.request
-    headers = {**(req.headers or {}), HEADER: {"skips": skips}}
-    headers.pop(DEFER_HEADER, None)
-    headers.pop(RATE_HEADER, None)  # its turn was used: the next attempt asks the rate again
-    sig = task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers)
+def retry_after_skip(task: Any, countdown: float, skips: int, reason: str = "held") -> NoReturn:
+    """``on_skip="retry"``: re-publish this request ``countdown`` seconds later (:func:`republish`)."""
     why = {
         "limit": "every slot of the lease held (limit)",
         "limit_total": "every place in the total held (limit_total)",
     }.get(reason, f"lease {reason}")
-    message = f"{why}; retry {skips} of {task.taskguard_options.skip_max_retries}"
+    republish(task, countdown, f"{why}; retry {skips} of {task.taskguard_options.skip_max_retries}", skips)
+
+
+def republish(task: Any, countdown: float, message: str, skips: Any, rate: Any = NO_RATE) -> NoReturn:
+    """Re-publish this request ``countdown`` seconds later as the same run without counting a
+    retry (``max_retries`` is for the body's failures, not for contention or a rate turn): its
+    ``skips`` so far in the ``taskguard`` header, with ``rate`` its pacing state in the
+    ``taskguard_rate`` header (else none: its turn was used, the next attempt asks the rate
+    again), no deferral header. Raises ``Retry``."""
+    req = task.request
+    headers = without(req.headers)
+    if skips:
+        headers[HEADER] = {"skips": skips}
+    if rate is not NO_RATE:
+        headers[RATE_HEADER] = rate
+    sig = task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers)
     if req.is_eager:
         raise Retry(message, when=countdown, is_eager=True, sig=sig)
     sig.apply_async()

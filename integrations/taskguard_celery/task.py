@@ -23,9 +23,10 @@ from taskguard.handoff import parse_handle, release_handle
 from taskguard.pipeline import Run, decide, perform
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
+from taskguard.schedule.options import apply_entry_options
+from taskguard.schedule.periodic import slot_run as beat_slot
 
 from . import debouncing, identity, setup, skipping, uniqueness
-from .beat_runs import beat_run, entry_guard
 from .config import locks_for
 from .decisions import CeleryHooks, execution, outcome
 from .headers import (
@@ -37,6 +38,7 @@ from .headers import (
     RATE_HEADER,
     new_publish_stamp,
     read_header,
+    without,
 )
 
 __all__ = ["GuardedTask", "guarded_task", "current_lease", "HEADER"]  # current_lease: taskguard.context
@@ -89,39 +91,8 @@ class GuardedTask(Task):
     ``taskguard`` header carries the key's handle with the total's nested under ``"total"``.
     """
 
-    # defaults: taskguard.policy.OPTION_DEFAULTS (the one place they live)
-    key: Any = OPTION_DEFAULTS["key"]
-    ttl: float = OPTION_DEFAULTS["ttl"]
-    wait: float = OPTION_DEFAULTS["wait"]
-    blocking_wait: bool = OPTION_DEFAULTS["blocking_wait"]
-    renew: bool = OPTION_DEFAULTS["renew"]
-    on_skip: str = OPTION_DEFAULTS["on_skip"]
-    on_lost: str = OPTION_DEFAULTS["on_lost"]
-    skip_retry_delay: float | None = OPTION_DEFAULTS["skip_retry_delay"]
-    skip_max_retries: int = OPTION_DEFAULTS["skip_max_retries"]
-    max_hold: float | None = OPTION_DEFAULTS["max_hold"]
-    continue_on_skip: bool = OPTION_DEFAULTS["continue_on_skip"]
-    limit: int = OPTION_DEFAULTS["limit"]
-    limit_total: int | None = OPTION_DEFAULTS["limit_total"]
-    limit_total_key: Any = OPTION_DEFAULTS["limit_total_key"]
-    rate: Any = OPTION_DEFAULTS["rate"]
-    rate_key: Any = OPTION_DEFAULTS["rate_key"]
-    rate_burst: int | None = OPTION_DEFAULTS["rate_burst"]
-    rate_max_wait: float | None = OPTION_DEFAULTS["rate_max_wait"]
-    cost: Any = OPTION_DEFAULTS["cost"]
-    once: bool = OPTION_DEFAULTS["once"]
-    once_ttl: float = OPTION_DEFAULTS["once_ttl"]
-    fingerprint: Any = OPTION_DEFAULTS["fingerprint"]
-    once_max_bytes: int = OPTION_DEFAULTS["once_max_bytes"]
-    enforce: bool = OPTION_DEFAULTS["enforce"]
-    unique: bool = OPTION_DEFAULTS["unique"]
-    unique_ttl: float | None = OPTION_DEFAULTS["unique_ttl"]
-    overlap: str = OPTION_DEFAULTS["overlap"]
-    replace_terminate: bool = OPTION_DEFAULTS["replace_terminate"]
-    debounce: float | None = OPTION_DEFAULTS["debounce"]
-    debounce_max: float | None = OPTION_DEFAULTS["debounce_max"]
-    replicas: int | None = OPTION_DEFAULTS["replicas"]
-    replica_timeout: float | None = OPTION_DEFAULTS["replica_timeout"]
+    # each guard option is a class attribute, its default taskguard.policy.OPTION_DEFAULTS' (the
+    # one place they live): set below the class
     locks: Locks | None = None
 
     #: The guard's options, validated when the class is made (``None``: a class without a guard).
@@ -245,8 +216,10 @@ class GuardedTask(Task):
         beat = read_header(req, BEAT_HEADER)
         slot_run = None
         if isinstance(beat, dict):
-            opts = entry_guard(self, opts, beat)
-            slot_run = beat_run(beat)
+            # a beat message (it imports no scheduler): the entry's guard options (a bad one is
+            # logged, the task's own used) and the slot's run identity (one run per slot)
+            opts = apply_entry_options(opts, beat, self.run, self.name, cache=type(self))
+            slot_run = beat_slot(beat)
         key = opts.key.render(args, kwargs)  # first: wrong arguments are a TypeError, whatever the Redis set-up
         locks = self.taskguard_locks
         header = read_header(req)
@@ -370,10 +343,8 @@ class GuardedTask(Task):
             raise exc
         if run is None or req.called_directly or run.state != "running":
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
-        headers = {**(req.headers or {}), **(options.pop("headers", None) or {})}
-        headers.pop(HEADER, None)
-        headers.pop(DEFER_HEADER, None)
-        headers.pop(RATE_HEADER, None)  # a retry is a new call: it asks the rate again
+        # a retry is a new call: it asks the rate again
+        headers = without({**(req.headers or {}), **(options.pop("headers", None) or {})})
         if not throw:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
         handle = run.keep(_retry_delay(eta, countdown, self.default_retry_delay) + self.taskguard_options.ttl)
@@ -388,6 +359,10 @@ class GuardedTask(Task):
             if handle is not None:
                 run.release_kept(handle)
             raise
+
+
+for _name, _default in OPTION_DEFAULTS.items():
+    setattr(GuardedTask, _name, _default)
 
 
 def _retry_delay(eta: Any, countdown: Any, default: Any) -> float:

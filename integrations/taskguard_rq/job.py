@@ -42,7 +42,8 @@ from taskguard.pacing import parse_state
 from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide, perform
 from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
-from taskguard.values import Reason, RunState, plain
+from taskguard.settlement import settle
+from taskguard.values import Ending, Reason, RunState, plain
 
 from . import unique
 from .config import locks_for
@@ -257,7 +258,7 @@ def _run(
             job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
             return Retry(max=10**9, interval=[max(1, math.ceil(value))])
         if state == "gone":  # a copy of a window that ran already
-            return _report_skip(job, locks, name, opts, Skipped(key=key, reason=Reason.DEBOUNCED, task=name))
+            return _settle(job, locks, name, opts, Skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=name)))
         args, kwargs = _decode_call(job, value)  # the window closed: the latest call's arguments
     ex = Execution(
         task=name,
@@ -481,12 +482,8 @@ def _run_now(connection: Any, job_id: str, job: Any = None) -> bool:
 def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d: Any) -> Any:
     """What a decision other than ``Run`` means for a job (RQ never sees a ``Duplicate``: no copy
     of a job is refused as finished)."""
-    if isinstance(d, Stored):
-        log.info("%s: %r already completed; returning the stored value", name, key)
-        mirror_meta(job, key=key, outcome="once")
-        return d.value
-    if isinstance(d, Skip):
-        return _report_skip(job, locks, name, opts, d.skipped)
+    if isinstance(d, (Skip, Stored)):
+        return _settle(job, locks, name, opts, d)
     if isinstance(d, Pend):
         # the key's pending follow-up: RQ's scheduler holds the job (rq worker --with-scheduler)
         # until the run that holds the lease ends and moves it to now, or the backstop time
@@ -562,11 +559,18 @@ def _quietly_save_meta(job: Any) -> None:
         log.warning("job %s: could not save meta: %s", job.id, e)
 
 
-def _report_skip(job: Any, locks: Locks, name: str, opts: GuardOptions, skipped: Skipped) -> Any:
-    locks.report_skip(skipped)
+def _settle(job: Any, locks: Locks, name: str, opts: GuardOptions, d: Skip | Stored) -> Any:
+    """A skip or a stored value, as the core settles it (:func:`taskguard.settlement.settle`; RQ
+    never retries a skip): the job's value, or ``TaskSkipped``."""
+    s = settle(opts, d, locks, name)
+    if isinstance(d, Stored):
+        log.info("%s: %r already completed; returning the stored value", name, d.key)
+        mirror_meta(job, key=d.key, outcome="once")
+        return s.value
+    skipped = s.skipped
     record_skip(locks, name)
     log.info("%s", skipped.describe())
     mirror_meta(job, key=skipped.key, outcome="skipped", reason=skipped.reason, holder_ttl=skipped.holder_ttl)
-    if opts.on_skip == "raise":
-        raise TaskSkipped(skipped.key, skipped.reason, name, skipped.holder_ttl, skipped.follow_up)
-    return skipped
+    if s.ending == Ending.RAISE:
+        raise s.error()
+    return s.value
