@@ -40,7 +40,6 @@ __all__ = [
     "parse_handle",
     "ResumeRequest",
     "resume",
-    "resume_request",
     "release_handle",
     "restore_handle",
 ]
@@ -170,25 +169,9 @@ class ResumeRequest:
         )
 
 
-def resume(
-    locks: Locks,
-    handle: Mapping[str, Any],
-    *,
-    key: str,
-    ttl: float,
-    holder: Mapping[str, Any] | None = None,
-    renew: bool = True,
-    max_hold: float | None = None,
-    run_id: str | None = None,
-    refuse_finished: bool = False,
-    delivery: str | None = None,
-    markers: bool = True,
-    limit: int = 1,
-    total: tuple[str, int] | None = None,
-    replicas: int | None = None,
-    replica_timeout: float | None = None,
-) -> Acquisition:
-    """Take over the persisted ``handle`` for ``key``, else acquire ``key`` afresh when free.
+def resume(locks: Locks, handle: Mapping[str, Any], request: ResumeRequest) -> Acquisition:
+    """Take over the persisted ``handle`` for ``request.key``, else acquire the key afresh when
+    free (``key`` and the other names below are ``request``'s fields).
 
     Returns the :class:`~taskguard.Acquisition`: claimed (same fencing token), acquired anew
     (larger fencing token, the old lease having expired), or not acquired (``reason="held"``:
@@ -210,29 +193,6 @@ def resume(
 
     Raises ConfigError for a malformed handle, LeaseBackendError when Redis fails (a lease taken
     by this call is given back first)."""
-    return resume_request(
-        locks,
-        handle,
-        ResumeRequest(
-            key,
-            ttl,
-            holder,
-            renew,
-            max_hold,
-            run_id,
-            refuse_finished,
-            delivery,
-            markers,
-            limit,
-            total,
-            replicas,
-            replica_timeout,
-        ),
-    )
-
-
-def resume_request(locks: Locks, handle: Mapping[str, Any], request: ResumeRequest) -> Acquisition:
-    """:func:`resume` with its request as one :class:`ResumeRequest`."""
     h = parse_handle(handle)
     th = h.pop("total", None)
     acq = _resume_one(locks, h, request)
@@ -256,7 +216,7 @@ def resume_request(locks: Locks, handle: Mapping[str, Any], request: ResumeReque
 
 
 def _resume_one(locks: Locks, h: Mapping[str, Any], r: ResumeRequest) -> Acquisition:
-    """:func:`resume_request` for one parsed handle ``h`` (without a nested total)."""
+    """:func:`resume` for one parsed handle ``h`` (without a nested total)."""
     if h["key"] != r.key:
         release_handle(locks, h, ttl=r.ttl)
         return r.acquire(locks)

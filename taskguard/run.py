@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .context import running
 from .errors import ConfigError, IdempotencyConflict, LeaseBackendError, LeaseLost
-from .handoff import persist, restore_handle, resume
+from .handoff import ResumeRequest, persist, restore_handle, resume
 from .lease import Acquisition, Lease
 from .leasing import finished_id
 from .liveness import holder_is_dead
@@ -257,19 +257,21 @@ class GuardedRun:
                 acq = resume(
                     self.locks,
                     handle,
-                    key=self.key,
-                    ttl=self.ttl,
-                    holder=self.holder,
-                    renew=self.renew,
-                    max_hold=self.max_hold,
-                    run_id=self.run_id,
-                    refuse_finished=refuse_finished,
-                    delivery=self.delivery,
-                    markers=self.finished_ttl is not None,
-                    limit=self.limit,
-                    total=self.total,
-                    replicas=self.request.replicas,
-                    replica_timeout=self.request.replica_timeout,
+                    ResumeRequest(
+                        key=self.key,
+                        ttl=self.ttl,
+                        holder=self.holder,
+                        renew=self.renew,
+                        max_hold=self.max_hold,
+                        run_id=self.run_id,
+                        refuse_finished=refuse_finished,
+                        delivery=self.delivery,
+                        markers=self.finished_ttl is not None,
+                        limit=self.limit,
+                        total=self.total,
+                        replicas=self.request.replicas,
+                        replica_timeout=self.request.replica_timeout,
+                    ),
                 )
             except ConfigError as e:
                 log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
@@ -356,18 +358,20 @@ class GuardedRun:
                     acq = resume(
                         self.locks,
                         handle,
-                        key=self.key,
-                        ttl=self.ttl,
-                        holder=self.holder,
-                        renew=self.renew,
-                        max_hold=self.max_hold,
-                        run_id=self.run_id,
-                        delivery=self.delivery,
-                        markers=self.finished_ttl is not None,
-                        limit=self.limit,
-                        total=self.total,
-                        replicas=self.request.replicas,
-                        replica_timeout=self.request.replica_timeout,
+                        ResumeRequest(
+                            key=self.key,
+                            ttl=self.ttl,
+                            holder=self.holder,
+                            renew=self.renew,
+                            max_hold=self.max_hold,
+                            run_id=self.run_id,
+                            delivery=self.delivery,
+                            markers=self.finished_ttl is not None,
+                            limit=self.limit,
+                            total=self.total,
+                            replicas=self.request.replicas,
+                            replica_timeout=self.request.replica_timeout,
+                        ),
                     )
                 except ConfigError as e:
                     log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)

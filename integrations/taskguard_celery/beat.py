@@ -38,6 +38,7 @@ from celery.utils.log import LoggingProxy
 
 from taskguard import ConfigError, Lease
 from taskguard.clock import Clock
+from taskguard.config import EX_CONFIG
 from taskguard.policy import GuardOptions
 from taskguard.schedule.options import apply_entry_options, check_entry_options
 from taskguard.schedule.periodic import PeriodicEntry, PeriodicScheduler, Slot
@@ -46,8 +47,6 @@ from .config import beat_settings, locks_for
 from .headers import BEAT_HEADER
 from .schedules import latest_due, slot_id, slot_schedule
 
-#: Exit status of a beat refused at start for its configuration (sysexits.h ``EX_CONFIG``).
-EX_CONFIG = 78
 #: Key of the per-entry guard options inside ``beat_schedule[name]["options"]``.
 ENTRY_OPTION = "taskguard"
 
