@@ -123,8 +123,11 @@ class Worker:
 
     def start(self) -> None:
         self._log = open(self.log_path, "wb")
+        # cwd: the bench directory, not the repository root: Celery puts the working directory
+        # first on sys.path, where the root's taskguard/ would shadow the one PYTHONPATH names
+        # (bench_ab.py measures other trees' taskguard this way)
         self.proc = subprocess.Popen(
-            self.args, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            self.args, cwd=HERE, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     def check(self) -> None:
