@@ -26,7 +26,8 @@ from .celery_support import EventLog, WorkerProcess, embedded_worker
 def app(redis_url, prefix):
     a = make_app(f"q-{prefix}", prefix)
     yield a
-    redis.Redis.from_url(redis_url).delete(a.tg_log, f"q-{prefix}")
+    # (q1-/q2-: the queues of the SIGKILL tests' own workers)
+    redis.Redis.from_url(redis_url).delete(a.tg_log, f"q-{prefix}", f"q1-{prefix}", f"q2-{prefix}")
 
 
 def _ran(r, prefix, shop):
