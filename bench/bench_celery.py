@@ -888,6 +888,46 @@ def client_ids(admin: redis.Redis) -> dict[int, dict[str, Any]]:
 
 
 # -- main -----------------------------------------------------------------------------------------------
+
+
+def report_failure(bench: Any, e: Exception) -> int:
+    """A benchmark that failed: say why, with the end of the worker's log. Returns the exit code."""
+    print(f"\nbenchmark failed: {type(e).__name__}: {e}", file=sys.stderr)
+    if bench is not None and bench.worker is not None:
+        print(f"worker log ({bench.worker.log_path}):\n{bench.worker.output()[-3000:]}", file=sys.stderr)
+    return 1
+
+
+def wind_up(bench: Any, admin: Any, run: str, rc: int, what: str = "") -> int:
+    """Stop the worker (its log kept when it logged errors or the run failed), close the app and
+    the locks, delete the run's keys and say so. Returns ``rc`` (1 when the cleanup failed)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the cleanup finish
+    worker_rc = None
+    if bench is not None and bench.worker is not None:
+        worker_rc = bench.worker.stop()
+        log = bench.worker.output()
+        problems = [line for line in log.splitlines() if "Traceback" in line or "ERROR" in line]
+        if problems or rc:
+            print(f"\nworker log ({len(problems)} error line(s)) kept at {bench.worker.log_path}")
+        else:
+            bench.worker.remove_log()
+    try:
+        if bench is not None:
+            try:
+                bench.m.guarded_noop.taskguard_locks.close()
+            except Exception:
+                pass
+            bench.app.close()
+        deleted, left = cleanup(admin, run, bench.task_ids if bench else [])
+        what = f" {what}" if what else ""
+        print(f"\ncleanup: worker stopped (rc {worker_rc}); deleted {deleted} keys of {run}{what}; {left} left")
+    except redis.RedisError as e:
+        print(f"cleanup failed: {type(e).__name__}: {e}", file=sys.stderr)
+        rc = rc or 1
+    admin.close()
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1033,37 +1073,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted; stopping the worker and cleaning up", file=sys.stderr)
         rc = 130
     except Exception as e:
-        print(f"\nbenchmark failed: {type(e).__name__}: {e}", file=sys.stderr)
-        if bench is not None and bench.worker is not None:
-            print(f"worker log ({bench.worker.log_path}):\n{bench.worker.output()[-3000:]}", file=sys.stderr)
-        rc = 1
+        rc = report_failure(bench, e)
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the cleanup finish
-        worker_rc = None
-        if bench is not None and bench.worker is not None:
-            worker_rc = bench.worker.stop()
-            log = bench.worker.output()
-            problems = [line for line in log.splitlines() if "Traceback" in line or "ERROR" in line]
-            if problems or rc:
-                print(f"\nworker log ({len(problems)} error line(s)) kept at {bench.worker.log_path}")
-            else:
-                bench.worker.remove_log()
-        try:
-            if bench is not None:
-                try:
-                    bench.m.guarded_noop.taskguard_locks.close()
-                except Exception:
-                    pass
-                bench.app.close()
-            deleted, left = cleanup(admin, run, bench.task_ids if bench else [])
-            print(
-                f"\ncleanup: worker stopped (rc {worker_rc}); deleted {deleted} keys of {run} "
-                f"(queue, bindings, leases, fence counters, done markers, results); {left} left"
-            )
-        except redis.RedisError as e:
-            print(f"cleanup failed: {type(e).__name__}: {e}", file=sys.stderr)
-            rc = rc or 1
-        admin.close()
+        rc = wind_up(bench, admin, run, rc, "(queue, bindings, leases, fence counters, done markers, results)")
     print(f"total wall time {time.monotonic() - t_start:.1f} s")
     return rc
 

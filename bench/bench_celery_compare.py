@@ -360,34 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted; stopping the worker and cleaning up", file=sys.stderr)
         rc = 130
     except Exception as e:
-        print(f"\nbenchmark failed: {type(e).__name__}: {e}", file=sys.stderr)
-        if bench is not None and bench.worker is not None:
-            print(f"worker log ({bench.worker.log_path}):\n{bench.worker.output()[-3000:]}", file=sys.stderr)
-        rc = 1
+        rc = bc.report_failure(bench, e)
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the cleanup finish
-        worker_rc = None
-        if bench is not None and bench.worker is not None:
-            worker_rc = bench.worker.stop()
-            log = bench.worker.output()
-            problems = [line for line in log.splitlines() if "Traceback" in line or "ERROR" in line]
-            if problems or rc:
-                print(f"\nworker log ({len(problems)} error line(s)) kept at {bench.worker.log_path}")
-            else:
-                bench.worker.remove_log()
-        try:
-            if bench is not None:
-                try:
-                    bench.m.guarded_noop.taskguard_locks.close()
-                except Exception:
-                    pass
-                bench.app.close()
-            deleted, left = bc.cleanup(admin, run, bench.task_ids if bench else [])
-            print(f"\ncleanup: worker stopped (rc {worker_rc}); deleted {deleted} keys of {run}; {left} left")
-        except redis.RedisError as e:
-            print(f"cleanup failed: {type(e).__name__}: {e}", file=sys.stderr)
-            rc = rc or 1
-        admin.close()
+        rc = bc.wind_up(bench, admin, run, rc)
     print(f"total wall time {time.monotonic() - t_start:.1f} s")
     return rc
 
