@@ -251,30 +251,7 @@ class GuardedRun:
             return self._begin_shadow(handle)
         if self.once is not None and self._completed():
             return False
-        acq = None
-        if handle is not None:
-            try:
-                acq = resume(
-                    self.locks,
-                    handle,
-                    ResumeRequest(
-                        key=self.key,
-                        ttl=self.ttl,
-                        holder=self.holder,
-                        renew=self.renew,
-                        max_hold=self.max_hold,
-                        run_id=self.run_id,
-                        refuse_finished=refuse_finished,
-                        delivery=self.delivery,
-                        markers=self.finished_ttl is not None,
-                        limit=self.limit,
-                        total=self.total,
-                        replicas=self.request.replicas,
-                        replica_timeout=self.request.replica_timeout,
-                    ),
-                )
-            except ConfigError as e:
-                log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
+        acq = self._resume(handle, refuse_finished) if handle is not None else None
         if acq is None:
             # with a run id, look first without waiting: never wait inside acquire behind an
             # execution of this very run (that is the same-run path below)
@@ -352,29 +329,7 @@ class GuardedRun:
                     done = self.locks.get_record(self.key, SHADOW_ONCE)
                     if done is not None:
                         would = Reason.ONCE if done == self._shadow_digest() else Reason.IDEMPOTENCY_CONFLICT
-            acq = None
-            if handle is not None:
-                try:
-                    acq = resume(
-                        self.locks,
-                        handle,
-                        ResumeRequest(
-                            key=self.key,
-                            ttl=self.ttl,
-                            holder=self.holder,
-                            renew=self.renew,
-                            max_hold=self.max_hold,
-                            run_id=self.run_id,
-                            delivery=self.delivery,
-                            markers=self.finished_ttl is not None,
-                            limit=self.limit,
-                            total=self.total,
-                            replicas=self.request.replicas,
-                            replica_timeout=self.request.replica_timeout,
-                        ),
-                    )
-                except ConfigError as e:
-                    log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
+            acq = self._resume(handle, False) if handle is not None else None
             if acq is None:
                 acq = self._acquire(0.0)
         except LeaseBackendError as e:
@@ -407,6 +362,34 @@ class GuardedRun:
             self.locks.put_record(self.key, SHADOW_ONCE, self._shadow_digest(), ttl=self.once.ttl, if_absent=True)
         except LeaseBackendError as e:
             log.warning("%s: shadow mode: could not record the completion of %r: %s", self._who(), self.key, e)
+
+    def _resume(self, handle: Mapping[str, Any], refuse_finished: bool) -> Acquisition | None:
+        """Take over a persisted handle of this run (:func:`taskguard.handoff.resume`), or ``None``
+        when the handle is malformed (logged; the run acquires normally). Raises
+        LeaseBackendError."""
+        try:
+            return resume(
+                self.locks,
+                handle,
+                ResumeRequest(
+                    key=self.key,
+                    ttl=self.ttl,
+                    holder=self.holder,
+                    renew=self.renew,
+                    max_hold=self.max_hold,
+                    run_id=self.run_id,
+                    refuse_finished=refuse_finished,
+                    delivery=self.delivery,
+                    markers=self.finished_ttl is not None,
+                    limit=self.limit,
+                    total=self.total,
+                    replicas=self.request.replicas,
+                    replica_timeout=self.request.replica_timeout,
+                ),
+            )
+        except ConfigError as e:
+            log.error("%s: ignoring its persisted lease handle: %s", self._who(), e)
+            return None
 
     def _acquire(self, wait: float, refuse_finished: bool = False) -> Acquisition:
         if self.total is not None:
