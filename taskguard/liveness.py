@@ -2,7 +2,8 @@
 
 Holder metadata records ``host``, ``pid`` and, on Linux, ``pidns`` (the PID namespace, so two
 containers that share a hostname are never confused). :func:`holder_is_dead` says ``True`` only
-when the holder ran on this host, in this PID namespace, and its PID no longer exists — e.g. a
+when the holder ran on this host, in this PID namespace, and its PID no longer exists or is a
+zombie (exited, not reaped yet) — e.g. a
 Celery prefork child killed by SIGKILL, whose redelivered message then need not wait out the
 TTL. Everything else (another host, another namespace, a live or stopped process) is ``False``:
 the TTL decides. A recycled PID makes a dead holder look alive (never the reverse), which only
@@ -47,4 +48,18 @@ def holder_is_dead(holder: Mapping[str, Any]) -> bool:
         return True
     except PermissionError:  # exists, owned by someone else
         return False
-    return False
+    return _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """A process that has exited but was not reaped yet (state ``Z``/``X`` in ``/proc/PID/stat``,
+    proc(5)): it still answers ``kill(pid, 0)``, but holds nothing any more. A SIGKILLed holder
+    whose parent died too is reparented to PID 1, and a PID 1 that is not a reaping init (a
+    container started without one) leaves it a zombie indefinitely. ``False`` where ``/proc``
+    cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"Z", b"X")

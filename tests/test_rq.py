@@ -254,8 +254,10 @@ def test_every_outside_end_of_a_running_job_settles_its_lease_and_handle(rq_env,
             time.sleep(1.5)  # RQ ignores a second signal within 1 s of the first
             worker.proc.send_signal(signal.SIGTERM)
             worker.proc.wait(20)
-        deadline = time.monotonic() + 5
-        while locks().holder(f"long:{how}") is not None and time.monotonic() < deadline:
+        deadline = time.monotonic() + 5  # (the lease goes first, the handle one round trip later)
+        while (
+            locks().holder(f"long:{how}") is not None or load_handle(locks(), job.id) is not None
+        ) and time.monotonic() < deadline:
             time.sleep(0.05)
         held = locks().holder(f"long:{how}")
         handle = load_handle(locks(), job.id)

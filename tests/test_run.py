@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -207,3 +208,38 @@ def test_an_error_after_the_lease_is_taken_and_before_the_body_leaves_nothing_he
         hook[:] = []
         locks.close(timeout=1)
         client.close()
+
+
+def test_a_holder_that_exited_but_was_not_reaped_is_dead():
+    """A SIGKILLed holder whose parent died too waits as a zombie until PID 1 reaps it, and a PID 1
+    that is not a reaping init (a container started without one) may never do so: ``kill(pid, 0)``
+    still succeeds. Such a holder is dead (its lease can be released at once), a live one is not."""
+    import signal as _signal
+
+    from taskguard.liveness import holder_is_dead, process_identity
+
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child exits at once)
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # exited, not reaped: a zombie
+            with open(f"/proc/{child}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    break
+            time.sleep(0.01)
+        os.kill(child, 0)  # (still answers)
+        assert holder_is_dead({**process_identity(), "pid": child})
+        assert not holder_is_dead(process_identity())  # this process
+        stopped = os.fork()
+        if stopped == 0:  # pragma: no cover
+            time.sleep(30)
+            os._exit(0)
+        try:
+            os.kill(stopped, _signal.SIGSTOP)  # stopped is not dead
+            assert not holder_is_dead({**process_identity(), "pid": stopped})
+        finally:
+            os.kill(stopped, _signal.SIGKILL)
+            os.waitpid(stopped, 0)
+    finally:
+        os.waitpid(child, 0)
