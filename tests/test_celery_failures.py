@@ -206,7 +206,8 @@ def test_lost_child_with_requeue_runs_again_with_a_larger_fence(env):
     locks = app.conf.taskguard_locks
     with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
         res = app.tasks["tg.sleeper"].delay("requeue", seconds=3.0, fenced=False)
-        assert wait_for(lambda: locks.holder("sleeper:requeue"))
+        # (its body has started, not only taken its lease: the start is noted one step later)
+        assert wait_for(lambda: locks.holder("sleeper:requeue") and entries(app, "sleeper:requeue:start"))
         info = locks.holder("sleeper:requeue")
         os.kill(info.holder["pid"], signal.SIGKILL)
         fence = res.get(timeout=30)
