@@ -28,14 +28,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import LeaseBackendError
+from .skipped import Skipped
+from .values import Reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["RECORD", "Window", "publish", "published", "due", "GRACE"]
+__all__ = ["RECORD", "Window", "publish_call", "publish", "published", "due", "GRACE"]
+
+log = logging.getLogger("taskguard")
+
+T = TypeVar("T")
 
 #: The lease record holding a key's open window (JSON).
 RECORD = "debounce"
@@ -61,6 +69,38 @@ class Window:
 
 def _dumps(rec: dict[str, Any]) -> str:
     return json.dumps(rec, separators=(",", ":"))
+
+
+def publish_call(
+    locks: Locks,
+    key: str,
+    run_id: str,
+    message: Any,
+    *,
+    debounce: float,
+    debounce_max: float,
+    task: str,
+    send: Callable[[Window], T],
+    joined: Callable[[str], T],
+) -> T:
+    """A call of ``task`` (its arguments as ``message``, a JSON value): open the key's window,
+    named ``run_id``, or join the open one. ``send(window)`` publishes the window's one message
+    (run id ``window.run_id``, ``window.countdown`` seconds ahead) when this call is the one to
+    (:attr:`Window.publish`), after which the window is marked published; else ``joined(run_id)``
+    is the handle returned for the open window. A call joining a window is reported as a skip
+    (reason ``"debounced"``). Returns what ``send`` or ``joined`` returns. Raises
+    LeaseBackendError when Redis fails (nothing published), and what ``send`` raises."""
+    w = publish(locks, key, run_id, message, debounce=debounce, debounce_max=debounce_max)
+    if not w.fresh:
+        locks.report_skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=task))
+        log.debug("%s: call joined the debounce window %s of %r", task, w.run_id, key)
+    if not w.publish:
+        return joined(w.run_id)
+    if not w.fresh:  # its opener died before publishing (or is publishing now: one run either way)
+        log.warning("%s: the debounce window %s of %r was not published; publishing it", task, w.run_id, key)
+    result = send(w)
+    published(locks, key, w.run_id, ttl=w.ttl)
+    return result
 
 
 def publish(locks: Locks, key: str, run_id: str, message: Any, *, debounce: float, debounce_max: float) -> Window:

@@ -25,7 +25,9 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _patch(locks: Any, module: Any, step: str) -> None:
+def _patch(locks: Any, step: str) -> None:
+    from taskguard import debounce
+
     put = locks.put_record
 
     def put_record(key: str, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -37,25 +39,23 @@ def _patch(locks: Any, module: Any, step: str) -> None:
         return written
 
     locks.put_record = put_record
-    mark = module.window_published
+    mark = debounce.published  # (the publish protocol every adapter goes through)
 
     def window_published(*args: Any, **kwargs: Any) -> Any:
         if step == "after_publish":
             _die()
         return mark(*args, **kwargs)
 
-    module.window_published = window_published
+    debounce.published = window_published
 
 
 def main(framework: str, step: str, shop: str, n: int) -> None:
     if framework == "celery":
-        from taskguard_celery import debouncing
-
         from .celery_app import make_app
 
         app = make_app(os.environ["TG_TEST_QUEUE"], os.environ["TG_TEST_PREFIX"])
         task = app.tasks["tg.search"]
-        _patch(task.taskguard_locks, debouncing, step)
+        _patch(task.taskguard_locks, step)
 
         def call() -> Any:
             return task.delay(shop, n)
@@ -63,12 +63,12 @@ def main(framework: str, step: str, shop: str, n: int) -> None:
         import redis
         from rq import Queue
 
-        from taskguard_rq import job as rq_job, locks_for
+        from taskguard_rq import locks_for
 
         from . import rq_jobs
 
         queue = Queue(os.environ["TG_TEST_QUEUE"], connection=redis.Redis.from_url(os.environ["TASKGUARD_REDIS_URL"]))
-        _patch(locks_for(), rq_job, step)
+        _patch(locks_for(), step)
 
         def call() -> Any:
             return rq_jobs.search.enqueue_debounced(queue, shop, n)

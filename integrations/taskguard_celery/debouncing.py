@@ -11,23 +11,18 @@ the body runs with the stored arguments of the latest call."""
 
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from celery.exceptions import Ignore
 
-from taskguard import Skipped
-from taskguard.debounce import due as window_due, publish as window_publish, published as window_published
-from taskguard.values import Reason
+from taskguard.debounce import Window, due as window_due, publish_call
 
 from .headers import COALESCE_HEADER, DEBOUNCE_HEADER, PUBLISH_HEADER, RUN_HEADERS, read_header, without
 from .serialization import decode, encode
 
 __all__ = ["publish", "arrived", "is_window_message"]
-
-log = logging.getLogger("taskguard.celery")
 
 
 def is_window_message(headers: Any) -> bool:
@@ -43,29 +38,23 @@ def publish(
     opts = task.taskguard_options
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     key = opts.key.render(args, kwargs)
-    locks = task.taskguard_locks
-    run_id = task_id or str(uuid.uuid4())
-    w = window_publish(
-        locks,
+
+    def send_window(w: Window) -> Any:
+        headers = {**(options.get("headers") or {}), DEBOUNCE_HEADER: {"key": key}}
+        o = {k: v for k, v in options.items() if k not in ("eta", "countdown")}
+        return send(w.run_id, {**o, "headers": headers, "countdown": w.countdown})
+
+    return publish_call(
+        task.taskguard_locks,
         key,
-        run_id,
+        task_id or str(uuid.uuid4()),
         encode(task, {"args": list(args), "kwargs": kwargs}),
         debounce=opts.debounce,
         debounce_max=opts.debounce_max,
+        task=task.name,
+        send=send_window,
+        joined=task.AsyncResult,
     )
-    if not w.fresh:
-        locks.report_skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=task.name))
-        log.debug("task %s: call joined the debounce window %s of %r", task.name, w.run_id, key)
-    if not w.publish:
-        return task.AsyncResult(w.run_id)
-    if not w.fresh:  # its opener died before publishing (or is publishing now: one run either way)
-        log.warning("task %s: the debounce window %s of %r was not published; publishing it", task.name, w.run_id, key)
-    options = {k: v for k, v in options.items() if k not in ("eta", "countdown")}
-    options["headers"] = {**(options.get("headers") or {}), DEBOUNCE_HEADER: {"key": key}}
-    options["countdown"] = w.countdown
-    result = send(w.run_id, options)
-    window_published(locks, key, w.run_id, ttl=w.ttl)
-    return result
 
 
 _OWN = (*RUN_HEADERS, PUBLISH_HEADER, COALESCE_HEADER)

@@ -18,7 +18,6 @@ guarded as always.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -26,14 +25,12 @@ from typing import Any
 from celery.utils.time import maybe_iso8601
 from kombu.utils.uuid import uuid
 
-from taskguard import ConfigError, LeaseBackendError
+from taskguard import unique
 
 from .headers import UNIQUE_HEADER, read_header
 from .metrics import install_if_wanted
 
 __all__ = ["publish", "clear", "mark_of", "DEFAULT_UNIQUE_TTL"]
-
-log = logging.getLogger("taskguard.celery")
 
 #: How long a queued mark lasts by default when the publish gives no ``expires``, seconds.
 DEFAULT_UNIQUE_TTL = 3600.0
@@ -69,47 +66,30 @@ def mark_ttl(task: Any, options: dict) -> float:
 def publish(
     task: Any, args: Any, kwargs: Any, task_id: str | None, options: dict, send: Callable[[str, dict], Any]
 ) -> Any:
-    """Publish ``task`` unless a run of its key is queued or running; returns the new or the
-    existing run's ``AsyncResult``. ``send(task_id, options)`` publishes. Raises TypeError when
-    the arguments do not bind to the task's signature (and what the key fails with on them, with
-    its own type: :class:`taskguard.keys.KeyTemplate`), LeaseBackendError when Redis fails (nothing is
-    published then), and whatever ``send`` raises (the mark is cleared first)."""
+    """Publish ``task`` unless a run of its key is queued or running (:func:`taskguard.unique.publish`);
+    returns the new or the existing run's ``AsyncResult``. ``send(task_id, options)`` publishes. Raises
+    TypeError when the arguments do not bind to the task's signature (and what the key fails with
+    on them, with its own type: :class:`taskguard.keys.KeyTemplate`), LeaseBackendError when Redis
+    fails (nothing is published then), and whatever ``send`` raises (the mark is cleared first)."""
     key = task.taskguard_options.key.render(tuple(args or ()), dict(kwargs or {}))
     task_id = task_id or uuid()
-    locks = task.taskguard_locks
-    shadow = not task.taskguard_options.enforce
-    try:
-        marked, existing = locks.mark_queued(key, task_id, ttl=mark_ttl(task, options), task=task.name, shadow=shadow)
-    except LeaseBackendError as e:
-        if not shadow:
-            raise
-        log.warning("task %s: shadow mode: uniqueness of %r could not be checked (%s); publishing", task.name, key, e)
-        return send(task_id, options)
-    if not marked:
-        install_if_wanted(task.app)  # app.conf.taskguard_metrics counts suppressions here too
-        locks.report_suppressed(key, task.name, existing, shadow=shadow)
-        if shadow:  # published anyway, without a mark of its own
-            log.info(
-                "task %s: shadow mode: would not have been published, a run of %r is queued or running: %s; "
-                "publishing it",
-                task.name,
-                key,
-                existing,
-            )
+    install_if_wanted(task.app)  # app.conf.taskguard_metrics counts suppressions here too
+
+    def send_marked(marked: bool) -> Any:  # marked: the run clears the mark named in its header
+        if not marked:
             return send(task_id, options)
-        log.info("task %s: not published, a run of %r is queued or running: %s", task.name, key, existing)
-        return task.AsyncResult(existing)
-    options = {**options, "headers": {**(options.get("headers") or {}), UNIQUE_HEADER: key}}
-    try:
-        return send(task_id, options)
-    except BaseException:
-        try:
-            locks.clear_queued(key, task_id, task.name, shadow)  # never leave a mark for a message that was not sent
-        except LeaseBackendError as e:
-            log.warning(
-                "task %s: could not clear the queued mark of a failed publish (its TTL bounds it): %s", task.name, e
-            )
-        raise
+        return send(task_id, {**options, "headers": {**(options.get("headers") or {}), UNIQUE_HEADER: key}})
+
+    return unique.publish(
+        task.taskguard_locks,
+        key,
+        task_id,
+        ttl=mark_ttl(task, options),
+        task=task.name,
+        shadow=not task.taskguard_options.enforce,
+        send=send_marked,
+        existing=task.AsyncResult,
+    )
 
 
 def mark_of(task: Any, request: Any) -> tuple[str, str, str] | None:
@@ -124,12 +104,6 @@ def mark_of(task: Any, request: Any) -> tuple[str, str, str] | None:
 
 def clear(task: Any, request: Any) -> None:
     """The run of ``request`` started (or will never run): clear its key's queued mark if it
-    names this task id. Never raises (logged)."""
-    mark = mark_of(task, request)
-    if mark is None:
-        return
-    try:
-        opts = getattr(task, "taskguard_options", None)
-        task.taskguard_locks.clear_queued(*mark, opts is not None and not opts.enforce)
-    except (ConfigError, LeaseBackendError) as e:
-        log.warning("task %s[%s]: could not clear its queued mark (its TTL bounds it): %s", task.name, request.id, e)
+    names this task id (:func:`taskguard.unique.clear`; never raises)."""
+    opts = getattr(task, "taskguard_options", None)
+    unique.clear(task.taskguard_locks, mark_of(task, request), opts is not None and not opts.enforce)

@@ -35,7 +35,7 @@ from rq.job import Job
 from rq.registry import ScheduledJobRegistry
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
-from taskguard.debounce import due as window_due, publish as window_publish, published as window_published
+from taskguard.debounce import Window, due as window_due, publish_call
 from taskguard.handoff import handle_of, release_handle
 from taskguard.overlap import Pending
 from taskguard.pacing import parse_state
@@ -443,26 +443,22 @@ def _enqueue_debounced(
     if opts.debounce is None or opts.debounce_max is None:
         raise ConfigError(f"job {name!r}: enqueue_debounced needs debounce= on @guarded_job")
     key = opts.key.render(args, kwargs)
-    locks = locks_for(given)
-    job_id = str(uuid.uuid4())
-    body = base64.b64encode(queue.serializer.dumps((list(args), kwargs))).decode()
-    w = window_publish(locks, key, job_id, body, debounce=opts.debounce, debounce_max=opts.debounce_max)
-    if not w.fresh:
-        locks.report_skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=name))
-    if not w.publish:
-        return Job.fetch(w.run_id, connection=queue.connection, serializer=queue.serializer)
-    if not w.fresh:  # its opener died before enqueuing (an enqueue of the same job id again is one job)
-        log.warning("%s: the debounce window %s of %r was not enqueued; enqueuing it", name, w.run_id, key)
-    job = queue.enqueue_in(
-        datetime.timedelta(seconds=w.countdown),
-        guarded,
-        *args,
-        job_id=w.run_id,
-        meta={DEBOUNCE_META_KEY: key},
-        **kwargs,
+
+    def send(w: Window) -> Any:
+        due = datetime.timedelta(seconds=w.countdown)
+        return queue.enqueue_in(due, guarded, *args, job_id=w.run_id, meta={DEBOUNCE_META_KEY: key}, **kwargs)
+
+    return publish_call(
+        locks_for(given),
+        key,
+        str(uuid.uuid4()),
+        base64.b64encode(queue.serializer.dumps((list(args), kwargs))).decode(),
+        debounce=opts.debounce,
+        debounce_max=opts.debounce_max,
+        task=name,
+        send=send,
+        joined=lambda run_id: Job.fetch(run_id, connection=queue.connection, serializer=queue.serializer),
     )
-    window_published(locks, key, w.run_id, ttl=w.ttl)
-    return job
 
 
 def _decode_call(job: Any, body: str) -> tuple[tuple[Any, ...], dict[str, Any]]:

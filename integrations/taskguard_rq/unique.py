@@ -28,7 +28,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from taskguard import ConfigError, LeaseBackendError
+from taskguard import ConfigError, unique
 from taskguard.validate import check_seconds
 
 from .config import locks_for
@@ -109,36 +109,23 @@ def enqueue_unique(
         if at is not None
         else 0.0
     )
-    shadow = not opts.enforce  # shadow mode: report what uniqueness would do, enqueue anyway
-    try:
-        marked, existing = locks.mark_queued(key, new_id, ttl=max(base, 1.0) + delay, task=task_name, shadow=shadow)
-    except LeaseBackendError as e:
-        if not shadow:
-            raise
-        log.warning("%s: shadow mode: uniqueness of %r could not be checked (%s); enqueuing", task_name, key, e)
-        return _enqueue(queue, fn, args, kwargs, new_id, at, in_, options)
-    if not marked:
-        locks.report_suppressed(key, task_name, existing, shadow=shadow)
-        if shadow:  # enqueued anyway, without a mark of its own
-            log.info(
-                "%s: shadow mode: would not have been enqueued, a job of %r is queued or running: %s; enqueuing it",
-                task_name,
-                key,
-                existing,
-            )
+
+    def send(marked: bool) -> Any:  # marked: the job clears the mark its meta names when it starts
+        if not marked:
             return _enqueue(queue, fn, args, kwargs, new_id, at, in_, options)
-        log.info("%s: not enqueued, a job of %r is queued or running: %s", task_name, key, existing)
-        return _handle(Job, existing, queue)
-    meta = {**(options.pop("meta", None) or {}), UNIQUE_META_KEY: key}
-    try:
+        meta = {**(options.get("meta") or {}), UNIQUE_META_KEY: key}
         return _enqueue(queue, fn, args, kwargs, new_id, at, in_, dict(options, meta=meta))
-    except BaseException:
-        try:
-            # never leave a mark for a job that was not enqueued
-            locks.clear_queued(key, new_id, task_name, shadow)
-        except LeaseBackendError as e:
-            log.warning("could not clear the queued mark of a failed enqueue (its TTL bounds it): %s", e)
-        raise
+
+    return unique.publish(
+        locks,
+        key,
+        new_id,
+        ttl=max(base, 1.0) + delay,
+        task=task_name,
+        shadow=not opts.enforce,
+        send=send,
+        existing=lambda found: _handle(Job, found, queue),
+    )
 
 
 #: The states of a job that is over: its id may be enqueued again (every other state, known or
@@ -212,13 +199,9 @@ def mark_of(job: Any) -> tuple[str, str, str] | None:
 
 
 def clear_mark(locks: Any, job: Any) -> None:
-    """The job started (or will not run): clear its key's queued mark if it names this job.
-    Never raises (logged)."""
+    """The job started (or will not run): clear its key's queued mark if it names this job
+    (:func:`taskguard.unique.clear`; never raises)."""
     mark = mark_of(job)
-    if mark is None:
-        return
-    try:
+    if mark is not None:
         opts = getattr(job.func, "taskguard_options", None)
-        locks.clear_queued(*mark, opts is not None and not opts.enforce)  # shadow mode: its shadow mark
-    except (ConfigError, LeaseBackendError) as e:
-        log.warning("job %s: could not clear its queued mark (its TTL bounds it): %s", job.id, e)
+        unique.clear(locks, mark, opts is not None and not opts.enforce)

@@ -1,0 +1,116 @@
+"""The framework-free publish protocols both adapters go through: publish-time uniqueness
+(:mod:`taskguard.unique`) and a debounce window's call (:func:`taskguard.debounce.publish_call`),
+on Redis, Redis Cluster and MemoryLocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from taskguard import LeaseBackendError, debounce, unique
+from taskguard.events import add_listener
+
+
+class _Sent:
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[object] = []
+        self.fail = fail
+
+    def __call__(self, arg: object) -> object:
+        self.calls.append(arg)
+        if self.fail:
+            raise OSError("broker down")
+        return ("sent", arg)
+
+
+def test_unique_publish_marks_then_answers_with_the_queued_run_and_clears_on_start(any_locks):
+    first = _Sent()
+    got = unique.publish(any_locks, "uq:1", "run-1", ttl=30, task="t", shadow=False, send=first, existing=str)
+    assert got == ("sent", True) and first.calls == [True]  # marked: the call carries its key
+    second = _Sent()
+    got = unique.publish(any_locks, "uq:1", "run-2", ttl=30, task="t", shadow=False, send=second, existing=str)
+    assert got == "run-1" and second.calls == []  # nothing published: the queued run's handle
+    unique.clear(any_locks, ("uq:1", "run-1", "t"), False)  # the run started
+    third = _Sent()
+    got = unique.publish(any_locks, "uq:1", "run-3", ttl=30, task="t", shadow=False, send=third, existing=str)
+    assert got == ("sent", True)
+
+
+def test_unique_publish_that_fails_leaves_no_mark(any_locks):
+    with pytest.raises(OSError):
+        unique.publish(any_locks, "uq:2", "run-1", ttl=30, task="t", shadow=False, send=_Sent(fail=True), existing=str)
+    ok = _Sent()
+    assert unique.publish(any_locks, "uq:2", "run-2", ttl=30, task="t", shadow=False, send=ok, existing=str) == (
+        "sent",
+        True,
+    )
+
+
+def test_unique_shadow_mode_always_publishes_and_reports_what_it_would_have_suppressed(any_locks):
+    seen = []
+    remove = add_listener(seen.append)
+    try:
+        sends = _Sent()
+        for run in ("run-1", "run-2"):
+            unique.publish(any_locks, "uq:3", run, ttl=30, task="t", shadow=True, send=sends, existing=str)
+    finally:
+        remove()
+    assert sends.calls == [True, False]  # the second is published too, without a mark of its own
+    assert [(e.status, e.shadow) for e in seen if e.kind == "publish" and e.key == "uq:3"] == [("suppressed", True)]
+
+
+def test_unique_clear_never_raises_on_a_backend_error(any_locks, monkeypatch):
+    def down(*a: object, **k: object) -> bool:
+        raise LeaseBackendError("clear_queued", "uq:4", "connection refused")
+
+    monkeypatch.setattr(any_locks, "clear_queued", down)
+    unique.clear(any_locks, ("uq:4", "run-1", "t"), False)  # logged, not raised
+    unique.clear(any_locks, None, False)  # no mark: nothing to do
+
+
+def test_debounce_publish_call_publishes_one_message_per_window_and_reports_each_join(any_locks):
+    seen = []
+    remove = add_listener(seen.append)
+    try:
+        sends = _Sent()
+        handles = [
+            debounce.publish_call(
+                any_locks,
+                "db:1",
+                f"run-{i}",
+                {"n": i},
+                debounce=5,
+                debounce_max=20,
+                task="t",
+                send=sends,
+                joined=str,
+            )
+            for i in range(3)
+        ]
+    finally:
+        remove()
+    assert len(sends.calls) == 1 and sends.calls[0].run_id == "run-0" and sends.calls[0].fresh
+    assert handles[1:] == ["run-0", "run-0"]  # the joining calls get the window's run
+    assert [e.status for e in seen if e.kind == "skip" and e.key == "db:1"] == ["debounced", "debounced"]
+    state, message = debounce.due(any_locks, "db:1", "run-0")
+    assert state == "wait" and 0 < message <= 5
+
+
+def test_debounce_a_window_whose_opener_died_before_publishing_is_published_by_the_next_call(any_locks):
+    died = _Sent(fail=True)
+    with pytest.raises(OSError):  # the opener's publish never happened: the window stays unmarked
+        debounce.publish_call(
+            any_locks, "db:2", "run-0", {"n": 0}, debounce=5, debounce_max=20, task="t", send=died, joined=str
+        )
+    sends = _Sent()
+    debounce.publish_call(
+        any_locks, "db:2", "run-1", {"n": 1}, debounce=5, debounce_max=20, task="t", send=sends, joined=str
+    )
+    assert len(sends.calls) == 1 and sends.calls[0].run_id == "run-0" and not sends.calls[0].fresh
+    later = _Sent()  # now marked published: a third call publishes nothing
+    assert (
+        debounce.publish_call(
+            any_locks, "db:2", "run-2", {"n": 2}, debounce=5, debounce_max=20, task="t", send=later, joined=str
+        )
+        == "run-0"
+    )
+    assert later.calls == []
