@@ -114,7 +114,7 @@ from .overlap import (
     take,
     wake_pending,
 )
-from .pacing import back_off, charging, pace, shadow_reason
+from .pacing import back_off, charging, pace, parse_state, shadow_reason
 from .policy import GuardOptions
 from .run import GuardedRun, RunRequest
 from .skipped import Skipped
@@ -204,8 +204,9 @@ class Hooks(Protocol):
     def result_codec(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """``(dumps, loads)`` for a ``once`` value, as the framework stores results."""
 
-    def rate_state(self) -> dict[str, Any] | None:
-        """The pacing state this execution carried back from a rate deferral, or ``None``."""
+    def rate_state(self) -> Any:
+        """The pacing state this execution carried back from a rate deferral, as it came (a
+        header's or a record's value; ``None`` when none): the pipeline checks it."""
 
     def rate_bound(self) -> float:
         """The longest one rate deferral may last, seconds."""
@@ -293,6 +294,17 @@ class Defer:
     state: dict[str, Any] | None = None
     run: GuardedRun | None = None
     skipped: Skipped | None = None
+
+    @property
+    def what(self) -> str:
+        """A rate deferral's cause for people: ``"rate-limited"`` or ``"backing off (upstream
+        rate limit)"``."""
+        return "backing off (upstream rate limit)" if self.why == Reason.BACKOFF else "rate-limited"
+
+    def describe(self) -> str:
+        """A rate deferral as a log line says it, e.g. ``"rate-limited; its turn is booked in 2.00s"``."""
+        booked = self.state is not None and self.state.get("turn") is not None
+        return f"{self.what}; {'its turn is booked' if booked else 'it asks again'} in {self.countdown:.2f}s"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -572,6 +584,16 @@ def _quietly_take(locks: Locks, key: str, run_id: str) -> None:
         log.warning("could not clear the pending record of %r: %s", key, e)
 
 
+def _carried_state(hooks: Hooks, ex: Execution) -> dict[str, Any] | None:
+    """The pacing state the execution carried back, checked (:func:`taskguard.pacing.parse_state`):
+    a malformed one is logged and the run paced afresh."""
+    try:
+        return parse_state(hooks.rate_state())
+    except ValueError as e:
+        log.error("%s[%s]: ignoring a malformed carried pacing state (%s); pacing it afresh", ex.task, ex.run_id, e)
+        return None
+
+
 def _pace(
     opts: GuardOptions,
     args: tuple[Any, ...],
@@ -587,7 +609,7 @@ def _pace(
     against a back-off pause), else the :class:`Skip` or :class:`Defer` (reason
     ``"rate_limited"``, or ``"backoff"`` while a pause is on). Raises ConfigError for a cost
     that could never pass."""
-    state = hooks.rate_state()
+    state = _carried_state(hooks, ex)
     rate_key = cast(KeyTemplate, opts.rate_key).render(args, kwargs)  # (a guard with a rate has its key)
     rate = cast("tuple[int, float]", opts.rate)
     cost = opts.cost_of(args, kwargs)
@@ -678,7 +700,7 @@ def backed_off(
         exc.retry_after,
         max_wait=opts.rate_max_wait,
         max_countdown=hooks.rate_bound(),
-        state=hooks.rate_state(),
+        state=_carried_state(hooks, ex),
         shadow=not opts.enforce,
     )
     skipped = Skipped(key=rate_key, reason=Reason.BACKOFF, task=ex.task, holder_ttl=None)

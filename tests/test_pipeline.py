@@ -4,6 +4,7 @@ becomes in Celery and RQ."""
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 
@@ -175,6 +176,22 @@ def test_over_the_rate_a_worker_execution_defers_and_keeps_its_mark(any_locks):
     assert isinstance(d, Defer) and d.why == Reason.RATE_LIMITED and d.key == "api"
     assert d.state is not None and d.skipped.reason == "rate_limited" and d.countdown > 0
     assert h.calls == [("release_handle", "inv:7")]  # a kept lease is not held through the wait; still queued
+    # (both adapters log it) past the longest deferral (30 s here) the turn is not booked: it asks again
+    assert d.describe() == f"rate-limited; it asks again in {d.countdown:.2f}s" and d.state.get("turn") is None
+
+
+@pytest.mark.parametrize("carried", [{"since": "soon"}, ["since", 1.0], {"turn": 1.0}, {"since": float("nan")}])
+def test_a_malformed_carried_pacing_state_is_logged_and_the_run_paced_afresh(any_locks, caplog, carried):
+    """What a deferred run carries back (a Celery header, an RQ job's meta) is checked once, in
+    the pipeline, for every adapter: a malformed one never fails the run."""
+    o = opts(rate=(1, 60.0), rate_key="api")
+    with caplog.at_level(logging.ERROR, logger="taskguard"):
+        d = go(any_locks, o, Hooks(state=carried))
+    assert isinstance(d, Run)  # paced afresh: the rate had room
+    d.run.finish(None)
+    assert "t.charge[id-1]: ignoring a malformed carried pacing state" in caplog.text
+    d = go(any_locks, o, Hooks(state=carried), run_id="id-2", args=(8,))
+    assert isinstance(d, Defer) and d.state is not None and isinstance(d.state["since"], float)
 
 
 def test_past_rate_max_wait_it_is_a_rate_limited_skip(any_locks):

@@ -171,7 +171,7 @@ def test_a_429_pauses_the_rate_for_every_worker_and_defers_the_job_without_consu
     starts = [(float(x[0]), int(x[1])) for x in rows if x[1] != "429"]
     assert [s for s in starts if t429[0] + 0.3 <= s[0] < t429[0] + 3.0] == []
     assert [s[1] for s in starts].count(3) == 2
-    assert "backoff" in output
+    assert "backing off (upstream rate limit); " in output  # (the core's Defer.describe())
     jobs[3].refresh()
     assert jobs[3].meta["taskguard"]["outcome"] != "failed"
 

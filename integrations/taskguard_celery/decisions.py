@@ -33,7 +33,6 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.overlap import Pending
-from taskguard.pacing import parse_state
 from taskguard.pipeline import Decision, Defer, Duplicate, Execution, Pend, Skip, Stored
 from taskguard.run import GuardedRun
 from taskguard.skipped import Skipped
@@ -118,18 +117,8 @@ class CeleryHooks:
     def result_codec(self) -> Any:
         return skipping.result_codec(self.task)
 
-    def rate_state(self) -> dict | None:
-        try:
-            return parse_state(read_header(self.req, RATE_HEADER))
-        except ValueError as e:
-            log.error(
-                "task %s[%s]: ignoring a malformed %r header (%s); pacing it afresh",
-                self.task.name,
-                self.req.id,
-                RATE_HEADER,
-                e,
-            )
-            return None
+    def rate_state(self) -> Any:
+        return read_header(self.req, RATE_HEADER)
 
     def rate_bound(self) -> float:
         return max_countdown(self.task.app)
@@ -295,15 +284,6 @@ def _defer_rate(task: Any, d: Defer) -> None:
         retry_after=round(d.countdown, 3),
         turn=None if d.state is None else d.state.get("turn"),
     )
-    booked = d.state is not None and d.state.get("turn") is not None
-    what = "backing off (upstream rate limit)" if d.why == Reason.BACKOFF else "rate-limited"
-    log.info(
-        "task %s[%s]: %s; %s in %.2fs",
-        task.name,
-        req.id,
-        what,
-        "its turn is booked" if booked else "it asks again",
-        d.countdown,
-    )
+    log.info("task %s[%s]: %s", task.name, req.id, d.describe())
     skips = header.get("skips") if isinstance(header, dict) else None
-    skipping.republish(task, d.countdown, f"{what}; deferred {d.countdown:.2f}s", skips, rate=d.state)
+    skipping.republish(task, d.countdown, f"{d.what}; deferred {d.countdown:.2f}s", skips, rate=d.state)

@@ -38,7 +38,6 @@ from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkippe
 from taskguard.debounce import Window, due as window_due, publish_call
 from taskguard.handoff import handle_of, release_handle
 from taskguard.overlap import Pending
-from taskguard.pacing import parse_state
 from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide, perform
 from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
@@ -357,14 +356,8 @@ class _Hooks:
     def result_codec(self) -> Any:
         return _result_codec(self.job)
 
-    def rate_state(self) -> dict[str, Any] | None:
-        if self.job is None:
-            return None
-        try:
-            return parse_state(self.job.meta.get(RATE_META_KEY))
-        except ValueError as e:
-            log.error("job %s: ignoring a malformed meta[%r] (%s); pacing it afresh", self.job.id, RATE_META_KEY, e)
-            return None
+    def rate_state(self) -> Any:
+        return self.job.meta.get(RATE_META_KEY) if self.job is not None else None
 
     def rate_bound(self) -> float:
         return RATE_MAX_COUNTDOWN
@@ -494,9 +487,7 @@ def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d:
     # deferral consumes neither the job's own Retry (retries_left) nor its returned-Retry count
     # (number_of_retries, which RQ bumps for the returned Retry: it is set back first)
     job.meta[RATE_META_KEY] = d.state  # saved by mirror_meta below
-    booked = d.state is not None and d.state.get("turn") is not None
-    what = "backoff (upstream rate limit)" if d.why == Reason.BACKOFF else "rate-limited"
-    log.info("job %s: %s; %s in %.2fs", job.id, what, "its turn is booked" if booked else "it asks again", d.countdown)
+    log.info("job %s: %s", job.id, d.describe())
     mirror_meta(job, key=key, outcome=plain(d.why))
     job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
     # whole seconds (RQ's Retry): a turn rounded down (the job waits out the rest of its turn on
