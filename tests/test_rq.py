@@ -227,22 +227,27 @@ def _wait_running(job: Job, key: str, timeout: float = 20.0) -> None:
     assert running(), f"job {job.id} never held {key} with its handle stored"
 
 
+@pytest.mark.parametrize("handle_saved", [True, False], ids=["handle", "no_handle"])
 @pytest.mark.parametrize("how", ["stop_job", "kill_horse", "cold_shutdown"])
-def test_every_outside_end_of_a_running_job_settles_its_lease_and_handle(rq_env, how):
+def test_every_outside_end_of_a_running_job_settles_its_lease_and_handle(rq_env, how, handle_saved):
     """A guarded job (ttl=30) runs 20 s; then ``send_stop_job_command`` (the reported case),
     ``send_kill_horse_command`` or a cold shutdown of its ``rq worker`` (two SIGTERMs). Its lease is
     released and its stored handle (it holds the owner token) deleted at once, so the next job of
     the key runs. Before, a stopped job's lease stayed for its TTL (the next call was skipped) and
-    its handle for a day."""
+    its handle for a day. ``no_handle``: the work-horse ended in the one round trip between taking
+    its lease and saving its handle (the handle is deleted to stand for it): the lease is released
+    by the job id, its holder process being dead (before, it waited for its TTL)."""
     from rq.command import send_kill_horse_command, send_stop_job_command
 
-    from taskguard_rq.handles import load_handle
+    from taskguard_rq.handles import drop_handle, load_handle
 
     conn = rq_env.connection
     with RQWorker(rq_env) as worker:
         job = rq_env.enqueue(rq_jobs.long_running, how, seconds=20.0, job_timeout=60)
         _wait_running(job, f"long:{how}")
         assert load_handle(locks(), job.id) is not None
+        if not handle_saved:
+            drop_handle(locks(), job.id)
         if how == "stop_job":
             send_stop_job_command(conn, job.id)
         elif how == "kill_horse":
@@ -287,22 +292,26 @@ def test_a_warm_shutdown_lets_the_job_end_and_settle_itself(rq_env):
     assert locks().holder("long:warm") is None and load_handle(locks(), job.id) is None
 
 
+@pytest.mark.parametrize("handle_saved", [True, False], ids=["handle", "no_handle"])
 @pytest.mark.parametrize("horse", ["dead", "orphaned"])
-def test_the_abandoned_job_cleanup_settles_a_dead_workers_lease_and_handle(rq_env, horse):
+def test_the_abandoned_job_cleanup_settles_a_dead_workers_lease_and_handle(rq_env, horse, handle_saved):
     """A worker's main process is SIGKILLed while a guarded job runs; later another GuardedWorker's
     maintenance finds the job abandoned (``StartedJobRegistry.cleanup``). If its work-horse died
     too, the lease is released and the handle deleted then, not left to their TTLs; if the
     work-horse lives on (orphaned: RQ's horse has a process group of its own), its body still
-    runs and keeps its lease."""
+    runs and keeps its lease. ``no_handle``: as if the horse had not saved its handle yet (the
+    lease is found by the job id)."""
     from rq.registry import StartedJobRegistry
 
     from taskguard_rq import GuardedWorker
-    from taskguard_rq.handles import load_handle
+    from taskguard_rq.handles import drop_handle, load_handle
 
     conn = rq_env.connection
     with RQWorker(rq_env) as worker:
         job = rq_env.enqueue(rq_jobs.long_running, f"abandoned-{horse}", seconds=20.0, job_timeout=60)
         _wait_running(job, f"long:abandoned-{horse}")
+        if not handle_saved:
+            drop_handle(locks(), job.id)
         horse_pid = locks().holder(f"long:abandoned-{horse}").holder["pid"]
         os.killpg(worker.proc.pid, signal.SIGKILL)
         worker.proc.wait(10)
@@ -312,7 +321,8 @@ def test_the_abandoned_job_cleanup_settles_a_dead_workers_lease_and_handle(rq_en
             while os.path.exists(f"/proc/{horse_pid}") and time.monotonic() < deadline:
                 time.sleep(0.05)
     try:
-        assert locks().holder(f"long:abandoned-{horse}") is not None and load_handle(locks(), job.id) is not None
+        assert locks().holder(f"long:abandoned-{horse}") is not None
+        assert (load_handle(locks(), job.id) is not None) == handle_saved
         registry = StartedJobRegistry(queue=rq_env)
         members = conn.zrange(registry.key, 0, -1)
         assert members

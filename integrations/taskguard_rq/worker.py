@@ -26,6 +26,11 @@ and deletes the handle at once:
   A job *deleted* meanwhile leaves no trace to find: its kept lease and handle last until the
   retry stretch (interval + TTL) ends.
 
+A work-horse that ended in the one round trip between taking its lease and saving its handle left
+no handle: on each of these paths its lease is found by the job id on the job's key (and its place
+in the total) and released when the holder process is known dead on this host (never a retry's
+lease of the same job id, whose process lives).
+
 Every other end is settled by the job itself, in the horse: success, an exception, ``Retry``,
 ``job_timeout`` (raised inside the body, so its ``finally`` runs), a warm shutdown (the job runs
 to its end). A job cancelled or deleted while it waits for a retry keeps its stretched lease
@@ -48,6 +53,7 @@ from taskguard.handoff import handle_of, restore_handle
 from taskguard.liveness import holder_is_dead
 
 from .config import locks_for
+from .cron_runs import entry_guard
 from .handles import drop_handle, load_handle, save_handle
 from .job import mirror_meta
 from .unique import clear_mark
@@ -74,7 +80,7 @@ def settle_killed_job(
     locks = locks_for(getattr(func, "taskguard_locks", None))
     handle = load_handle(locks, job.id)
     if handle is None:
-        return None
+        return _release_unsaved(job, func, opts, locks, why)
     if not horse_dead and handle.get("running"):
         info = next((i for i in locks.holders(handle["key"]) if i.run_id == job.id), None)
         if info is not None and not holder_is_dead(info.holder):
@@ -101,6 +107,29 @@ def settle_killed_job(
         total.release()
     drop_handle(locks, job.id)
     log.warning("job %s: %s; lease %r released", job.id, why, handle["key"])
+    mirror_meta(job, refresh=True, outcome="ended", ended=why)
+    return "released"
+
+
+def _release_unsaved(job: Any, func: Any, opts: Any, locks: Any, why: str) -> str | None:
+    """``job`` has no stored handle: it held no lease, or its work-horse died in the one round
+    trip between taking its lease and saving its handle. The lease its job id holds on its key
+    (and its place in the total) is released by run id (:meth:`taskguard.Locks.release_run`: no
+    owner token needed) when its holder process is known dead on this host — never a later
+    execution's of the same job id (a retry), whose process lives. Returns ``"released"`` or
+    ``None``."""
+    opts = entry_guard(job, func, func.taskguard_name, opts)  # a cron slot's own key
+    args, kwargs = tuple(job.args or ()), dict(job.kwargs or {})
+    keys = [opts.key.render(args, kwargs)]
+    total = opts.total_of(args, kwargs)
+    if total is not None:
+        keys.append(total[0])
+    info = next((i for i in locks.holders(keys[0]) if i.run_id == job.id), None)
+    if info is None or not holder_is_dead(info.holder):
+        return None
+    for key in keys:
+        locks.release_run(key, job.id)
+    log.warning("job %s: %s before its handle was saved; lease %r released", job.id, why, keys[0])
     mirror_meta(job, refresh=True, outcome="ended", ended=why)
     return "released"
 
