@@ -214,7 +214,10 @@ def test_a_copy_of_a_finished_delivery_deferred_by_the_rate_is_still_refused(app
 
 def test_a_retry_after_a_rate_deferral_asks_the_rate_again(app, redis_url, prefix):
     """The retry of a run that came back at its booked turn carries no turn of its own: it waits
-    for the next one (1/s here), it does not pass at once."""
+    for the next one (1/s here), it does not pass at once. The rate spaces admissions 1 s apart on
+    the server's clock; the bodies log their own start, which adds each run's latency from its
+    admission (a few hundred ms on a loaded machine), so two starts may be 0.8 s apart. A retry
+    passing at once (countdown 0.05 s) starts within about 0.1 s of its first try."""
     r = redis.Redis.from_url(redis_url)
     with embedded_worker(app):
         results = [app.tasks["tg.rated_retry"].delay(0), app.tasks["tg.rated_retry"].delay(1, retry_first=True)]
@@ -222,7 +225,8 @@ def test_a_retry_after_a_rate_deferral_asks_the_rate_again(app, redis_url, prefi
     starts = sorted(float(x.decode().split()[0]) for x in r.lrange(f"{prefix}:rr", 0, -1))
     assert len(starts) == 3
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    assert all(gap >= 0.9 for gap in gaps), [round(gap, 2) for gap in gaps]
+    assert all(gap >= 0.5 for gap in gaps), [round(gap, 2) for gap in gaps]
+    assert starts[-1] - starts[0] >= 1.5, [round(gap, 2) for gap in gaps]  # three admissions, two turns apart
 
 
 def test_rate_max_wait_zero_runs_when_the_rate_has_room_and_skips_when_not(any_locks):
