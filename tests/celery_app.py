@@ -537,12 +537,15 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     @app.task(
         base=GuardedTask, bind=True, shared=False, name="tg.rebuild", ttl=3, key="index:{shop}", overlap="coalesce"
     )
-    def rebuild(self, shop, n, seconds=0.3):
-        # overlap="coalesce": the ledger shows who ran, when, never two at once; "ran" the calls' n
+    def rebuild(self, shop, n, seconds=0.3, until=None):
+        # overlap="coalesce": the ledger shows who ran, when, never two at once; "ran" the calls' n.
+        # until: a key under the test's prefix; the body then runs until it exists (at most seconds)
         ledger("in", f"index:{shop}", self.lease)
         ran = f"{prefix}:ran:{shop}"
         r.pipeline().rpush(ran, f"{n} {time.time():.6f}").expire(ran, 600).execute()
-        time.sleep(seconds)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not (until and r.exists(f"{prefix}:{until}")):
+            time.sleep(0.05 if until else max(0.0, deadline - time.monotonic()))
         ledger("out", f"index:{shop}", self.lease)
         return n
 
