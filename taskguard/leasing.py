@@ -336,13 +336,15 @@ class Leases:
         return Acquisition(True, lease)
 
     # -- without a handle ---------------------------------------------------------------------
-    def release_run(self, key: str, run_id: str) -> bool:
+    def release_run(self, key: str, run_id: str, fencing_token: int | None = None) -> bool:
         """See :meth:`Locks.release_run`."""
         run = check_run_id(run_id)
         if run is None:
             raise ConfigError("run_id is required")
+        if fencing_token is not None and (isinstance(fencing_token, bool) or not isinstance(fencing_token, int)):
+            raise ConfigError(f"fencing_token must be an int, not {type(fencing_token).__name__}")
         started = time.monotonic()
-        ok = self.backend.release_run(check_key(key), run)
+        ok = self.backend.release_run(check_key(key), run, fencing_token)
         self._emit("release", key, "released_for_run" if ok else "not_owner", duration=time.monotonic() - started)
         return ok
 

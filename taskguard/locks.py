@@ -298,12 +298,17 @@ class Locks:
             replica_timeout=self.replica_timeout if replica_timeout is None else replica_timeout,
         )
 
-    def release_run(self, key: str, run_id: str) -> bool:
+    def release_run(self, key: str, run_id: str, fencing_token: int | None = None) -> bool:
         """Release ``key`` on behalf of the run ``run_id`` (given at acquire/claim), without its
         owner token: for a supervisor that knows the run is over but never had its handle (e.g.
-        a Celery worker's main process after a hard time limit killed the child). Returns
-        ``True`` when the lease was that run's and is now released. Raises LeaseBackendError."""
-        return self.leasing.release_run(key, run_id)
+        a Celery worker's main process after a hard time limit killed the child). With
+        ``fencing_token`` (int), only a lease of that run carrying that token is released: a
+        supervisor that looked at the holder first (:meth:`holders`, e.g. to see that its process
+        is dead) passes the token it saw, so a later lease of the same run id (a retry, a
+        redelivered copy) taken in between is never released. Returns ``True`` when the lease was
+        that run's and is now released. Raises ConfigError for a bad key, run id or token,
+        LeaseBackendError when Redis fails."""
+        return self.leasing.release_run(key, run_id, fencing_token)
 
     def force_release(self, key: str) -> bool:
         """Delete the lease on ``key`` whoever holds it (an operator's tool, e.g. ``taskguard

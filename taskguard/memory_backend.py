@@ -182,16 +182,17 @@ class MemoryBackend:
     def force_release(self, key: str) -> bool:
         return self._release_slots(key, None)
 
-    def release_run(self, key: str, run_id: str) -> bool:
-        return self._release_slots(key, run_id)
+    def release_run(self, key: str, run_id: str, fencing_token: int | None = None) -> bool:
+        return self._release_slots(key, run_id, fencing_token)
 
-    def _release_slots(self, key: str, run_id: str | None) -> bool:
-        """Release the slot held by ``run_id`` (the first found), or every slot (``None``)."""
+    def _release_slots(self, key: str, run_id: str | None, fence: int | None = None) -> bool:
+        """Release the slot held by ``run_id`` (the first found; with ``fence``, only a lease
+        carrying that fencing token), or every slot (``None``)."""
         with self._cond:
             done = False
             for i in range(self._slots.get(key, 1)):
                 e = self._live_entry(key, i)
-                if e is not None and (run_id is None or e.run == run_id):
+                if e is not None and (run_id is None or e.run == run_id) and (fence is None or e.fence == fence):
                     del self._leases[(key, i)]
                     done = True
                     if run_id is not None:

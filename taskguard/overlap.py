@@ -175,7 +175,7 @@ def replace_holder(locks: Locks, key: str, by: str | None, limit: int) -> Any:
     victim = min(named, key=lambda h: (h.since or 0.0, h.fencing_token or 0))
     run_id = cast(str, victim.run_id)  # (named holders only)
     locks.put_record(key, REPLACED_RECORD + run_id, by or "", ttl=REPLACED_TTL)
-    if not locks.release_run(key, run_id):
+    if not locks.release_run(key, run_id, fencing_token=victim.fencing_token):  # (not a later lease of the run)
         locks.delete_record(key, REPLACED_RECORD + run_id, if_value=by or "")
         return None
     return victim

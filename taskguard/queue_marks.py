@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from .backend import Backend, QueueReply
-from .errors import ConfigError, LeaseBackendError
+from .errors import ConfigError
 from .events import Emitter, LeaseEvent
 from .records import Records
 from .validate import check_key, check_run_id, check_seconds, encodable
@@ -37,16 +37,23 @@ class QueueMarks:
             raise ConfigError(f"task must be a non-empty str, got {task!r}")
         key, task = check_key(key), encodable("task", task)
         ttl = check_seconds("ttl", ttl)
-        if shadow:
-            return self._mark_shadow(key, run_id, ttl, task)
         try:
+            if shadow:
+                return self._mark_shadow(key, run_id, ttl, task)
             return self.backend.mark_queued(key, run_id, ttl, task)
-        except LeaseBackendError:
-            try:
-                self.backend.clear_queued(key, run_id, task)
-            except LeaseBackendError as e:
-                log.warning("could not clear the queued mark of %r after a failed mark (its TTL bounds it): %s", key, e)
+        except BaseException:
+            # the script may have run although its answer never came back: a Redis error, or an
+            # exception raised while the client waited (KeyboardInterrupt, SystemExit, a gevent or
+            # eventlet Timeout). The caller publishes nothing, so no mark of this run may stay
+            # behind, blocking the key for the mark's TTL (it names this run: no other is touched)
+            self._clear_after_failure(key, run_id, task, shadow)
             raise
+
+    def _clear_after_failure(self, key: str, run_id: str, task: str, shadow: bool) -> None:
+        try:
+            self.clear(key, run_id, task, shadow)
+        except Exception as e:
+            log.warning("could not clear the queued mark of %r after a failed mark (its TTL bounds it): %s", key, e)
 
     def clear(self, key: str, run_id: str, task: str, shadow: bool = False) -> bool:
         if shadow:

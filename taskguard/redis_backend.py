@@ -433,13 +433,17 @@ class RedisBackend:
             return ClaimReply(False, expired=True)
         return ClaimReply(False, None, pttl / 1000.0 if pttl >= 0 else float(pttl))
 
-    def release_run(self, key: str, run_id: str) -> bool:
-        code = int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (self.lease_key(key),), (run_id, _nonce())))
-        return self._signalled(key, code)
+    def release_run(self, key: str, run_id: str, fencing_token: int | None = None) -> bool:
+        fence = "" if fencing_token is None else str(fencing_token)
+        args = (run_id, _nonce(), fence)
+        return self._signalled(
+            key, int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (self.lease_key(key),), args))
+        )
 
     def force_release(self, key: str) -> bool:
         return self._signalled(
-            key, int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (self.lease_key(key),), ("", _nonce())))
+            key,
+            int(self._run("release", key, scripts.RELEASE_WITHOUT_TOKEN, (self.lease_key(key),), ("", _nonce(), ""))),
         )
 
     def holders(self, key: str) -> list[HolderInfo]:

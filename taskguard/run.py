@@ -519,7 +519,9 @@ class GuardedRun:
         Returns ``True`` when one was released. Raises LeaseBackendError."""
         run_id = cast(str, self.run_id)
         info = next((i for i in self.locks.holders(key) if i.run_id == run_id), None)
-        if info is None or not holder_is_dead(info.holder) or not self.locks.release_run(key, run_id):
+        if info is None or not holder_is_dead(info.holder):
+            return False
+        if not self.locks.release_run(key, run_id, fencing_token=info.fencing_token):  # (that very lease)
             return False
         log.warning(
             "%s: the previous holder of %r (pid %s) is dead; lease released", self._who(), key, info.holder.get("pid")

@@ -564,7 +564,9 @@ return {0, exp - now}
 
 # Release without the owner token: on behalf of a run known to be over (e.g. by a Celery worker's
 # main process after its child died), or by an operator's force. KEYS[1] lease; ARGV[1] the run
-# id whose lease to release ('' = every holder), ARGV[2] a nonce unique to this call
+# id whose lease to release ('' = every holder), ARGV[2] a nonce unique to this call, ARGV[3] the
+# fencing token that lease must carry ('' or absent = any: a supervisor that checked the holder passes the
+# token it saw, so a later lease of the same run id, taken meanwhile, is never released)
 # -> 1 released, 2 released and someone waits, 0 no slot is held by that run (or none is held).
 # Re-sent: each slot it released keeps "~<nonce>:" and the answer as its release record (``n``,
 # as RELEASE), so a client re-send of this very call answers as it did.
@@ -578,12 +580,13 @@ local freed = {}
 for i = 0, n - 1 do
   local s = ''
   if i > 0 then s = '#' .. i end
-  local v = redis.call('HMGET', KEYS[1], 'x' .. s, 'r' .. s, 'n' .. s)
+  local v = redis.call('HMGET', KEYS[1], 'x' .. s, 'r' .. s, 'n' .. s, 'f' .. s)
   if v[3] and string.sub(v[3], 1, #tomb) == tomb then
     return tonumber(string.sub(v[3], #tomb + 1)) or 1
   end
   local exp = tonumber(v[1])
-  if exp and exp > now and (ARGV[1] == '' or v[2] == ARGV[1]) then
+  if exp and exp > now and (ARGV[1] == '' or v[2] == ARGV[1])
+     and (not ARGV[3] or ARGV[3] == '' or tonumber(v[4]) == tonumber(ARGV[3])) then
     freed[#freed + 1] = s
     if ARGV[1] ~= '' then break end
   end

@@ -208,3 +208,25 @@ def test_odd_owner_tokens_are_never_another_holders_and_never_crash(any_locks, t
     assert any_locks.claim("odd", token, ttl=5).acquired is False
     assert any_locks.restore("odd", token, ttl=5).release() is False
     assert held.renew() is True and [h.slot for h in any_locks.holders("odd")] == [0]
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_release_run_with_the_fencing_token_seen_never_releases_a_later_lease_of_the_run(any_locks, limit):
+    """A supervisor looks at a run's holder (to see its process dead), then releases it by run id.
+    If the run's lease changed hands in between (released, and taken again by another execution
+    of the same run id: a retry, a redelivered copy), the fencing token it saw no longer matches
+    and nothing is released; the token of the lease it saw releases it; a malformed token is a
+    ConfigError before anything is sent."""
+    seen = any_locks.acquire("s", ttl=5, limit=limit, run_id="job-1").lease
+    info = next(h for h in any_locks.holders("s") if h.run_id == "job-1")
+    assert info.fencing_token == seen.fencing_token
+    seen.release()
+    again = any_locks.acquire("s", ttl=5, limit=limit, run_id="job-1").lease  # the run's next execution
+    assert any_locks.release_run("s", "job-1", fencing_token=info.fencing_token) is False
+    assert [h.fencing_token for h in any_locks.holders("s")] == [again.fencing_token]
+    assert again.renew() is True
+    for bad in ("1", 1.0, True):
+        with pytest.raises(ConfigError, match="fencing_token"):
+            any_locks.release_run("s", "job-1", fencing_token=bad)
+    assert any_locks.release_run("s", "job-1", fencing_token=again.fencing_token) is True
+    assert any_locks.holders("s") == [] and again.renew() is False

@@ -45,6 +45,35 @@ def test_unique_publish_that_fails_leaves_no_mark(any_locks):
     )
 
 
+@pytest.mark.parametrize("shadow", [False, True], ids=["enforced", "shadow"])
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit, LeaseBackendError], ids=lambda e: e.__name__)
+def test_a_mark_whose_answer_never_came_back_is_cleared(any_locks, monkeypatch, shadow, raised):
+    """The mark's script ran on the server, but the client raised before it had the answer: a
+    Redis timeout, or an exception that interrupts the wait itself (KeyboardInterrupt, SystemExit,
+    gevent's Timeout is a BaseException too). Nothing was published, so the mark this call wrote
+    is cleared: the next publish of the key is not suppressed for the mark's TTL (one hour by
+    default). Before, only a LeaseBackendError cleared it, and never in shadow mode."""
+    holder = any_locks.records if shadow else any_locks.backend
+    name = "put" if shadow else "mark_queued"
+    original = getattr(holder, name)
+
+    def ran_then_raised(*a: object, **k: object) -> object:
+        original(*a, **k)
+        raise raised("timeout") if raised is not LeaseBackendError else raised("mark_queued", "uq:7", "timeout")
+
+    monkeypatch.setattr(holder, name, ran_then_raised)
+    sent = _Sent()
+    if shadow and raised is LeaseBackendError:  # shadow mode publishes anyway, without a mark
+        unique.publish(any_locks, "uq:7", "run-1", ttl=3600, task="t", shadow=shadow, send=sent, existing=str)
+        assert sent.calls == [False]
+    else:
+        with pytest.raises(raised):
+            unique.publish(any_locks, "uq:7", "run-1", ttl=3600, task="t", shadow=shadow, send=sent, existing=str)
+        assert sent.calls == []
+    monkeypatch.undo()
+    assert any_locks.mark_queued("uq:7", "run-2", ttl=30, task="t", shadow=shadow) == (True, "run-2")
+
+
 def test_unique_shadow_mode_always_publishes_and_reports_what_it_would_have_suppressed(any_locks):
     seen = []
     remove = add_listener(seen.append)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -337,6 +338,66 @@ def test_the_abandoned_job_cleanup_settles_a_dead_workers_lease_and_handle(rq_en
     finally:
         if horse == "orphaned":
             os.kill(horse_pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("retries", [1, 2], ids=["no_retry_left", "retry_left"])
+@pytest.mark.parametrize("how", ["stop_job", "kill_horse"])
+def test_ending_a_retry_that_waits_for_an_orphaned_work_horse_leaves_that_horses_lease(rq_env, how, retries):
+    """A worker is SIGKILLed while its job's body runs; its work-horse lives on (a process group of
+    its own) and keeps the lease. The abandoned-job cleanup retries the job (``Retry``); another
+    GuardedWorker takes the retry, which waits for the live body's lease (same job id) without a
+    handle of its own. That waiting execution is then stopped (``send_stop_job_command``) or its
+    work-horse killed (``send_kill_horse_command``): its worker must leave the lease and stored
+    handle of the *live* work-horse alone. Before, it settled the stored handle as its own: with no
+    retry left it released the live body's lease (a third call would run beside it), with one left
+    it kept it for the next retry, which claimed it: two bodies under one fencing token."""
+    from rq.command import send_kill_horse_command, send_stop_job_command
+    from rq.registry import StartedJobRegistry
+
+    from taskguard_rq import GuardedWorker
+    from taskguard_rq.handles import load_handle
+
+    conn = rq_env.connection
+    key = f"long:orphan-{how}-{retries}"
+    with RQWorker(rq_env) as first:
+        job = rq_env.enqueue(
+            rq_jobs.long_running, key.split(":", 1)[1], seconds=25.0, job_timeout=60, retry=Retry(max=retries)
+        )
+        _wait_running(job, key)
+        held = locks().holder(key)
+        horse_pid, handle = held.holder["pid"], load_handle(locks(), job.id)
+        os.killpg(first.proc.pid, signal.SIGKILL)  # the worker; its work-horse lives on
+        first.proc.wait(10)
+    try:
+        assert os.path.exists(f"/proc/{horse_pid}")
+        registry = StartedJobRegistry(queue=rq_env)
+        conn.zadd(registry.key, {m: 1 for m in conn.zrange(registry.key, 0, -1)})  # its time is up
+        GuardedWorker([rq_env], connection=conn).clean_registries()  # abandoned: retried
+        assert job.get_status(refresh=True) == JobStatus.QUEUED
+        with RQWorker(rq_env) as second:
+            deadline = time.monotonic() + 20
+            while not (job.get_status(refresh=True) == JobStatus.STARTED and job.refresh() is None and job.worker_name):
+                assert time.monotonic() < deadline, second.output()[-3000:]
+                time.sleep(0.05)
+            time.sleep(0.5)  # the retry's body waits for the live lease of its job id
+            if how == "stop_job":
+                send_stop_job_command(conn, job.id)
+            else:
+                send_kill_horse_command(conn, job.worker_name)
+            deadline = time.monotonic() + 10  # until the worker has settled the job: one of its three lines
+            while not re.search(rf"job {job.id}: .*(left to that holder|released|kept)", second.output()):
+                assert time.monotonic() < deadline, second.output()[-3000:]
+                time.sleep(0.05)
+            after = locks().holder(key)
+            stored = load_handle(locks(), job.id)
+            output = second.output()
+        print(f"    injected: {how} of a retry waiting for a live orphaned work-horse (retries {retries})")
+        assert after is not None, output[-3000:]
+        assert (after.holder["pid"], after.fencing_token) == (horse_pid, held.fencing_token)
+        assert stored == handle  # neither deleted nor kept (re-saved) for another retry
+        assert os.path.exists(f"/proc/{horse_pid}")
+    finally:
+        os.kill(horse_pid, signal.SIGKILL)
 
 
 def test_a_job_cancelled_while_waiting_for_its_retry_releases_the_kept_lease(rq_env):

@@ -64,15 +64,19 @@ __all__ = ["GuardedWorker", "settle_killed_job", "settle_canceled_jobs"]
 log = logging.getLogger("rq.worker.taskguard")
 
 
-def settle_killed_job(
-    job: Any, retry: bool = True, why: str = "work-horse killed", horse_dead: bool = True
-) -> str | None:
+def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse killed") -> str | None:
     """Settle the lease of ``job`` whose work-horse died: kept for its retry when ``retry`` and
     it has retries left, else released; its stored handle is deleted with the release. Returns
-    ``"kept"``, ``"released"`` or ``None`` (the job held no lease, or — ``horse_dead=False``,
-    when nobody saw the work-horse end — its body may still be running: an execution still
-    marked running is settled only when its holder process is known dead on this host, else its
-    lease is left to its TTL, which that work-horse renews while it lives)."""
+    ``"kept"``, ``"released"`` or ``None`` (the job held no lease, or the lease is another
+    execution's that lives on).
+
+    The stored handle of an execution marked running is settled only when the process holding
+    that lease is known dead on this host. The work-horse that just died is not always that
+    process: a job whose worker was killed leaves its work-horse running the body (it has a
+    process group of its own), and a later execution of the same job (RQ's retry of the
+    abandoned job) waits for that lease without a handle of its own; killing or stopping the
+    waiting execution must not release, nor keep for a retry, the lease a live body holds.
+    Otherwise the lease is left to its TTL, which its work-horse renews while it lives."""
     func = getattr(job, "func", None)
     opts = getattr(func, "taskguard_options", None)
     if opts is None:
@@ -81,15 +85,17 @@ def settle_killed_job(
     handle = load_handle(locks, job.id)
     if handle is None:
         return _release_unsaved(job, func, opts, locks, why)
-    if not horse_dead and handle.get("running"):
-        info = next((i for i in locks.holders(handle["key"]) if i.run_id == job.id), None)
+    if handle.get("running"):
+        info = _holder(locks, handle["key"], job.id, handle.get("fence"))
         if info is not None and not holder_is_dead(info.holder):
             log.warning(
-                "job %s: %s, but its work-horse may still run (%s); its lease %r is left to its TTL",
+                "job %s: %s, but its lease %r is held by a work-horse of it that may still run (%s, pid %s); "
+                "left to that holder and its TTL",
                 job.id,
                 why,
-                info.holder.get("host"),
                 handle["key"],
+                info.holder.get("host"),
+                info.holder.get("pid"),
             )
             return None
     lease = restore_handle(locks, handle, ttl=opts.ttl)  # (with its place in the total, if any)
@@ -120,18 +126,29 @@ def _release_unsaved(job: Any, func: Any, opts: Any, locks: Any, why: str) -> st
     ``None``."""
     opts = entry_guard(job, func, func.taskguard_name, opts)  # a cron slot's own key
     args, kwargs = tuple(job.args or ()), dict(job.kwargs or {})
-    keys = [opts.key.render(args, kwargs)]
+    key = opts.key.render(args, kwargs)
     total = opts.total_of(args, kwargs)
-    if total is not None:
-        keys.append(total[0])
-    info = next((i for i in locks.holders(keys[0]) if i.run_id == job.id), None)
-    if info is None or not holder_is_dead(info.holder):
+    released = False
+    # the key's lease, and apart from it the place in the total (held alone for a moment by a run
+    # that waited for a place: it takes the place, then its key): each released only as the very
+    # lease seen held by a dead process (its fencing token), never one a live execution of the job
+    # id took meanwhile
+    for k in (key,) if total is None else (key, total[0]):
+        info = _holder(locks, k, job.id)
+        if info is not None and holder_is_dead(info.holder):
+            released = locks.release_run(k, job.id, fencing_token=info.fencing_token) or released
+    if not released:
         return None
-    for key in keys:
-        locks.release_run(key, job.id)
-    log.warning("job %s: %s before its handle was saved; lease %r released", job.id, why, keys[0])
+    log.warning("job %s: %s before its handle was saved; lease %r released", job.id, why, key)
     mirror_meta(job, refresh=True, outcome="ended", ended=why)
     return "released"
+
+
+def _holder(locks: Any, key: str, run_id: str, fence: int | None = None) -> Any:
+    """The holder of ``key`` with ``run_id`` (and, when given, ``fence``), or ``None``."""
+    return next(
+        (i for i in locks.holders(key) if i.run_id == run_id and (fence is None or i.fencing_token == fence)), None
+    )
 
 
 class GuardedWorker(Worker):
@@ -192,7 +209,7 @@ def settle_canceled_jobs(queue: Any) -> int:
         try:
             if job is not None:
                 clear_mark(locks_for(getattr(getattr(job, "func", None), "taskguard_locks", None)), job)
-            if job is not None and settle_killed_job(job, retry=False, why="cancelled", horse_dead=False) == "released":
+            if job is not None and settle_killed_job(job, retry=False, why="cancelled") == "released":
                 settled += 1
         except Exception as e:  # one job's trouble (an unimportable function...) must not stop the others
             log.warning("job %s: could not settle its lease (its TTL bounds it): %s", job_id, e)
@@ -203,14 +220,14 @@ def _settle_abandoned(job: Any, exc_type: Any, exc_value: Any, traceback: Any) -
     """Exception handler: a job the abandoned-job cleanup found (its worker died). Other
     exceptions (raised by job bodies in the work-horse) were settled by the job itself."""
     if exc_type is not None and exc_type.__name__ == "AbandonedJobError" and job is not None:
-        _settle(job, retry=False, why="abandoned (its worker died)", horse_dead=False)
+        _settle(job, retry=False, why="abandoned (its worker died)")
     return None  # the next handler runs too
 
 
-def _settle(job: Any, retry: bool = True, why: str = "work-horse killed", horse_dead: bool = True) -> None:
+def _settle(job: Any, retry: bool = True, why: str = "work-horse killed") -> None:
     """Settle, never raising into RQ's worker loop: a job whose function cannot be imported, a
     Redis error... are logged, and the lease's TTL bounds it."""
     try:
-        settle_killed_job(job, retry=retry, why=why, horse_dead=horse_dead)
+        settle_killed_job(job, retry=retry, why=why)
     except Exception as e:
         log.warning("job %s: could not settle its lease (its TTL bounds it): %s", getattr(job, "id", "?"), e)
