@@ -19,6 +19,7 @@ import redis
 from . import __version__
 from .config import EX_CONFIG, parse_prefix, read_env
 from .errors import ConfigError, LeaseBackendError
+from .extras import missing_extra
 from .redis_locks import RedisLocks
 from .urls import check_url, redacted
 
@@ -407,7 +408,7 @@ def rq_cron(
     try:
         from taskguard_rq.cron import RQCronScheduler
     except ImportError as e:
-        raise click.UsageError(f"taskguard rq-cron needs RQ (pip install 'taskguard[rq]'): {e}") from None
+        raise click.UsageError(missing_extra("taskguard rq-cron", "rq", e)) from None
     rq_source = rq_url or url
     try:
         if rq_url is not None:
@@ -441,6 +442,10 @@ def metrics(port: int, addr: str) -> None:
     serve). --addr 127.0.0.1 keeps the endpoint local."""
     from .metrics import serve
 
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError as e:
+        raise click.ClickException(missing_extra("taskguard metrics", "prometheus", e)) from None
     where = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not where or not os.path.isdir(where):
         click.echo(

@@ -1,4 +1,4 @@
-"""Prometheus metrics from lease events (``pip install "taskguard[prometheus]"``).
+"""Prometheus metrics from lease events (taskguard's ``prometheus`` extra).
 
 ==========================================  =========  ====================================
 metric                                      type       labels
@@ -31,6 +31,7 @@ import threading
 from typing import Any
 
 from .events import LeaseEvent, add_listener
+from .extras import missing_extra
 
 __all__ = ["install", "serve", "Metrics", "enabled_by_env"]
 
@@ -119,9 +120,7 @@ def install(registry: Any = None) -> Metrics:
             try:
                 metrics = Metrics(registry)
             except ImportError as e:
-                raise ImportError(
-                    'taskguard metrics need prometheus_client: pip install "taskguard[prometheus]"'
-                ) from e
+                raise ImportError(missing_extra("taskguard metrics", "prometheus", e)) from e
             add_listener(metrics)
             _installed = metrics
         return _installed

@@ -216,3 +216,37 @@ def test_flower_counts_task_skipped_events(redis_url, prefix, mode):
         flower.wait(15)
         log.close()
         redis.Redis.from_url(redis_url).delete(app.tg_log, queue)
+
+
+_BLOCKED = "import sys; sys.modules[{mod!r}] = None; from taskguard.cli import main; main()"
+
+
+@pytest.mark.parametrize(
+    "mod, args, extra",
+    [
+        ("prometheus_client", ["metrics", "--port", "0", "--addr", "127.0.0.1"], "prometheus"),
+        ("taskguard_rq.cron", ["rq-cron", "no_such_config.py"], "rq"),
+    ],
+    ids=["metrics", "rq-cron"],
+)
+def test_a_command_whose_extra_is_missing_says_which_extra_and_never_to_install_by_name(tmp_path, mod, args, extra):
+    """``taskguard metrics`` without prometheus_client (before: a raw ModuleNotFoundError
+    traceback) and ``taskguard rq-cron`` without RQ: one clean line naming the extra, never
+    ``pip install taskguard[...]`` (that name on PyPI is an unrelated project)."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "TASKGUARD_REDIS_URL": "redis://127.0.0.1:6379/0"}
+    out = subprocess.run(
+        [sys.executable, "-c", _BLOCKED.format(mod=mod), *args], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode in (1, 2), out
+    assert "Traceback" not in out.stderr and f"{extra!r} extra" in out.stderr, out.stderr
+    assert "pip install taskguard" not in out.stderr and 'pip install "taskguard[' not in out.stderr
+
+
+def test_metrics_install_without_prometheus_client_names_the_extra(monkeypatch):
+    from taskguard import metrics
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    monkeypatch.setattr(metrics, "_installed", None)
+    with pytest.raises(ImportError, match="'prometheus' extra") as info:
+        metrics.install()
+    assert 'pip install "taskguard[' not in str(info.value)

@@ -49,6 +49,8 @@ from typing import Any
 
 from rq import Worker
 
+from taskguard import ConfigError
+from taskguard.config import EX_CONFIG
 from taskguard.handoff import handle_of, restore_handle
 from taskguard.liveness import holder_is_dead
 
@@ -157,6 +159,19 @@ class GuardedWorker(Worker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.push_exc_handler(_settle_abandoned)
+
+    def work(self, *args: Any, **kwargs: Any) -> bool:
+        """RQ's work loop, once the leases' configuration is known good: guarded jobs without
+        ``locks=`` take their leases from :func:`taskguard.from_env` (``TASKGUARD_REDIS_URL``...),
+        so a worker without it, or with a malformed value, would start and fail every guarded
+        job. It logs the ConfigError's message instead and exits 78 (``EX_CONFIG``) before taking
+        a job."""
+        try:
+            locks_for()
+        except ConfigError as e:
+            log.critical("GuardedWorker cannot start: %s", e)
+            raise SystemExit(EX_CONFIG) from None
+        return bool(super().work(*args, **kwargs))
 
     def clean_registries(self) -> None:
         """RQ's maintenance, after settling the kept leases of jobs cancelled while they waited
