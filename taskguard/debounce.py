@@ -12,14 +12,21 @@ message per window, not one per call). The message, when it arrives, asks
 (``"run"``: the record is taken atomically; the body runs with the stored arguments). Calls after
 that open a new window. Times come from the Redis server's clock.
 
-**A publisher that dies** between writing the record and publishing (SIGKILLed, its connection
-cut) leaves a window not marked published: the next call joining it publishes the window's
-message itself (same run id; :attr:`Window.publish`), so every call that got the window's handle
-has its window published, and the last call's arguments run. Should the first publisher only have
-been slow, the window has two messages of one run id: the first to arrive at the due time takes the
+**Publishing is claimed.** The call that opens a window claims its publishing for
+:data:`PUBLISH_CLAIM` seconds (server clock, in the record). A call joining a window whose message
+is not marked published yet does not return its handle before it is: while the claim lasts it
+waits (polling, a few milliseconds apart at first) for the window to be marked published; once the
+claim has run out — the publisher died between writing the record and publishing (SIGKILLed, its
+connection cut), or is slower than the claim — it takes the claim over in one conditional write
+and publishes the window's message itself (same run id; :attr:`Window.publish`). So every call
+that got the window's handle has its window published, the last call's arguments run, and a burst
+of calls during one slow publish makes one message, not one per call. A publisher slower than the
+claim makes a second message of the same run id: the first to arrive at the due time takes the
 record (atomically), the other finds it gone — one run, never two at once. A call that dies before
 its record write changed nothing; one that dies after it has its arguments in the window (and the
-window still runs once).
+window still runs once). A send that succeeded is never reported as failed: should marking the
+window published fail then, it is logged (a later call may publish the window again after the
+claim: one run).
 
 This module imports no task framework.
 """
@@ -29,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -39,7 +47,7 @@ from .values import Reason
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["RECORD", "Window", "publish_call", "publish", "published", "due", "GRACE"]
+__all__ = ["RECORD", "Window", "publish_call", "publish", "published", "due", "GRACE", "PUBLISH_CLAIM"]
 
 log = logging.getLogger("taskguard")
 
@@ -49,7 +57,13 @@ T = TypeVar("T")
 RECORD = "debounce"
 #: Seconds a window's record outlives ``debounce_max`` (a message delayed by a busy worker).
 GRACE = 600.0
+#: Seconds a call's claim to publish a window's message lasts: calls joining the window meanwhile
+#: wait for it to be published; after it, one of them publishes instead (its publisher is taken
+#: for dead). Longer than a broker publish with its retries normally takes.
+PUBLISH_CLAIM = 5.0
 _ROUNDS = 100
+#: Polls of a joining call waiting for a claimed window to be published: first and longest gap (s).
+_POLL_FIRST, _POLL_MAX = 0.005, 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +71,18 @@ class Window:
     """What :func:`publish` decided: ``run_id`` (the window's run), ``fresh`` (this call opened
     it), ``countdown`` (seconds until the window is due) and ``publish``: this call publishes the
     window's message, ``countdown`` seconds ahead, then calls :func:`published` (with ``ttl``, the
-    seconds the record is kept) — it opened the window, or joined one whose opener has not marked
-    it published (it died before publishing); else it publishes nothing."""
+    seconds the record is kept) — it opened the window, or joined one whose publisher's claim ran
+    out before it was marked published; else it publishes nothing. ``pending``: the window is
+    not marked published yet and its publisher's claim lasts ``claim_left`` seconds more
+    (:func:`publish_call` waits for it)."""
 
     run_id: str
     fresh: bool
     countdown: float
     publish: bool = False
     ttl: float = GRACE
+    pending: bool = False
+    claim_left: float = 0.0
 
 
 def _dumps(rec: dict[str, Any]) -> str:
@@ -94,12 +112,22 @@ def publish_call(
     if not w.fresh:
         locks.report_skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=task))
         log.debug("%s: call joined the debounce window %s of %r", task, w.run_id, key)
+    if w.pending:
+        w = _await_published(locks, key, w)
     if not w.publish:
         return joined(w.run_id)
-    if not w.fresh:  # its opener died before publishing (or is publishing now: one run either way)
-        log.warning("%s: the debounce window %s of %r was not published; publishing it", task, w.run_id, key)
-    result = send(w)
-    published(locks, key, w.run_id, ttl=w.ttl)
+    if not w.fresh:  # its publisher's claim ran out: it died before publishing, or is that slow
+        log.warning("%s: the debounce window %s of %r was not published in time; publishing it", task, w.run_id, key)
+    claimed = time.monotonic()
+    try:
+        result = send(w)
+    except BaseException:
+        _drop_claim(locks, key, w.run_id, ttl=max(w.ttl - (time.monotonic() - claimed), 1.0))
+        raise
+    try:
+        published(locks, key, w.run_id, ttl=w.ttl)
+    except LeaseBackendError as e:  # the message is out: the call succeeded
+        log.warning("%s: could not mark the debounce window %s of %r published: %s", task, w.run_id, key, e)
     return result
 
 
@@ -112,17 +140,66 @@ def publish(locks: Locks, key: str, run_id: str, message: Any, *, debounce: floa
         rec = json.loads(raw) if raw is not None else None
         if rec is None:
             new = {"id": run_id, "first": now, "due": now + debounce, "msg": message, "pub": 0}
+            new["claim"] = now + PUBLISH_CLAIM
             if locks.put_record(key, RECORD, _dumps(new), ttl=debounce_max + GRACE, if_absent=True):
                 return Window(run_id, True, debounce, publish=True, ttl=debounce_max + GRACE)
             continue
         rec["due"] = min(now + debounce, rec["first"] + debounce_max)
         rec["msg"] = message
         left = max(rec["first"] + debounce_max + GRACE - now, 1.0)
+        # a window recorded by an earlier release has no "pub": it was published; one without a
+        # "claim" (an earlier release's publisher) counts as unclaimed
+        unpublished = rec.get("pub", 1) == 0
+        claim_left = float(rec.get("claim", now)) - now if unpublished else 0.0
+        take = unpublished and claim_left <= 0
+        if take:
+            rec["claim"] = now + PUBLISH_CLAIM
         if locks.put_record(key, RECORD, _dumps(rec), ttl=left, if_value=raw):
-            # a window recorded by an earlier release has no "pub": it was published
-            pub = rec.get("pub", 1) == 0
-            return Window(str(rec["id"]), False, max(rec["due"] - now, 0.0), publish=pub, ttl=left)
+            countdown = max(rec["due"] - now, 0.0)
+            pending = unpublished and not take
+            return Window(str(rec["id"]), False, countdown, take, left, pending, max(claim_left, 0.0))
     raise LeaseBackendError("debounce", key, "could not record the call: too much contention")
+
+
+def _drop_claim(locks: Locks, key: str, run_id: str, *, ttl: float) -> None:
+    """This call's publish of the window ``run_id`` failed: give its claim up, so that the next
+    call joining the window publishes at once instead of waiting the claim out. Never raises (a
+    failure is logged: the claim then runs out by itself)."""
+    try:
+        raw = locks.get_record(key, RECORD)
+        rec = json.loads(raw) if raw is not None else None
+        if rec is not None and rec.get("id") == run_id and rec.get("pub", 1) == 0:
+            rec["claim"] = 0
+            locks.put_record(key, RECORD, _dumps(rec), ttl=ttl, if_value=raw)
+    except Exception as e:
+        log.warning("could not give up the publishing claim of the debounce window %s of %r: %s", run_id, key, e)
+
+
+def _await_published(locks: Locks, key: str, w: Window) -> Window:
+    """``w`` joined a window whose publisher's claim still lasts: wait until the window is marked
+    published (or has gone: it was published, and taken by its message), or take its claim over
+    once it has run out (then this call publishes). Raises LeaseBackendError."""
+    gap = _POLL_FIRST
+    start = time.monotonic()
+    # (the server's clock decides when a claim has run out; this local bound only stops a wait
+    # that other joiners' take-overs would prolong: past it, this call publishes too — one run)
+    deadline = start + w.claim_left + 2 * PUBLISH_CLAIM
+    while True:
+        time.sleep(min(gap, max(w.claim_left, 0.0) + 0.001))
+        gap = min(gap * 2, _POLL_MAX)
+        raw = locks.get_record(key, RECORD)
+        rec = json.loads(raw) if raw is not None else None
+        if rec is None or rec.get("id") != w.run_id or rec.get("pub", 1) != 0:
+            return dataclasses.replace(w, pending=False)
+        now = locks.server_time()
+        claim_left = float(rec.get("claim", now)) - now
+        if claim_left > 0 and time.monotonic() < deadline:
+            w = dataclasses.replace(w, claim_left=claim_left)
+            continue
+        rec["claim"] = now + PUBLISH_CLAIM
+        left = max(w.ttl - (time.monotonic() - start), 1.0)  # the record's time left, as it was
+        if locks.put_record(key, RECORD, _dumps(rec), ttl=left, if_value=raw):
+            return dataclasses.replace(w, publish=True, pending=False, countdown=max(rec["due"] - now, 0.0), ttl=left)
 
 
 def published(locks: Locks, key: str, run_id: str, *, ttl: float) -> None:

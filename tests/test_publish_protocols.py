@@ -4,6 +4,9 @@ on Redis, Redis Cluster and MemoryLocks."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from taskguard import LeaseBackendError, debounce, unique
@@ -143,3 +146,80 @@ def test_debounce_a_window_whose_opener_died_before_publishing_is_published_by_t
         == "run-0"
     )
     assert later.calls == []
+
+
+class _SlowSent(_Sent):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def __call__(self, arg: object) -> object:
+        time.sleep(self.seconds)
+        return super().__call__(arg)
+
+
+def _call(locks, key, n, send):
+    return debounce.publish_call(
+        locks, key, f"run-{n}", {"n": n}, debounce=5, debounce_max=20, task="t", send=send, joined=str
+    )
+
+
+def test_debounce_calls_joining_while_the_window_is_being_published_make_no_second_message(any_locks):
+    """The opener's publish takes 0.3 s (a slow broker); 30 calls join meanwhile. Before, each of
+    them saw the window unpublished and published it again (10 messages in the reported case);
+    now they wait for it to be marked published: one message, every call returns the window's
+    run id, none before the message was sent."""
+    sends = _SlowSent(0.3)
+    opener = threading.Thread(target=_call, args=(any_locks, "db:5", 0, sends))
+    opener.start()
+    deadline = time.monotonic() + 5
+    while any_locks.get_record("db:5", debounce.RECORD) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    results: list[tuple[object, float]] = []
+
+    def join(n: int) -> None:
+        got = _call(any_locks, "db:5", n, sends)
+        results.append((got, time.monotonic()))
+
+    joiners = [threading.Thread(target=join, args=(n,)) for n in range(1, 31)]
+    for t in joiners:
+        t.start()
+    for t in [opener, *joiners]:
+        t.join(10)
+    assert len(sends.calls) == 1 and sends.calls[0].run_id == "run-0"
+    assert sorted({got for got, _ in results}) == ["run-0"] and len(results) == 30
+    state, message = debounce.due(any_locks, "db:5", "run-0")
+    assert state == "wait"
+
+
+def test_debounce_a_publisher_that_died_mid_publish_is_taken_over_once_its_claim_runs_out(any_locks, monkeypatch):
+    """The opener wrote the window and died before publishing or giving its claim up (SIGKILL:
+    here, its record written by ``publish`` alone). Calls joining within the claim wait; once it
+    runs out, one of them publishes the window's message (its run id), and the others get it."""
+    monkeypatch.setattr(debounce, "PUBLISH_CLAIM", 0.5)
+    w = debounce.publish(any_locks, "db:6", "run-0", {"n": 0}, debounce=5, debounce_max=20)
+    assert w.publish and w.fresh  # ... and the opener dies here
+    sends = _Sent()
+    started = time.monotonic()
+    threads = [threading.Thread(target=_call, args=(any_locks, "db:6", n, sends)) for n in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    waited = time.monotonic() - started
+    assert len(sends.calls) == 1 and sends.calls[0].run_id == "run-0" and not sends.calls[0].fresh
+    assert 0.3 < waited < 3.0
+    assert debounce.due(any_locks, "db:6", "run-0")[0] == "wait"
+
+
+def test_debounce_a_sent_message_is_never_reported_as_failed(any_locks, monkeypatch):
+    """Marking the window published fails after its message was sent: the call returns the sent
+    message's handle (logged, not raised: the message is out)."""
+
+    def down(*a: object, **k: object) -> None:
+        raise LeaseBackendError("debounce", "db:7", "connection reset")
+
+    monkeypatch.setattr(debounce, "published", down)
+    sends = _Sent()
+    assert _call(any_locks, "db:7", 0, sends)[0] == "sent" and len(sends.calls) == 1
