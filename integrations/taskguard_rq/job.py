@@ -36,18 +36,18 @@ from rq.registry import ScheduledJobRegistry
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
 from taskguard.debounce import Window, due as window_due, publish_call
-from taskguard.handoff import handle_of, release_handle
+from taskguard.handoff import release_handle
 from taskguard.overlap import Pending
 from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide, perform
 from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
 from taskguard.run import GuardedRun
 from taskguard.settlement import settle
-from taskguard.values import Ending, Reason, RunState, plain
+from taskguard.values import Ending, Reason, plain
 
 from . import unique
 from .config import locks_for
 from .cron_runs import entry_guard
-from .handles import drop_handle, load_handle, save_handle
+from .handles import drop_handle, load_handle, running_handle, save_handle
 from .unique import clear_mark, mark_of
 
 __all__ = ["guarded_job", "skip_count", "META_KEY", "RATE_META_KEY", "ON_SKIP"]
@@ -273,25 +273,10 @@ def _run(
         return _outcome(job, locks, name, opts, key, decision)
     run = decision.run
     lease = run.lease
-    saved = None
-    if lease is not None:
-        if run_id is not None:  # for GuardedWorker, should the work-horse be killed
-            try:
-                saved = save_handle(
-                    locks,
-                    run_id,
-                    {**handle_of(lease), "running": True},  # (with its place in the total, if any)
-                    ttl=_job_timeout(job) + opts.ttl,
-                )
-            except BaseException:
-                run.hand_back()  # the body never ran: nothing is left locked
-                raise
-        mirror_meta(job, key=key, fence=lease.fencing_token, slot=lease.slot, outcome="running")
-    try:
+    with running_handle(locks, run_id, run, ttl=_job_timeout(job) + opts.ttl):
+        if lease is not None:
+            mirror_meta(job, key=key, fence=lease.fencing_token, slot=lease.slot, outcome="running")
         done = perform(decision, lambda: fn(*args, **kwargs), opts, key, args, kwargs, ex, hooks, locks)
-    finally:
-        if saved is not None and run.state != RunState.KEPT:  # (kept: the retry's handle replaced it)
-            _quietly(drop_handle, locks, job.id, saved)
     if done.instead is not None:
         return _outcome(job, locks, name, opts, key, done.instead)
     if lease is not None and not isinstance(done.value, Retry):  # (a returned Retry: mirrored when kept)
@@ -514,13 +499,6 @@ def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcom
         mirror_meta(job, outcome=outcome)
     except LeaseBackendError as e:
         log.warning("lease %r: could not hand over or release after the body ended: %s", run.key, e)
-
-
-def _quietly(fn: Callable[..., Any], *args: Any) -> None:
-    try:
-        fn(*args)
-    except LeaseBackendError as e:
-        log.warning("could not drop a stored lease handle: %s", e)
 
 
 def _result_codec(job: Any) -> tuple[Any, Any]:
