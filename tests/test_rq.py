@@ -328,18 +328,19 @@ def test_the_abandoned_job_cleanup_settles_a_dead_workers_lease_and_handle(rq_en
             deadline = time.monotonic() + 5
             while os.path.exists(f"/proc/{horse_pid}") and time.monotonic() < deadline:
                 time.sleep(0.05)
+    why = f"job {job.id}, horse {horse_pid}:\n{worker.output()[-3000:]}"  # (what the worker said, on failure)
     try:
-        assert locks().holder(f"long:abandoned-{horse}") is not None
-        assert (load_handle(locks(), job.id) is not None) == handle_saved
+        assert locks().holder(f"long:abandoned-{horse}") is not None, why
+        assert (load_handle(locks(), job.id) is not None) == handle_saved, why
         registry = StartedJobRegistry(queue=rq_env)
         members = conn.zrange(registry.key, 0, -1)
-        assert members
+        assert members, (job.get_status(refresh=True), why)
         conn.zadd(registry.key, {m: 1 for m in members})  # its time is up (RQ waits for the heartbeat TTL)
         GuardedWorker([rq_env], connection=conn).clean_registries()
-        assert job.get_status(refresh=True) == JobStatus.FAILED
+        assert job.get_status(refresh=True) == JobStatus.FAILED, why
         held = locks().holder(f"long:abandoned-{horse}")
         if horse == "dead":
-            assert held is None and load_handle(locks(), job.id) is None
+            assert held is None and load_handle(locks(), job.id) is None, (held, why)
         else:
             assert held is not None and held.holder["pid"] == horse_pid  # the live body keeps it
     finally:
