@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import secrets
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
@@ -39,7 +40,15 @@ __all__ = [
     "RenewItem",
     "Health",
     "not_a_counter",
+    "new_nonce",
 ]
+
+
+def new_nonce() -> str:
+    """A nonce unique to one write (16 hex digits): recorded with what the call wrote, so that a
+    client re-send of the call finds it and answers as the call did, and so that the caller can
+    undo exactly its own write (a queued mark: :meth:`Backend.clear_queued` ``written_by``)."""
+    return secrets.token_hex(8)
 
 
 @dataclasses.dataclass(slots=True)
@@ -267,9 +276,12 @@ class Backend(Protocol):
     # -- completions, queue marks, rates
     def get_completion(self, key: str) -> str | None: ...
 
-    def mark_queued(self, key: str, run_id: str, ttl: float, task: str) -> QueueReply: ...
+    def mark_queued(self, key: str, run_id: str, ttl: float, task: str, nonce: str | None = None) -> QueueReply:
+        """``nonce`` (:func:`new_nonce`; default a fresh one): the call's own, kept in the mark."""
 
-    def clear_queued(self, key: str, run_id: str, task: str) -> bool: ...
+    def clear_queued(self, key: str, run_id: str, task: str, written_by: str | None = None) -> bool:
+        """Clear ``task``'s queued mark of ``key`` if it names ``run_id`` (and, with
+        ``written_by``, only the mark written by the :meth:`mark_queued` call of that nonce)."""
 
     def throttle(
         self,

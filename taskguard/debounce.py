@@ -74,7 +74,8 @@ class Window:
     seconds the record is kept) — it opened the window, or joined one whose publisher's claim ran
     out before it was marked published; else it publishes nothing. ``pending``: the window is
     not marked published yet and its publisher's claim lasts ``claim_left`` seconds more
-    (:func:`publish_call` waits for it)."""
+    (:func:`publish_call` waits for it). ``claim``: the claim this call wrote (server time it
+    ends), when it is the one to publish."""
 
     run_id: str
     fresh: bool
@@ -83,6 +84,7 @@ class Window:
     ttl: float = GRACE
     pending: bool = False
     claim_left: float = 0.0
+    claim: float = 0.0
 
 
 def _dumps(rec: dict[str, Any]) -> str:
@@ -122,7 +124,7 @@ def publish_call(
     try:
         result = send(w)
     except BaseException:
-        _drop_claim(locks, key, w.run_id, ttl=max(w.ttl - (time.monotonic() - claimed), 1.0))
+        _drop_claim(locks, key, w.run_id, w.claim, ttl=max(w.ttl - (time.monotonic() - claimed), 1.0))
         raise
     try:
         published(locks, key, w.run_id, ttl=w.ttl)
@@ -142,7 +144,7 @@ def publish(locks: Locks, key: str, run_id: str, message: Any, *, debounce: floa
             new = {"id": run_id, "first": now, "due": now + debounce, "msg": message, "pub": 0}
             new["claim"] = now + PUBLISH_CLAIM
             if locks.put_record(key, RECORD, _dumps(new), ttl=debounce_max + GRACE, if_absent=True):
-                return Window(run_id, True, debounce, publish=True, ttl=debounce_max + GRACE)
+                return Window(run_id, True, debounce, publish=True, ttl=debounce_max + GRACE, claim=new["claim"])
             continue
         rec["due"] = min(now + debounce, rec["first"] + debounce_max)
         rec["msg"] = message
@@ -157,18 +159,20 @@ def publish(locks: Locks, key: str, run_id: str, message: Any, *, debounce: floa
         if locks.put_record(key, RECORD, _dumps(rec), ttl=left, if_value=raw):
             countdown = max(rec["due"] - now, 0.0)
             pending = unpublished and not take
-            return Window(str(rec["id"]), False, countdown, take, left, pending, max(claim_left, 0.0))
+            claim = float(rec["claim"]) if take else 0.0
+            return Window(str(rec["id"]), False, countdown, take, left, pending, max(claim_left, 0.0), claim)
     raise LeaseBackendError("debounce", key, "could not record the call: too much contention")
 
 
-def _drop_claim(locks: Locks, key: str, run_id: str, *, ttl: float) -> None:
-    """This call's publish of the window ``run_id`` failed: give its claim up, so that the next
-    call joining the window publishes at once instead of waiting the claim out. Never raises (a
-    failure is logged: the claim then runs out by itself)."""
+def _drop_claim(locks: Locks, key: str, run_id: str, claim: float, *, ttl: float) -> None:
+    """This call's publish of the window ``run_id`` failed: give its claim (``claim``, as it
+    wrote it) up, so that the next call joining the window publishes at once instead of waiting
+    the claim out; a claim another call took over meanwhile is left alone. Never raises (a failure
+    is logged: the claim then runs out by itself)."""
     try:
         raw = locks.get_record(key, RECORD)
         rec = json.loads(raw) if raw is not None else None
-        if rec is not None and rec.get("id") == run_id and rec.get("pub", 1) == 0:
+        if rec is not None and rec.get("id") == run_id and rec.get("pub", 1) == 0 and rec.get("claim") == claim:
             rec["claim"] = 0
             locks.put_record(key, RECORD, _dumps(rec), ttl=ttl, if_value=raw)
     except Exception as e:
@@ -199,7 +203,10 @@ def _await_published(locks: Locks, key: str, w: Window) -> Window:
         rec["claim"] = now + PUBLISH_CLAIM
         left = max(w.ttl - (time.monotonic() - start), 1.0)  # the record's time left, as it was
         if locks.put_record(key, RECORD, _dumps(rec), ttl=left, if_value=raw):
-            return dataclasses.replace(w, publish=True, pending=False, countdown=max(rec["due"] - now, 0.0), ttl=left)
+            countdown = max(rec["due"] - now, 0.0)
+            return dataclasses.replace(
+                w, publish=True, pending=False, countdown=countdown, ttl=left, claim=rec["claim"]
+            )
 
 
 def published(locks: Locks, key: str, run_id: str, *, ttl: float) -> None:

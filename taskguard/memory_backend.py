@@ -66,7 +66,8 @@ class MemoryBackend:
         self._tats: dict[str, tuple[int, int]] = {}  # throttles: key -> (theoretical arrival time, pause end), µs
         self._shadow_tats: dict[str, tuple[int, int]] = {}  # the same, for shadow mode's calls (throttle(shadow=True))
         self._completions: dict[str, tuple[str, float]] = {}  # once=True: key -> (record, until)
-        self._queued: dict[tuple[str, str], tuple[str, float]] = {}  # unique: (key, task) -> (run id, until)
+        # unique: (key, task) -> (run id, until, the nonce of the call that marked it)
+        self._queued: dict[tuple[str, str], tuple[str, float, str | None]] = {}
         self._cond = threading.Condition()
         self._leases: dict[tuple[str, int], _Entry] = {}  # (key, slot) -> its holder
         self._fences: dict[tuple[str, int], int] = {}  # (key, slot) -> its last fencing token
@@ -294,7 +295,7 @@ class MemoryBackend:
                 return None
             return record
 
-    def mark_queued(self, key: str, run_id: str, ttl: float, task: str) -> QueueReply:
+    def mark_queued(self, key: str, run_id: str, ttl: float, task: str, nonce: str | None = None) -> QueueReply:
         with self._cond:
             queued = self._queued.get((key, task))
             if queued is not None and queued[1] > self._clock():
@@ -306,13 +307,13 @@ class MemoryBackend:
                     found = meta.get("task_id") or meta.get("job_id")
                     if isinstance(found, str) and found:
                         return QueueReply(False, found)
-            self._queued[(key, task)] = (run_id, self._clock() + ttl)
+            self._queued[(key, task)] = (run_id, self._clock() + ttl, nonce)
             return QueueReply(True, run_id)
 
-    def clear_queued(self, key: str, run_id: str, task: str) -> bool:
+    def clear_queued(self, key: str, run_id: str, task: str, written_by: str | None = None) -> bool:
         with self._cond:
             queued = self._queued.get((key, task))
-            if queued is not None and queued[0] == run_id:
+            if queued is not None and queued[0] == run_id and (written_by is None or queued[2] == written_by):
                 del self._queued[(key, task)]
                 return True
             return False

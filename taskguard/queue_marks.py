@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from .backend import Backend, QueueReply
+from .backend import Backend, QueueReply, new_nonce
 from .errors import ConfigError
 from .events import Emitter, LeaseEvent
 from .records import Records
@@ -37,21 +37,26 @@ class QueueMarks:
             raise ConfigError(f"task must be a non-empty str, got {task!r}")
         key, task = check_key(key), encodable("task", task)
         ttl = check_seconds("ttl", ttl)
+        nonce = new_nonce()
         try:
             if shadow:
                 return self._mark_shadow(key, run_id, ttl, task)
-            return self.backend.mark_queued(key, run_id, ttl, task)
+            return self.backend.mark_queued(key, run_id, ttl, task, nonce)
         except BaseException:
             # the script may have run although its answer never came back: a Redis error, or an
             # exception raised while the client waited (KeyboardInterrupt, SystemExit, a gevent or
-            # eventlet Timeout). The caller publishes nothing, so no mark of this run may stay
-            # behind, blocking the key for the mark's TTL (it names this run: no other is touched)
-            self._clear_after_failure(key, run_id, task, shadow)
+            # eventlet Timeout). The caller publishes nothing, so the mark this call wrote may not
+            # stay behind, blocking the key for the mark's TTL: only that one (its nonce), never
+            # an earlier publish's mark of the same run id (a task id given again)
+            self._clear_after_failure(key, run_id, task, shadow, nonce)
             raise
 
-    def _clear_after_failure(self, key: str, run_id: str, task: str, shadow: bool) -> None:
+    def _clear_after_failure(self, key: str, run_id: str, task: str, shadow: bool, nonce: str) -> None:
         try:
-            self.clear(key, run_id, task, shadow)
+            if shadow:  # (shadow mode's record holds the run id alone: a report, never enforced)
+                self.clear(key, run_id, task, shadow)
+            else:
+                self.backend.clear_queued(check_key(key), run_id, task, written_by=nonce)
         except Exception as e:
             log.warning("could not clear the queued mark of %r after a failed mark (its TTL bounds it): %s", key, e)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -33,6 +32,7 @@ from .backend import (
     RateVerdict,
     RecordCondition,
     RenewItem,
+    new_nonce,
     not_a_counter,
 )
 from .errors import ConfigError, LeaseBackendError, TaskguardError, Unreplicated
@@ -84,9 +84,9 @@ def backend_error(op: str, key: str | None, err: BaseException) -> LeaseBackendE
 
 
 def _nonce() -> str:
-    """A nonce unique to one script call (16 hex digits), recorded with what the call wrote, so a
-    client re-send of the call finds it and answers as the call did (see :mod:`taskguard.scripts`)."""
-    return secrets.token_hex(8)
+    """A nonce unique to one script call, recorded with what the call wrote, so a client re-send
+    of the call finds it and answers as the call did (see :mod:`taskguard.scripts`)."""
+    return new_nonce()
 
 
 def _text(raw: Any) -> Any:
@@ -555,14 +555,14 @@ class RedisBackend:
     def get_completion(self, key: str) -> str | None:
         return _text_or_none(self._call("once", key, self.client.get, self.completion_key(key)))
 
-    def mark_queued(self, key: str, run_id: str, ttl: float, task: str) -> QueueReply:
-        res = self._run(
-            "queue", key, scripts.QUEUE, (self.lease_key(key),), (run_id, ms(ttl), self._idle_ms, task, _nonce())
-        )
+    def mark_queued(self, key: str, run_id: str, ttl: float, task: str, nonce: str | None = None) -> QueueReply:
+        args = (run_id, ms(ttl), self._idle_ms, task, nonce or _nonce())
+        res = self._run("queue", key, scripts.QUEUE, (self.lease_key(key),), args)
         return QueueReply(int(res[0]) == 1, _text(res[1]))
 
-    def clear_queued(self, key: str, run_id: str, task: str) -> bool:
-        return int(self._run("queue", key, scripts.UNQUEUE, (self.lease_key(key),), (run_id, task, _nonce()))) == 1
+    def clear_queued(self, key: str, run_id: str, task: str, written_by: str | None = None) -> bool:
+        args = (run_id, task, _nonce(), written_by or "")
+        return int(self._run("queue", key, scripts.UNQUEUE, (self.lease_key(key),), args)) == 1
 
     def throttle(
         self,

@@ -499,8 +499,11 @@ return {1, ARGV[1]}
 """,
 )
 
-# KEYS[1] lease; ARGV[1] a run id, ARGV[2] the task name, ARGV[3] a nonce unique to this call
-# -> 1 the task's queued mark named that run and is cleared, 0 it did not.
+# KEYS[1] lease; ARGV[1] a run id, ARGV[2] the task name, ARGV[3] a nonce unique to this call,
+# ARGV[4] the nonce of the QUEUE call whose mark to clear ('' or absent: whichever call wrote it;
+# given by a publish that failed before it read QUEUE's answer, so that it never clears the mark of
+# an earlier publish of the same run id)
+# -> 1 the task's queued mark named that run (written by that call) and is cleared, 0 it did not.
 # The cleared mark is replaced by "~<nonce>" (never read as a mark; overwritten by the next mark,
 # gone with the key), so a client re-send of this very call answers 1 again.
 UNQUEUE = Script(
@@ -511,7 +514,11 @@ local q = redis.call('HGET', KEYS[1], 'q:' .. ARGV[2])
 if q == '~' .. ARGV[3] then
   return 1
 end
-if q and mark(q) == ARGV[1] then
+local id, _, nonce
+if q then
+  id, _, nonce = mark(q)
+end
+if id == ARGV[1] and (not ARGV[4] or ARGV[4] == '' or nonce == ARGV[4]) then
   redis.call('HDEL', KEYS[1], 'q:' .. ARGV[2])
   redis.call('HSET', KEYS[1], 'q:' .. ARGV[2], '~' .. ARGV[3])
   return 1

@@ -10,6 +10,7 @@ import time
 import redis
 from rq import Retry
 
+from taskguard import RedisLocks
 from taskguard_rq import current_lease, guarded_job
 
 from .timed_redis import TimedRedis
@@ -404,3 +405,15 @@ def cron_overlap(entry: str, seconds: float = 5.0) -> str:
         raise
     mark("end")
     return fence
+
+
+# a job with locks of its own (locks=): its worker needs no TASKGUARD_REDIS_URL
+_OWN_LOCKS = RedisLocks(
+    redis.Redis.from_url(os.environ.get("TG_OWN_LOCKS_URL", "redis://127.0.0.1:6379/0")),
+    prefix=os.environ.get("TG_OWN_LOCKS_PREFIX", "tgtest-own-locks"),
+)
+
+
+@guarded_job(ttl=30, key="own:{name}", locks=_OWN_LOCKS)
+def with_own_locks(name):
+    return current_lease().fencing_token

@@ -77,6 +77,35 @@ def test_a_mark_whose_answer_never_came_back_is_cleared(any_locks, monkeypatch, 
     assert any_locks.mark_queued("uq:7", "run-2", ttl=30, task="t", shadow=shadow) == (True, "run-2")
 
 
+def test_a_failed_mark_never_clears_an_earlier_publishs_mark_of_the_same_run_id(any_locks, monkeypatch):
+    """run-X is published and marked; the same run id is published again (a task id given
+    again): the script answers "run-X is queued" and writes nothing, but the client raises before
+    it reads the answer. The cleanup clears only a mark this call wrote (its nonce), so run-X's
+    mark stands and a third publish is still suppressed. (Before, the cleanup cleared run-X's
+    mark, and a third publish was sent beside the queued run-X.)"""
+    first = _Sent()
+    assert unique.publish(any_locks, "uq:8", "run-X", ttl=60, task="t", shadow=False, send=first, existing=str) == (
+        "sent",
+        True,
+    )
+    original = any_locks.backend.mark_queued
+
+    def ran_then_raised(*a: object, **k: object) -> object:
+        original(*a, **k)
+        raise KeyboardInterrupt("answer lost")
+
+    monkeypatch.setattr(any_locks.backend, "mark_queued", ran_then_raised)
+    with pytest.raises(KeyboardInterrupt):
+        unique.publish(any_locks, "uq:8", "run-X", ttl=60, task="t", shadow=False, send=_Sent(), existing=str)
+    monkeypatch.undo()
+    third = _Sent()
+    assert (
+        unique.publish(any_locks, "uq:8", "run-Y", ttl=60, task="t", shadow=False, send=third, existing=str) == "run-X"
+    )
+    assert third.calls == []
+    assert any_locks.clear_queued("uq:8", "run-X", "t") is True  # (its run starts: a plain clear still clears it)
+
+
 def test_unique_shadow_mode_always_publishes_and_reports_what_it_would_have_suppressed(any_locks):
     seen = []
     remove = add_listener(seen.append)
@@ -223,3 +252,40 @@ def test_debounce_a_sent_message_is_never_reported_as_failed(any_locks, monkeypa
     monkeypatch.setattr(debounce, "published", down)
     sends = _Sent()
     assert _call(any_locks, "db:7", 0, sends)[0] == "sent" and len(sends.calls) == 1
+
+
+def test_debounce_a_failed_send_gives_up_only_its_own_claim(any_locks, monkeypatch):
+    """The opener's send outlasts its claim (0.5 s) and then fails; meanwhile a joining call took
+    the claim over and is publishing. The opener gives up only the claim it wrote, so a third
+    call arriving during the second one's publish waits for it: one message from the joiners.
+    (Before, the opener reset whatever claim the record held, and the third call published too.)"""
+    monkeypatch.setattr(debounce, "PUBLISH_CLAIM", 0.5)
+    sends: list[str] = []
+
+    def sender(name: str, seconds: float, fail: bool):
+        def send(w: object) -> object:
+            sends.append(name)
+            time.sleep(seconds)
+            if fail:
+                raise OSError("broker down")
+            return ("sent", name)
+
+        return send
+
+    def call(n: int, send) -> None:
+        try:
+            _call(any_locks, "db:8", n, send)
+        except OSError:
+            pass
+
+    threads = [threading.Thread(target=call, args=(0, sender("opener", 0.65, True)))]
+    threads[0].start()
+    time.sleep(0.05)
+    threads.append(threading.Thread(target=call, args=(1, sender("joiner", 0.5, False))))
+    threads[1].start()
+    time.sleep(0.65)  # the joiner took the claim over at ~0.5 s and publishes until ~1.0 s
+    threads.append(threading.Thread(target=call, args=(2, sender("third", 0.0, False))))
+    threads[2].start()
+    for t in threads:
+        t.join(10)
+    assert sends == ["opener", "joiner"], sends

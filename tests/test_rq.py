@@ -449,27 +449,81 @@ def test_maintenance_never_releases_a_lease_whose_body_may_still_run(rq_env):
     assert locks().holder("long:live") is None  # released by the body itself when it ended
 
 
-@pytest.mark.parametrize(
-    "env, said",
-    [({}, "TASKGUARD_REDIS_URL is not set"), ({"TASKGUARD_REDIS_URL": "http://127.0.0.1:6379"}, "TASKGUARD_REDIS_URL")],
-    ids=["unset", "malformed"],
-)
-def test_a_guarded_worker_without_a_usable_lease_configuration_refuses_to_start(rq_env, env, said):
-    """Before, ``rq worker -w taskguard_rq.GuardedWorker`` started without TASKGUARD_REDIS_URL and
-    failed every guarded job with a ConfigError; now it exits 78 before taking a job, saying why
-    in one line (no traceback), and the queued job is left for a worker that can run it."""
+def test_a_guarded_worker_with_a_malformed_lease_configuration_refuses_to_start_and_warns_when_it_is_unset(rq_env):
+    """A malformed TASKGUARD_REDIS_URL: ``rq worker -w taskguard_rq.GuardedWorker`` exits 78 before
+    taking a job, saying why in one line (no traceback), and the queued job is left for a worker
+    that can run it (before, it started and failed every guarded job). Unset: it starts (its jobs
+    may all bring their own ``locks=``) and says at start that jobs without them will fail."""
     job = rq_env.enqueue(rq_jobs.long_running, "unconfigured", seconds=0)
     base = {k: v for k, v in os.environ.items() if not k.startswith("TASKGUARD_")}
-    out = subprocess.run(
-        [sys.executable, "-m", "rq.cli", "worker", "-u", os.environ["TASKGUARD_REDIS_URL"], "-w"]
-        + ["taskguard_rq.GuardedWorker", "--burst", rq_env.name],
+    cmd = [sys.executable, "-m", "rq.cli", "worker", "-u", os.environ["TASKGUARD_REDIS_URL"], "-w"]
+    cmd += ["taskguard_rq.GuardedWorker", "--burst", rq_env.name]
+    bad = subprocess.run(
+        cmd,
         cwd=ROOT,
-        env={**base, **env},
+        env={**base, "TASKGUARD_REDIS_URL": "http://127.0.0.1:6379"},
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert out.returncode == 78, out
-    text = out.stdout + out.stderr
-    assert "GuardedWorker cannot start" in text and said in text and "Traceback" not in text, text
+    text = bad.stdout + bad.stderr
+    assert bad.returncode == 78, text
+    assert "GuardedWorker cannot start" in text and "TASKGUARD_REDIS_URL" in text and "Traceback" not in text, text
     assert job.get_status(refresh=True) == JobStatus.QUEUED
+    own = rq_env.enqueue(rq_jobs.with_own_locks, "x")
+    own_env = {
+        "TG_OWN_LOCKS_URL": os.environ["TASKGUARD_REDIS_URL"],
+        "TG_OWN_LOCKS_PREFIX": os.environ["TASKGUARD_PREFIX"],
+    }
+    unset = subprocess.run(cmd, cwd=ROOT, env={**base, **own_env}, capture_output=True, text=True, timeout=60)
+    text = unset.stdout + unset.stderr
+    assert unset.returncode == 0, text
+    assert "TASKGUARD_REDIS_URL is not set: guarded jobs declared without locks= will fail" in text
+    assert job.get_status(refresh=True) == JobStatus.FAILED  # (no locks= of its own)
+    assert own.get_status(refresh=True) == JobStatus.FINISHED and isinstance(own.return_value(), int), text
+
+
+_DYING_HOLDER = """
+import sys, taskguard
+locks = taskguard.from_env()
+how, key, run_id = sys.argv[1:4]
+holder = {"job": "tests.rq_jobs.long_running", "job_id": run_id}
+if how == "claim":  # a retry's horse claims the kept lease (new owner token, same fencing token)
+    acq = locks.claim(key, sys.argv[4], ttl=60, run_id=run_id, holder=holder)
+else:  # it takes a fresh lease
+    acq = locks.acquire(key, ttl=60, run_id=run_id, holder=holder)
+assert acq.acquired, acq
+print(acq.lease.fencing_token, flush=True)
+import os; os._exit(0)  # dies before saving its own handle (no finally runs)
+"""
+
+
+@pytest.mark.parametrize("how", ["claimed_the_kept_lease", "took_a_fresh_lease"])
+def test_a_dead_horse_whose_stored_handle_is_another_executions_has_its_own_lease_released(rq_env, how):
+    """The stored handle is not the lease the dead work-horse held: a retry's horse claimed the
+    kept lease (CLAIM gives it a new owner token) or took a fresh one, and died before saving its
+    own handle. Settling the stored handle releases nothing; the dead horse's lease, found by the
+    job id and released by its fencing token, is released instead. (Before, the worker logged
+    "released" and the lease stayed for its TTL.)"""
+    from taskguard.handoff import handle_of
+    from taskguard_rq.handles import load_handle, save_handle
+    from taskguard_rq.worker import settle_killed_job
+
+    job = rq_env.enqueue(rq_jobs.long_running, how, seconds=0)
+    key, lk = f"long:{how}", locks()
+    holder = {"job": "tests.rq_jobs.long_running", "job_id": job.id}
+    earlier = lk.acquire(key, ttl=60, run_id=job.id, holder=holder).lease
+    if how == "claimed_the_kept_lease":
+        save_handle(lk, job.id, {**handle_of(earlier), "running": False}, ttl=60)  # kept for the retry
+        args = ["claim", key, job.id, earlier.owner_token]
+    else:  # an earlier execution's handle, its lease released by the dead-holder rule
+        save_handle(lk, job.id, {**handle_of(earlier), "running": True}, ttl=60)
+        assert lk.release_run(key, job.id, fencing_token=earlier.fencing_token)
+        args = ["fresh", key, job.id]
+    out = subprocess.run(
+        [sys.executable, "-c", _DYING_HOLDER, *args], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    assert [h.fencing_token for h in lk.holders(key)] == [int(out.stdout)]  # the dead horse's lease
+    assert settle_killed_job(job, retry=False) == "released"
+    assert lk.holders(key) == [] and load_handle(lk, job.id) is None

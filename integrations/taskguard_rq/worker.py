@@ -45,6 +45,7 @@ Use: ``rq worker -w taskguard_rq.GuardedWorker`` (with ``--with-scheduler`` for 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from rq import Worker
@@ -110,10 +111,13 @@ def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse kille
             log.warning("job %s: work-horse killed; lease %r kept %.0fs for its retry", job.id, handle["key"], stretch)
             mirror_meta(job, refresh=True, outcome="retrying")
             return "kept"
-    lease.release()
+    released = lease.release()
     if total is not None:
         total.release()
     drop_handle(locks, job.id)
+    if not released:  # the stored handle's lease is not the one this execution held (a retry's
+        # horse that claimed a kept lease, or took a fresh one, and died before saving its handle)
+        return _release_unsaved(job, func, opts, locks, why)
     log.warning("job %s: %s; lease %r released", job.id, why, handle["key"])
     mirror_meta(job, refresh=True, outcome="ended", ended=why)
     return "released"
@@ -161,16 +165,22 @@ class GuardedWorker(Worker):
         self.push_exc_handler(_settle_abandoned)
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
-        """RQ's work loop, once the leases' configuration is known good: guarded jobs without
-        ``locks=`` take their leases from :func:`taskguard.from_env` (``TASKGUARD_REDIS_URL``...),
-        so a worker without it, or with a malformed value, would start and fail every guarded
-        job. It logs the ConfigError's message instead and exits 78 (``EX_CONFIG``) before taking
-        a job."""
-        try:
-            locks_for()
-        except ConfigError as e:
-            log.critical("GuardedWorker cannot start: %s", e)
-            raise SystemExit(EX_CONFIG) from None
+        """RQ's work loop, once the leases' configuration is checked: guarded jobs without
+        ``locks=`` take their leases from :func:`taskguard.from_env` (``TASKGUARD_REDIS_URL``...).
+        A malformed setting is logged and the worker exits 78 (``EX_CONFIG``) before taking a job.
+        Without ``TASKGUARD_REDIS_URL`` it starts (its jobs may all bring their own ``locks=``)
+        and says at start that jobs without them will fail."""
+        if os.environ.get("TASKGUARD_REDIS_URL"):
+            try:
+                locks_for()
+            except ConfigError as e:
+                log.critical("GuardedWorker cannot start: %s", e)
+                raise SystemExit(EX_CONFIG) from None
+        else:
+            log.warning(
+                "GuardedWorker: TASKGUARD_REDIS_URL is not set: guarded jobs declared without locks= will fail "
+                "(set it to the leases' Redis)"
+            )
         return bool(super().work(*args, **kwargs))
 
     def clean_registries(self) -> None:
