@@ -226,7 +226,7 @@ def test_debounce_a_publisher_that_died_mid_publish_is_taken_over_once_its_claim
     """The opener wrote the window and died before publishing or giving its claim up (SIGKILL:
     here, its record written by ``publish`` alone). Calls joining within the claim wait; once it
     runs out, one of them publishes the window's message (its run id), and the others get it."""
-    monkeypatch.setattr(debounce, "PUBLISH_CLAIM", 0.5)
+    monkeypatch.setattr(debounce, "PUBLISH_CLAIM", 1.0)
     w = debounce.publish(any_locks, "db:6", "run-0", {"n": 0}, debounce=5, debounce_max=20)
     assert w.publish and w.fresh  # ... and the opener dies here
     sends = _Sent()
@@ -238,7 +238,7 @@ def test_debounce_a_publisher_that_died_mid_publish_is_taken_over_once_its_claim
         t.join(10)
     waited = time.monotonic() - started
     assert len(sends.calls) == 1 and sends.calls[0].run_id == "run-0" and not sends.calls[0].fresh
-    assert 0.3 < waited < 3.0
+    assert 0.8 < waited < 5.0
     assert debounce.due(any_locks, "db:6", "run-0")[0] == "wait"
 
 
@@ -255,37 +255,49 @@ def test_debounce_a_sent_message_is_never_reported_as_failed(any_locks, monkeypa
 
 
 def test_debounce_a_failed_send_gives_up_only_its_own_claim(any_locks, monkeypatch):
-    """The opener's send outlasts its claim (0.5 s) and then fails; meanwhile a joining call took
-    the claim over and is publishing. The opener gives up only the claim it wrote, so a third
-    call arriving during the second one's publish waits for it: one message from the joiners.
-    (Before, the opener reset whatever claim the record held, and the third call published too.)"""
-    monkeypatch.setattr(debounce, "PUBLISH_CLAIM", 0.5)
+    """The opener's send hangs past its claim (2 s); a joining call takes the claim over and
+    publishes; then the opener's send fails. The opener gives up only the claim it wrote, so a
+    third call arriving during the second one's publish waits for it: one message from the
+    joiners. (Before, the opener reset whatever claim the record held, and the third call
+    published too.) The steps are ordered by events, not by timing."""
+    monkeypatch.setattr(debounce, "PUBLISH_CLAIM", 2.0)
+    joiner_sending, opener_failed, third_started = threading.Event(), threading.Event(), threading.Event()
     sends: list[str] = []
 
-    def sender(name: str, seconds: float, fail: bool):
-        def send(w: object) -> object:
-            sends.append(name)
-            time.sleep(seconds)
-            if fail:
-                raise OSError("broker down")
-            return ("sent", name)
+    def opener_send(w: object) -> object:
+        sends.append("opener")
+        joiner_sending.wait(10)  # hangs until the joiner took its claim over and publishes
+        raise OSError("broker down")
 
-        return send
+    def joiner_send(w: object) -> object:
+        sends.append("joiner")
+        joiner_sending.set()
+        third_started.wait(10)
+        time.sleep(0.5)  # still publishing while the third call looks at the window
+        return ("sent", "joiner")
 
-    def call(n: int, send) -> None:
+    def third_send(w: object) -> object:
+        sends.append("third")
+        return ("sent", "third")
+
+    def opener() -> None:
         try:
-            _call(any_locks, "db:8", n, send)
+            _call(any_locks, "db:8", 0, opener_send)
         except OSError:
-            pass
+            opener_failed.set()
 
-    threads = [threading.Thread(target=call, args=(0, sender("opener", 0.65, True)))]
+    threads = [threading.Thread(target=opener)]
     threads[0].start()
-    time.sleep(0.05)
-    threads.append(threading.Thread(target=call, args=(1, sender("joiner", 0.5, False))))
+    deadline = time.monotonic() + 5
+    while any_locks.get_record("db:8", debounce.RECORD) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    threads.append(threading.Thread(target=_call, args=(any_locks, "db:8", 1, joiner_send)))
     threads[1].start()
-    time.sleep(0.65)  # the joiner took the claim over at ~0.5 s and publishes until ~1.0 s
-    threads.append(threading.Thread(target=call, args=(2, sender("third", 0.0, False))))
+    assert opener_failed.wait(15)
+    threads.append(threading.Thread(target=_call, args=(any_locks, "db:8", 2, third_send)))
     threads[2].start()
+    third_started.set()
     for t in threads:
-        t.join(10)
+        t.join(15)
     assert sends == ["opener", "joiner"], sends
