@@ -349,13 +349,14 @@ def test_the_abandoned_job_cleanup_settles_a_dead_workers_lease_and_handle(rq_en
 
 
 @pytest.mark.parametrize("retries", [1, 2], ids=["no_retry_left", "retry_left"])
-@pytest.mark.parametrize("how", ["stop_job", "kill_horse"])
+@pytest.mark.parametrize("how", ["stop_job", "kill_horse", "cold_shutdown"])
 def test_ending_a_retry_that_waits_for_an_orphaned_work_horse_leaves_that_horses_lease(rq_env, how, retries):
     """A worker is SIGKILLed while its job's body runs; its work-horse lives on (a process group of
     its own) and keeps the lease. The abandoned-job cleanup retries the job (``Retry``); another
     GuardedWorker takes the retry, which waits for the live body's lease (same job id) without a
-    handle of its own. That waiting execution is then stopped (``send_stop_job_command``) or its
-    work-horse killed (``send_kill_horse_command``): its worker must leave the lease and stored
+    handle of its own. That waiting execution is then stopped (``send_stop_job_command``), its
+    work-horse killed (``send_kill_horse_command``) or its worker shut down cold (two SIGTERMs):
+    its worker must leave the lease and stored
     handle of the *live* work-horse alone. Before, it settled the stored handle as its own: with no
     retry left it released the live body's lease (a third call would run beside it), with one left
     it kept it for the next retry, which claimed it: two bodies under one fencing token."""
@@ -390,8 +391,13 @@ def test_ending_a_retry_that_waits_for_an_orphaned_work_horse_leaves_that_horses
             time.sleep(0.5)  # the retry's body waits for the live lease of its job id
             if how == "stop_job":
                 send_stop_job_command(conn, job.id)
-            else:
+            elif how == "kill_horse":
                 send_kill_horse_command(conn, job.worker_name)
+            else:  # two SIGTERMs: the worker kills the horse and exits
+                second.proc.send_signal(signal.SIGTERM)
+                time.sleep(1.5)  # RQ ignores a second signal within 1 s of the first
+                second.proc.send_signal(signal.SIGTERM)
+                second.proc.wait(20)
             deadline = time.monotonic() + 10  # until the worker has settled the job: one of its three lines
             while not re.search(rf"job {job.id}: .*(left to that holder|released|kept)", second.output()):
                 assert time.monotonic() < deadline, second.output()[-3000:]
