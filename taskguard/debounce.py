@@ -170,11 +170,14 @@ def _drop_claim(locks: Locks, key: str, run_id: str, claim: float, *, ttl: float
     the claim out; a claim another call took over meanwhile is left alone. Never raises (a failure
     is logged: the claim then runs out by itself)."""
     try:
-        raw = locks.get_record(key, RECORD)
-        rec = json.loads(raw) if raw is not None else None
-        if rec is not None and rec.get("id") == run_id and rec.get("pub", 1) == 0 and rec.get("claim") == claim:
+        for _ in range(_ROUNDS):  # (calls joining meanwhile change the record: read it again)
+            raw = locks.get_record(key, RECORD)
+            rec = json.loads(raw) if raw is not None else None
+            if rec is None or rec.get("id") != run_id or rec.get("pub", 1) != 0 or rec.get("claim") != claim:
+                return
             rec["claim"] = 0
-            locks.put_record(key, RECORD, _dumps(rec), ttl=ttl, if_value=raw)
+            if locks.put_record(key, RECORD, _dumps(rec), ttl=ttl, if_value=raw):
+                return
     except Exception as e:
         log.warning("could not give up the publishing claim of the debounce window %s of %r: %s", run_id, key, e)
 

@@ -313,7 +313,7 @@ class MemoryBackend:
     def clear_queued(self, key: str, run_id: str, task: str, written_by: str | None = None) -> bool:
         with self._cond:
             queued = self._queued.get((key, task))
-            if queued is not None and queued[0] == run_id and (written_by is None or queued[2] == written_by):
+            if queued is not None and queued[0] == run_id and (not written_by or queued[2] == written_by):
                 del self._queued[(key, task)]
                 return True
             return False

@@ -38,22 +38,29 @@ class QueueMarks:
         key, task = check_key(key), encodable("task", task)
         ttl = check_seconds("ttl", ttl)
         nonce = new_nonce()
+        if shadow:  # (reads first: a failure there wrote nothing)
+            found = self._shadow_queued(key, task)
+            if found is not None:
+                return QueueReply(False, found)
         try:
             if shadow:
-                return self._mark_shadow(key, run_id, ttl, task)
+                if self.records.put(key, SHADOW_QUEUED + task, run_id, ttl=ttl, if_absent=True):
+                    return QueueReply(True, run_id)
+                return QueueReply(False, self.records.get(key, SHADOW_QUEUED + task) or run_id)
             return self.backend.mark_queued(key, run_id, ttl, task, nonce)
         except BaseException:
-            # the script may have run although its answer never came back: a Redis error, or an
+            # the write may have run although its answer never came back: a Redis error, or an
             # exception raised while the client waited (KeyboardInterrupt, SystemExit, a gevent or
             # eventlet Timeout). The caller publishes nothing, so the mark this call wrote may not
-            # stay behind, blocking the key for the mark's TTL: only that one (its nonce), never
-            # an earlier publish's mark of the same run id (a task id given again)
+            # stay behind, blocking the key for the mark's TTL: only that one (the enforced mark:
+            # its nonce; shadow mode's record: found absent just before), never an earlier
+            # publish's mark of the same run id (a task id given again)
             self._clear_after_failure(key, run_id, task, shadow, nonce)
             raise
 
     def _clear_after_failure(self, key: str, run_id: str, task: str, shadow: bool, nonce: str) -> None:
         try:
-            if shadow:  # (shadow mode's record holds the run id alone: a report, never enforced)
+            if shadow:
                 self.clear(key, run_id, task, shadow)
             else:
                 self.backend.clear_queued(check_key(key), run_id, task, written_by=nonce)
@@ -65,16 +72,16 @@ class QueueMarks:
             return self.records.delete(key, SHADOW_QUEUED + task, if_value=run_id)
         return self.backend.clear_queued(check_key(key), run_id, task)
 
-    def _mark_shadow(self, key: str, run_id: str, ttl: float, task: str) -> QueueReply:
+    def _shadow_queued(self, key: str, task: str) -> str | None:
+        """The run of ``task`` on ``key`` that shadow mode finds running (a live holder naming the
+        task) or queued (its shadow record), or ``None``. Only reads."""
         for info in self.backend.holders(key):
             meta = info.holder if isinstance(info.holder, dict) else {}
             if task in (meta.get("task"), meta.get("job")):
                 found = meta.get("task_id") or meta.get("job_id")
                 if isinstance(found, str) and found:
-                    return QueueReply(False, found)
-        if self.records.put(key, SHADOW_QUEUED + task, run_id, ttl=ttl, if_absent=True):
-            return QueueReply(True, run_id)
-        return QueueReply(False, self.records.get(key, SHADOW_QUEUED + task) or run_id)
+                    return found
+        return self.records.get(key, SHADOW_QUEUED + task)
 
     def report_suppressed(self, key: str, task: str | None, existing: str, shadow: bool = False) -> None:
         if self.emitter.active:

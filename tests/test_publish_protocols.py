@@ -77,33 +77,35 @@ def test_a_mark_whose_answer_never_came_back_is_cleared(any_locks, monkeypatch, 
     assert any_locks.mark_queued("uq:7", "run-2", ttl=30, task="t", shadow=shadow) == (True, "run-2")
 
 
-def test_a_failed_mark_never_clears_an_earlier_publishs_mark_of_the_same_run_id(any_locks, monkeypatch):
+@pytest.mark.parametrize("shadow", [False, True], ids=["enforced", "shadow"])
+def test_a_failed_mark_never_clears_an_earlier_publishs_mark_of_the_same_run_id(any_locks, monkeypatch, shadow):
     """run-X is published and marked; the same run id is published again (a task id given
-    again): the script answers "run-X is queued" and writes nothing, but the client raises before
-    it reads the answer. The cleanup clears only a mark this call wrote (its nonce), so run-X's
-    mark stands and a third publish is still suppressed. (Before, the cleanup cleared run-X's
-    mark, and a third publish was sent beside the queued run-X.)"""
+    again): the mark's answer is "run-X is queued", but the client raises before it has it
+    (enforced: the script ran; shadow mode: its read of the holders failed). The clean-up clears
+    only a mark this call wrote, so run-X's mark stands and a third publish is still suppressed
+    (shadow mode: reported as it would have been). (Before, the clean-up cleared run-X's mark,
+    and a third publish was sent beside the queued run-X, or not reported.)"""
     first = _Sent()
-    assert unique.publish(any_locks, "uq:8", "run-X", ttl=60, task="t", shadow=False, send=first, existing=str) == (
-        "sent",
-        True,
-    )
-    original = any_locks.backend.mark_queued
+    got = unique.publish(any_locks, "uq:8", "run-X", ttl=60, task="t", shadow=shadow, send=first, existing=str)
+    assert got == ("sent", True)
+    holder, name = (any_locks.backend, "holders") if shadow else (any_locks.backend, "mark_queued")
+    original = getattr(holder, name)
 
     def ran_then_raised(*a: object, **k: object) -> object:
         original(*a, **k)
         raise KeyboardInterrupt("answer lost")
 
-    monkeypatch.setattr(any_locks.backend, "mark_queued", ran_then_raised)
+    monkeypatch.setattr(holder, name, ran_then_raised)
     with pytest.raises(KeyboardInterrupt):
-        unique.publish(any_locks, "uq:8", "run-X", ttl=60, task="t", shadow=False, send=_Sent(), existing=str)
+        unique.publish(any_locks, "uq:8", "run-X", ttl=60, task="t", shadow=shadow, send=_Sent(), existing=str)
     monkeypatch.undo()
     third = _Sent()
-    assert (
-        unique.publish(any_locks, "uq:8", "run-Y", ttl=60, task="t", shadow=False, send=third, existing=str) == "run-X"
-    )
-    assert third.calls == []
-    assert any_locks.clear_queued("uq:8", "run-X", "t") is True  # (its run starts: a plain clear still clears it)
+    got = unique.publish(any_locks, "uq:8", "run-Y", ttl=60, task="t", shadow=shadow, send=third, existing=str)
+    if shadow:  # published anyway, without a mark of its own: run-X's still stands
+        assert third.calls == [False]
+    else:
+        assert got == "run-X" and third.calls == []
+    assert any_locks.clear_queued("uq:8", "run-X", "t", shadow) is True  # (its run starts: the plain clear)
 
 
 def test_unique_shadow_mode_always_publishes_and_reports_what_it_would_have_suppressed(any_locks):
@@ -301,3 +303,43 @@ def test_debounce_a_failed_send_gives_up_only_its_own_claim(any_locks, monkeypat
     for t in threads:
         t.join(15)
     assert sends == ["opener", "joiner"], sends
+
+
+def test_debounce_a_failed_send_gives_its_claim_up_even_when_a_call_joins_meanwhile(any_locks, monkeypatch):
+    """A call joins the window between the failed opener's read of the record and its write that
+    gives the claim up (a burst): the give-up reads the record again and writes, so the next
+    call publishes at once instead of waiting out the dead claim (5 s). (Before, one
+    compare-and-set that lost to the joiner left the claim in place.)"""
+    original = any_locks.get_record
+    joined: list[object] = []
+
+    def failing_send(w: object) -> object:
+        def get_then_join(*a: object, **k: object) -> object:
+            raw = original(*a, **k)
+            if not joined:  # the give-up's first read: a call joins right after it
+                monkeypatch.setattr(any_locks, "get_record", original)
+                joined.append(debounce.publish(any_locks, "db:9", "run-J0", {"n": "j0"}, debounce=30, debounce_max=60))
+            return raw
+
+        monkeypatch.setattr(any_locks, "get_record", get_then_join)
+        raise OSError("broker down")
+
+    with pytest.raises(OSError):
+        _call(any_locks, "db:9", 0, failing_send)
+    monkeypatch.undo()
+    assert joined and joined[0].pending  # it joined while the failed opener's claim stood
+    sends = _Sent()
+    started = time.monotonic()
+    _call(any_locks, "db:9", 1, sends)
+    assert len(sends.calls) == 1 and sends.calls[0].run_id == "run-0" and time.monotonic() - started < 2.0
+
+
+def test_clearing_a_mark_by_the_nonce_that_wrote_it_on_every_backend(any_locks):
+    """``Backend.clear_queued(written_by=)``: the nonce of the mark's writer clears it, another
+    nonce does not, and an empty one means any writer (the run-start clear) on every backend."""
+    backend = any_locks.backend
+    assert backend.mark_queued("uq:10", "r-1", 30, "t", "n0nce0001").marked
+    assert backend.clear_queued("uq:10", "r-1", "t", written_by="n0nce0002") is False
+    assert backend.clear_queued("uq:10", "r-1", "t", written_by="n0nce0001") is True
+    assert backend.mark_queued("uq:10", "r-2", 30, "t", "n0nce0003").marked
+    assert backend.clear_queued("uq:10", "r-2", "t", written_by="") is True

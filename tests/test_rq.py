@@ -533,3 +533,25 @@ def test_a_dead_horse_whose_stored_handle_is_another_executions_has_its_own_leas
     assert [h.fencing_token for h in lk.holders(key)] == [int(out.stdout)]  # the dead horse's lease
     assert settle_killed_job(job, retry=False) == "released"
     assert lk.holders(key) == [] and load_handle(lk, job.id) is None
+
+
+def test_a_guarded_worker_given_its_locks_with_use_locks_does_not_warn(rq_env, monkeypatch, caplog):
+    """Without TASKGUARD_REDIS_URL a GuardedWorker warns at start that jobs without ``locks=``
+    will fail — unless the process gave them locks with ``use_locks()``."""
+    import logging
+
+    from taskguard import MemoryLocks
+    from taskguard_rq import GuardedWorker, use_locks
+
+    monkeypatch.delenv("TASKGUARD_REDIS_URL")
+    said = "TASKGUARD_REDIS_URL is not set"
+    with caplog.at_level(logging.WARNING, logger="rq.worker.taskguard"):
+        GuardedWorker([rq_env], connection=rq_env.connection).work(burst=True)
+        assert said in caplog.text
+        caplog.clear()
+        use_locks(MemoryLocks())
+        try:
+            GuardedWorker([rq_env], connection=rq_env.connection).work(burst=True)
+        finally:
+            use_locks(None)
+        assert said not in caplog.text

@@ -8,7 +8,7 @@ import threading
 import taskguard
 from taskguard import Locks
 
-__all__ = ["locks_for", "use_locks"]
+__all__ = ["locks_for", "use_locks", "has_default"]
 
 _default: Locks | None = None
 _default_lock = threading.Lock()
@@ -34,3 +34,9 @@ def use_locks(locks: Locks | None) -> None:
         raise taskguard.ConfigError(f"use_locks() needs a taskguard.Locks, got {type(locks).__name__}")
     with _default_lock:
         _default = locks
+
+
+def has_default() -> bool:
+    """Do jobs without their own ``locks=`` have locks in this process already (given with
+    :func:`use_locks`, or resolved from the environment)?"""
+    return _default is not None

@@ -55,7 +55,7 @@ from taskguard.config import EX_CONFIG
 from taskguard.handoff import handle_of, restore_handle
 from taskguard.liveness import holder_is_dead
 
-from .config import locks_for
+from .config import has_default, locks_for
 from .cron_runs import entry_guard
 from .handles import drop_handle, load_handle, save_handle
 from .job import mirror_meta
@@ -170,7 +170,7 @@ class GuardedWorker(Worker):
         A malformed setting is logged and the worker exits 78 (``EX_CONFIG``) before taking a job.
         Without ``TASKGUARD_REDIS_URL`` it starts (its jobs may all bring their own ``locks=``)
         and says at start that jobs without them will fail."""
-        if os.environ.get("TASKGUARD_REDIS_URL"):
+        if os.environ.get("TASKGUARD_REDIS_URL") or has_default():  # (has_default: use_locks() was called)
             try:
                 locks_for()
             except ConfigError as e:
