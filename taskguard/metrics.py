@@ -19,13 +19,18 @@ values are unbounded. A lease taken outside a task is labelled ``task="-"``.
 process. Celery prefork children and RQ work-horses are separate processes: use
 ``prometheus_client``'s multiprocess mode — set ``PROMETHEUS_MULTIPROC_DIR`` to an empty
 directory shared by the worker's processes before they start — and serve ``/metrics`` from one
-process with :func:`serve` (it aggregates every process's files). The adapters call
+process with :func:`serve` (it aggregates every process's files, in that directory and in its
+subdirectories). prometheus_client names each process's files by its PID, which is unique only
+within one host or container: processes of several containers sharing a volume each need a
+directory of their own (one subdirectory per container, e.g. ``/data/metrics/worker-1``;
+:func:`install` creates it), and :func:`serve`, pointed at the parent, adds them up. The adapters call
 :func:`install` in each worker process when ``TASKGUARD_METRICS=1`` is set (Celery: also
 ``app.conf.taskguard_metrics = True``). See https://prometheus.github.io/client_python/multiprocess/.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import threading
 from typing import Any
@@ -117,6 +122,9 @@ def install(registry: Any = None) -> Metrics:
     global _installed
     with _lock:
         if _installed is None:
+            where = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+            if where:  # (a container's own subdirectory of a shared volume: made on first use)
+                os.makedirs(where, exist_ok=True)
             try:
                 metrics = Metrics(registry)
             except ImportError as e:
@@ -137,15 +145,31 @@ os.register_at_fork(after_in_child=_after_fork)
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> Any:
-    """Serve ``/metrics`` on ``addr:port`` from this process: every process's samples in
-    multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set), else this process's registry.
+    """Serve ``/metrics`` on ``addr:port`` from this process: in multiprocess mode
+    (``PROMETHEUS_MULTIPROC_DIR`` set) every process's samples, in that directory and in its
+    subdirectories (one per container sharing a volume), summed; else this process's registry.
     Returns what ``prometheus_client.start_http_server`` returns."""
     from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
+    where = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if where:
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # (not annotated upstream)
+        registry.register(_SampleFiles(where))
         return start_http_server(port, addr=addr, registry=registry)
     return start_http_server(port, addr=addr, registry=REGISTRY)
+
+
+class _SampleFiles:
+    """A collector of the multiprocess sample files (``*.db``) in a directory and in its direct
+    subdirectories, merged as prometheus_client's ``MultiProcessCollector`` merges one directory's
+    (its ``merge`` static method: counters summed, histograms accumulated;
+    prometheus_client/multiprocess.py)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self) -> Any:
+        from prometheus_client import multiprocess
+
+        files = glob.glob(os.path.join(self.path, "*.db")) + glob.glob(os.path.join(self.path, "*", "*.db"))
+        return multiprocess.MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]

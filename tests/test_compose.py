@@ -94,3 +94,20 @@ def test_the_metrics_service_reads_the_samples_the_workers_write():
     for name in ("worker-1", "worker-2", "rq-worker", "metrics"):
         mounts = [v.split(":")[1] for v in compose["services"][name]["volumes"]]
         assert any(where == m or where.startswith(m.rstrip("/") + "/") for m in mounts), (name, where, mounts)
+
+
+def test_each_container_writes_its_metrics_samples_to_a_directory_of_its_own():
+    """prometheus_client names a process's sample files by its PID, unique only within one
+    container: containers sharing the volume would write each other's files (two PID 1
+    processes, one file). Each container that runs taskguard has its own directory under the
+    metrics service's, which serves their sum (``taskguard.metrics.serve``)."""
+    services = load()["services"]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "PROMETHEUS_MULTIPROC_DIR=/data/metrics" in dockerfile  # the metrics service's: the parent
+    assert "PROMETHEUS_MULTIPROC_DIR" not in services["metrics"].get("environment", {})
+    dirs = {
+        name: svc["environment"]["PROMETHEUS_MULTIPROC_DIR"]
+        for name, svc in services.items()
+        if name not in ("redis", "rabbitmq", "metrics")
+    }
+    assert all(d == f"/data/metrics/{name}" for name, d in dirs.items()), dirs

@@ -141,6 +141,42 @@ def test_taskguard_metrics_command_serves_the_multiprocess_directory(tmp_path):
         server.wait(10)
 
 
+def test_taskguard_metrics_adds_up_the_subdirectories_of_containers_sharing_a_volume(tmp_path):
+    """Processes of several containers share one volume, each container with a directory of its
+    own (prometheus_client names sample files by PID, unique only within a container; two PID 1
+    processes would write the same file). ``install()`` creates a container's directory; the
+    metrics server, pointed at the parent, serves the sum of the parent's and every
+    subdirectory's samples."""
+    port = free_port()
+    writer = (
+        "import sys; from taskguard.metrics import install; "
+        "install().skips.labels(task='t', reason='held', shadow='false').inc(int(sys.argv[1]))"
+    )
+    for where, n in ((tmp_path / "worker-1", 3), (tmp_path / "worker-2", 4), (tmp_path, 5)):
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(where)}
+        subprocess.run([sys.executable, "-c", writer, str(n)], env=env, check=True, timeout=30)
+    assert (tmp_path / "worker-1").is_dir() and list((tmp_path / "worker-2").glob("*.db"))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "taskguard.cli", "metrics", "--port", str(port), "--addr", "127.0.0.1"],
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        body = ""
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                break
+            except OSError:
+                time.sleep(0.2)
+        assert 'taskguard_skips_total{reason="held",shadow="false",task="t"} 12.0' in body, body
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
 def test_taskguard_metrics_without_a_multiprocess_directory_refuses_to_start(tmp_path):
     """Without PROMETHEUS_MULTIPROC_DIR the command would serve only its own process's samples
     (none of taskguard's): it exits 78 naming the variable instead of serving an empty endpoint."""
