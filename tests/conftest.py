@@ -204,14 +204,20 @@ def backend(request, redis_url, prefix):
 def any_locks(request, redis_url, prefix):
     """The same API on three backends: RedisLocks on the shared Redis and on the suite's Redis
     Cluster, and MemoryLocks; the test's own prefix."""
+    # (each test's leases are released at its end: a lease left held would be renewed by the
+    # process's heartbeat for the rest of the session, and past the suite's Redis Cluster)
     if request.param == "memory":
-        yield MemoryLocks(prefix=prefix)
+        mem = MemoryLocks(prefix=prefix)
+        yield mem
+        mem.close(timeout=2)
         return
     if request.param == "standalone":
         client = redis.Redis.from_url(redis_url)
     else:
         client = ClusterClient(host="127.0.0.1", port=request.getfixturevalue("cluster").ports[0])
-    yield RedisLocks(client, prefix=prefix)
+    lk = RedisLocks(client, prefix=prefix)
+    yield lk
+    lk.close(timeout=2)
     client.close()
 
 
