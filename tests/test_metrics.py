@@ -112,33 +112,36 @@ def test_a_skip_in_an_rq_work_horse_is_counted(redis_url, prefix, tmp_path):
     queue.delete(delete_jobs=True)
 
 
-def test_taskguard_metrics_command_serves_the_multiprocess_directory(tmp_path):
+def _served(directory) -> str:
+    """What ``taskguard metrics`` serves from ``directory`` (its PROMETHEUS_MULTIPROC_DIR)."""
     port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "taskguard.cli", "metrics", "--port", str(port), "--addr", "127.0.0.1"],
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            except OSError:
+                time.sleep(0.2)
+        return ""
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_taskguard_metrics_command_serves_the_multiprocess_directory(tmp_path):
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     writer = (
         "import os; from taskguard.metrics import Metrics; "
         "m = Metrics(); m.skips.labels(task='t', reason='held', shadow='false').inc(3)"
     )
     subprocess.run([sys.executable, "-c", writer], env=env, check=True, timeout=30)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "taskguard.cli", "metrics", "--port", str(port), "--addr", "127.0.0.1"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        body = ""
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-                break
-            except OSError:
-                time.sleep(0.2)
-        assert 'taskguard_skips_total{reason="held",shadow="false",task="t"} 3.0' in body
-    finally:
-        server.terminate()
-        server.wait(10)
+    assert 'taskguard_skips_total{reason="held",shadow="false",task="t"} 3.0' in _served(tmp_path)
 
 
 def test_taskguard_metrics_adds_up_the_subdirectories_of_containers_sharing_a_volume(tmp_path):
@@ -147,7 +150,6 @@ def test_taskguard_metrics_adds_up_the_subdirectories_of_containers_sharing_a_vo
     processes would write the same file). ``install()`` creates a container's directory; the
     metrics server, pointed at the parent, serves the sum of the parent's and every
     subdirectory's samples."""
-    port = free_port()
     writer = (
         "import sys; from taskguard.metrics import install; "
         "install().skips.labels(task='t', reason='held', shadow='false').inc(int(sys.argv[1]))"
@@ -156,25 +158,8 @@ def test_taskguard_metrics_adds_up_the_subdirectories_of_containers_sharing_a_vo
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(where)}
         subprocess.run([sys.executable, "-c", writer, str(n)], env=env, check=True, timeout=30)
     assert (tmp_path / "worker-1").is_dir() and list((tmp_path / "worker-2").glob("*.db"))
-    server = subprocess.Popen(
-        [sys.executable, "-m", "taskguard.cli", "metrics", "--port", str(port), "--addr", "127.0.0.1"],
-        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        body = ""
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-                break
-            except OSError:
-                time.sleep(0.2)
-        assert 'taskguard_skips_total{reason="held",shadow="false",task="t"} 12.0' in body, body
-    finally:
-        server.terminate()
-        server.wait(10)
+    body = _served(tmp_path)
+    assert 'taskguard_skips_total{reason="held",shadow="false",task="t"} 12.0' in body, body
 
 
 def test_taskguard_metrics_without_a_multiprocess_directory_refuses_to_start(tmp_path):
