@@ -61,6 +61,10 @@ class RQWorker:
         return self.log_path.read_text(errors="replace")
 
     def __exit__(self, *exc):
+        # its children now (its work-horse has a process group of its own): a horse the worker
+        # leaves behind — one still waiting for a lease when a shutdown gave up on it — must not
+        # run its job after the test (it would write RQ's registries after the test's clean-up)
+        children = _children(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -68,14 +72,44 @@ class RQWorker:
             except subprocess.TimeoutExpired:
                 pass
         # and what is left of its session: the scheduler process of ``--with-scheduler`` outlives a
-        # worker stopped while it was starting (it then holds the queue's scheduler lock). A
-        # work-horse has a process group of its own: the tests that orphan one end it themselves.
+        # worker stopped while it was starting (it then holds the queue's scheduler lock). A horse
+        # orphaned *during* the test (its worker killed) is the test's to end.
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid, started in children:
+            if _started(pid) == started:  # (the same process, not a PID used again)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         self.proc.wait()
         self.log.close()
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (``/proc/PID/stat`` field 22), or ``None`` if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _children(parent: int) -> list[tuple[int, str]]:
+    """``(pid, start time)`` of the live children of process ``parent``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent:
+                found.append((int(entry), fields[19].decode()))
+    return found
 
 
 def wait_done(job: Job, timeout: float = 20.0) -> str:
