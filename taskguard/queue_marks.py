@@ -63,7 +63,7 @@ class QueueMarks:
             if shadow:
                 self.clear(key, run_id, task, shadow)
             else:
-                self.backend.clear_queued(check_key(key), run_id, task, written_by=nonce)
+                self.backend.clear_queued(key, run_id, task, written_by=nonce)  # (key checked by mark)
         except Exception as e:
             log.warning("could not clear the queued mark of %r after a failed mark (its TTL bounds it): %s", key, e)
 
