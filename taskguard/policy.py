@@ -129,6 +129,7 @@ class GuardOptions:
         replicas: int | None = None,
         replica_timeout: float | None = None,
         allowed_on_skip: tuple[str, ...] = ON_SKIP,
+        noun: str = "task",
     ) -> GuardOptions:
         """Validate options for the task ``name`` whose body is ``fn``.
 
@@ -243,12 +244,14 @@ class GuardOptions:
                 ``task-revoked`` — refused on the threads and solo pools, which cannot
                 terminate; RQ: ``send_stop_job_command``, the job ends STOPPED).
 
+            noun: what the framework calls the task in messages (``"task"``; RQ: ``"job"``).
+
         Raises:
             ConfigError: naming the task and the bad option.
         """
 
         def bad(msg: str) -> ConfigError:
-            return ConfigError(f"task {name!r}: {msg}")
+            return ConfigError(f"{noun} {name!r}: {msg}")
 
         try:
             template = KeyTemplate(name if key is None else key, fn, skip_self=skip_self)
@@ -257,7 +260,9 @@ class GuardOptions:
             max_hold = None if max_hold is None else check_seconds("max_hold", max_hold)
             skip_retry_delay = None if skip_retry_delay is None else check_seconds("skip_retry_delay", skip_retry_delay)
             limit_fn = (
-                PerCall("limit", limit, fn, check_limit, skip_self=skip_self, task=name) if callable(limit) else None
+                PerCall("limit", limit, fn, check_limit, skip_self=skip_self, task=f"{noun} {name!r}")
+                if callable(limit)
+                else None
             )
             limit = 1 if limit_fn is not None else check_limit(limit)
             total_template = None
@@ -290,7 +295,7 @@ class GuardOptions:
                 raise ConfigError("cost needs rate= (e.g. rate='90000/m', cost=lambda prompt, **_: len(prompt))")
             run_cost: int | PerCall
             if callable(cost):
-                run_cost = PerCall("cost", cost, fn, check_cost, skip_self=skip_self, task=name)
+                run_cost = PerCall("cost", cost, fn, check_cost, skip_self=skip_self, task=f"{noun} {name!r}")
                 if rate_burst is None:
                     rate_burst = cast("tuple[int, float]", rate)[0]  # one period's worth of cost units
             else:
@@ -535,7 +540,7 @@ class PerCall:
         check: Callable[[Any, str], int],
         *,
         skip_self: bool = False,
-        task: str = "",
+        task: str = "",  # what its errors name: "task 'reports.daily'"
     ) -> None:
         self.option, self.fn, self.check, self.task = option, fn, check, task
         self.template = KeyTemplate(option, task_fn, skip_self=skip_self)  # (for its binding only)
@@ -559,12 +564,12 @@ class PerCall:
                 value, f"the {self.option} callable's value ({getattr(self.fn, '__name__', self.option)})"
             )
         except ConfigError as e:
-            raise ConfigError(f"task {self.task!r}: {e}") from None
+            raise ConfigError(f"{self.task}: {e}") from None
 
 
 def _defaults() -> dict[str, Any]:
     params = inspect.signature(GuardOptions.build).parameters
-    return {n: p.default for n, p in params.items() if n not in ("fn", "name", "skip_self", "allowed_on_skip")}
+    return {n: p.default for n, p in params.items() if n not in ("fn", "name", "skip_self", "allowed_on_skip", "noun")}
 
 
 #: The guard options :meth:`GuardOptions.build` accepts, with their defaults (the one place each
@@ -581,6 +586,7 @@ def check_option_names(
     supported: Collection[str] = OPTION_NAMES,
     elsewhere: Mapping[str, str] | None = None,
     known: Callable[[str], bool] | None = None,
+    noun: str = "task",
 ) -> None:
     """Refuse, at declaration, option names a task adapter would otherwise drop or misread.
 
@@ -596,6 +602,7 @@ def check_option_names(
             ``rate_limit`` included); a name it does not know is refused only when it is close to
             a guard option (a misspelling: ``ttll``), since Celery keeps unknown task options as
             task attributes.
+        noun: what the framework calls it, for the message (``"task"``; RQ: ``"job"``).
 
     Raises ConfigError naming the task and the option, with "did you mean ...?" for a close
     guard option, or where a guard option this adapter does not take lives.
@@ -606,11 +613,13 @@ def check_option_names(
             continue
         if name in OPTION_NAMES:
             where = elsewhere.get(name, "")
-            raise ConfigError(f"task {task!r}: option {name!r} is not supported here" + (f": {where}" if where else ""))
+            raise ConfigError(
+                f"{noun} {task!r}: option {name!r} is not supported here" + (f": {where}" if where else "")
+            )
         if known is not None and known(name):
             continue
         close = difflib.get_close_matches(name, supported, n=1, cutoff=0.75)
         if known is not None and not close:
             continue  # a framework option or a user's attribute, not a misspelt guard option
         hint = f"; did you mean {close[0]!r}?" if close else f" (guard options: {', '.join(sorted(supported))})"
-        raise ConfigError(f"task {task!r}: unknown option {name!r}{hint}")
+        raise ConfigError(f"{noun} {task!r}: unknown option {name!r}{hint}")

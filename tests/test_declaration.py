@@ -83,8 +83,20 @@ def test_celery_options_and_user_attributes_close_to_guard_options_keep_working(
 
 @pytest.mark.parametrize("option, meant", [("ttll", "ttl"), ("waits", "wait"), ("on_skipp", "on_skip")])
 def test_a_misspelt_guard_option_is_refused_on_rq(option, meant):
-    with pytest.raises(ConfigError, match=rf"task 'decl\.j': unknown option '{option}'; did you mean '{meant}'\?"):
+    with pytest.raises(ConfigError, match=rf"job 'decl\.j': unknown option '{option}'; did you mean '{meant}'\?"):
         guarded_job(name="decl.j", **{option: 5})(body)
+
+
+def test_rq_errors_name_the_job_as_a_job_and_celery_errors_the_task_as_a_task():
+    """Every declaration error (an option's value, a per-call callable's value, the durability
+    check) says what the framework calls it."""
+    with pytest.raises(ConfigError, match=r"^job 'decl\.j': ttl must be"):
+        guarded_job(name="decl.j", ttl=-1)(body)
+    with pytest.raises(ConfigError, match=r"^task 'decl\.t': ttl must be"):
+        guarded_task(name="decl.t", ttl=-1)(body)
+    rq_job = guarded_job(name="decl.cost", key="c:{n}", rate="5/s", cost=lambda n: -1)(job)
+    with pytest.raises(ConfigError, match=r"^job 'decl\.cost': .*cost"):
+        rq_job.taskguard_options.cost_of((1,), {})
 
 
 def test_an_unknown_option_on_rq_is_a_config_error_listing_the_guard_options():
@@ -97,7 +109,7 @@ def test_an_unknown_option_on_rq_is_a_config_error_listing_the_guard_options():
     [("unique", "enqueue_unique"), ("unique_ttl", "enqueue_unique"), ("continue_on_skip", "depends_on")],
 )
 def test_rq_refuses_the_guard_options_it_does_not_take_and_says_where_they_live(option, where):
-    with pytest.raises(ConfigError, match=rf"task 'decl\.j': option '{option}' is not supported here: .*{where}"):
+    with pytest.raises(ConfigError, match=rf"job 'decl\.j': option '{option}' is not supported here: .*{where}"):
         guarded_job(name="decl.j", key="uq:{n}", **{option: True if option != "unique_ttl" else 5})(job)
 
 

@@ -70,7 +70,7 @@ def test_a_guard_whose_replica_timeout_keeps_the_margin_skips_and_leaves_its_key
     try:
         tight = _locks(pair, socket_timeout=0.5)
         try:
-            with pytest.raises(ConfigError, match="task 'failover.near': replica_timeout"):
+            with pytest.raises(ConfigError, match="job 'failover.near': replica_timeout"):
                 guarded_job(name="failover.near", locks=tight, replicas=1, replica_timeout=0.49)(lambda: "ran")
         finally:
             tight.close()

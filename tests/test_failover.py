@@ -353,9 +353,9 @@ def test_a_guard_checks_its_durability_options_at_declaration():
 
     with pytest.raises(ConfigError, match=r"unknown option 'replica'; did you mean 'replicas'\?"):
         guarded_job(name="failover.j", replica=1)(lambda: None)
-    with pytest.raises(ConfigError, match=r"task 'failover.j': replicas must be an int from 0 to 16"):
+    with pytest.raises(ConfigError, match=r"job 'failover.j': replicas must be an int from 0 to 16"):
         guarded_job(name="failover.j", replicas=17)(lambda: None)
-    with pytest.raises(ConfigError, match=r"task 'failover.j': replica_timeout"):
+    with pytest.raises(ConfigError, match=r"job 'failover.j': replica_timeout"):
         guarded_job(name="failover.j", replica_timeout=-1)(lambda: None)
 
 

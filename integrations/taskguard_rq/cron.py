@@ -278,10 +278,7 @@ def load_registrations(config_path: str, connection: Any) -> tuple[Any, list[dic
     except Exception as e:
         word = _unexpected_keyword(e)
         if word is not None:
-            try:
-                check_option_names(f"rq.cron.register in {config_path}", [word], supported=REGISTER_KEYWORDS)
-            except ConfigError as bad:
-                raise ConfigError(str(bad).replace("task ", "", 1)) from None
+            check_option_names(config_path, [word], supported=REGISTER_KEYWORDS, noun="rq.cron.register in")
         raise ConfigError(f"cannot load the rq cron configuration {config_path!r}: {e}") from None
     scheduler.collecting = False
     return scheduler, calls

@@ -151,13 +151,13 @@ def guarded_job(
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         label = name or f"{fn.__module__}.{fn.__qualname__}"
-        check_option_names(label, options, supported=RQ_OPTIONS, elsewhere=RQ_ELSEWHERE)
-        opts = GuardOptions.build(fn, name=label, allowed_on_skip=ON_SKIP, **options)
+        check_option_names(label, options, supported=RQ_OPTIONS, elsewhere=RQ_ELSEWHERE, noun="job")
+        opts = GuardOptions.build(fn, name=label, allowed_on_skip=ON_SKIP, noun="job", **options)
         if locks is not None:  # known now: the durability option is checked against their client
             try:
                 locks.check_durability(opts.replicas, opts.replica_timeout)
             except ConfigError as e:
-                raise ConfigError(f"task {label!r}: {e}") from None
+                raise ConfigError(f"job {label!r}: {e}") from None
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
