@@ -132,6 +132,26 @@ def test_an_expired_message_clears_its_mark_when_the_worker_drops_it(app):
         assert fresh.id != stale.id and fresh.get(timeout=10) == fresh.id
 
 
+def test_a_message_a_worker_cannot_run_for_an_unknown_task_name_clears_its_mark(app, prefix):
+    """A worker of an older deploy (or after a rename) does not know the task: Celery rejects the
+    message and stores ``NotRegistered`` (``task_unknown``); its mark blocked the key for
+    ``unique_ttl`` (60 s here), now the next publish goes out."""
+    task = app.tasks["tg.unique_slow"]
+    lost = task.delay("x")
+    assert _queued(app, "u:x") is not None and task.delay("x").id == lost.id
+    older = make_app(f"q-{prefix}", prefix)
+    older.tasks.unregister("tg.unique_slow")
+    with embedded_worker(older):
+        deadline = time.monotonic() + 10
+        while _queued(app, "u:x") is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _queued(app, "u:x") is None and lost.state == "FAILURE"
+    fresh = task.delay("x")
+    assert fresh.id != lost.id
+    with embedded_worker(app):
+        assert fresh.get(timeout=10) == fresh.id
+
+
 def test_countdown_keeps_the_mark_until_the_run_is_due(app):
     task = app.tasks["tg.unique_short"]  # unique_ttl=1, countdown 2: marked for 3 s
     later = task.apply_async(("f",), countdown=2)

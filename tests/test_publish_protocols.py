@@ -38,6 +38,39 @@ def test_unique_publish_marks_then_answers_with_the_queued_run_and_clears_on_sta
     assert got == ("sent", True)
 
 
+def test_unique_publish_clears_a_mark_whose_run_the_framework_says_will_never_start(any_locks):
+    """``over(run_id)`` (the framework's word: cancelled, deleted, failed while queued) clears
+    that run's mark and publishes; a run still due keeps blocking; a running holder's lease is
+    never touched, whatever ``over`` says."""
+    pub = unique.publish
+    assert pub(any_locks, "uq:o", "run-1", ttl=30, task="t", shadow=False, send=_Sent(), existing=str) == ("sent", True)
+    asked: list[str] = []
+
+    def still_due(run_id):
+        asked.append(run_id)
+        return False
+
+    assert (
+        pub(any_locks, "uq:o", "run-2", ttl=30, task="t", shadow=False, send=_Sent(), existing=str, over=still_due)
+        == "run-1"
+    )
+    assert asked == ["run-1"]
+    sent = _Sent()
+    got = pub(any_locks, "uq:o", "run-3", ttl=30, task="t", shadow=False, send=sent, existing=str, over=lambda r: True)
+    assert got == ("sent", True) and sent.calls == [True]
+    assert pub(any_locks, "uq:o", "run-4", ttl=30, task="t", shadow=False, send=_Sent(), existing=str) == "run-3"
+    # a run holding the lease (no mark of its own any more): over() cannot release it
+    any_locks.clear_queued("uq:o", "run-3", "t")
+    lease = any_locks.acquire("uq:o", ttl=30, holder={"task": "t", "task_id": "run-3"}, run_id="run-3").lease
+    try:
+        got = pub(
+            any_locks, "uq:o", "run-5", ttl=30, task="t", shadow=False, send=_Sent(), existing=str, over=lambda r: True
+        )
+        assert got == "run-3" and any_locks.holder("uq:o").fencing_token == lease.fencing_token
+    finally:
+        lease.release()
+
+
 def test_unique_publish_that_fails_leaves_no_mark(any_locks):
     with pytest.raises(OSError):
         unique.publish(any_locks, "uq:2", "run-1", ttl=30, task="t", shadow=False, send=_Sent(fail=True), existing=str)

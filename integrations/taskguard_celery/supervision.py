@@ -15,6 +15,13 @@ known dead (same host) the copy releases and runs, else it is deferred until the
 
 A retry message that is revoked or expires before it runs releases the lease it kept (its
 ``taskguard`` header holds the handle).
+
+A message that will never run clears the queued mark it was published with (``unique=True``):
+revoked or expired (``task_revoked``), or received by a worker that does not know its task name
+(``task_unknown``: celery/worker/consumer/consumer.py ``on_unknown_task`` rejects the message and
+stores ``NotRegistered`` — a worker of an older deploy, a renamed task). That worker knows no
+options of the task, so the mark is cleared in the app's default lease store (a task declared
+with ``locks=`` of its own leaves it to ``unique_ttl``).
 """
 
 from __future__ import annotations
@@ -24,12 +31,13 @@ from typing import Any
 
 from billiard.exceptions import WorkerLostError
 from celery.exceptions import TimeLimitExceeded
-from celery.signals import task_failure, task_revoked
+from celery.signals import task_failure, task_revoked, task_unknown
 
-from taskguard import ConfigError, LeaseBackendError
+from taskguard import ConfigError, LeaseBackendError, unique
 
 from . import uniqueness
-from .headers import HEADER
+from .config import locks_for
+from .headers import HEADER, UNIQUE_HEADER
 from .setup import receiver
 from .task import GuardedTask, release_retry_handle
 
@@ -91,3 +99,17 @@ def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = Fals
             log.warning("task %s[%s]: revoked retry released its kept lease", sender.name, request.id)
     except (ConfigError, LeaseBackendError) as e:
         log.warning("task %s[%s]: could not release the revoked retry's lease: %s", sender.name, request.id, e)
+
+
+@receiver(task_unknown)
+def _on_unknown(sender: Any = None, message: Any = None, name: Any = None, id: Any = None, **_: Any) -> None:  # noqa: A002
+    key = (getattr(message, "headers", None) or {}).get(UNIQUE_HEADER)
+    app = getattr(sender, "app", None)
+    if not (isinstance(key, str) and key and isinstance(name, str) and isinstance(id, str) and app is not None):
+        return
+    try:
+        locks = locks_for(app)
+    except ConfigError as e:
+        log.warning("task %s[%s]: unknown here; could not clear its queued mark (its TTL bounds it): %s", name, id, e)
+        return
+    unique.clear(locks, (key, id, name), False)  # (never raises: a failure is logged)

@@ -7,7 +7,8 @@ running (a live lease) answers with its task id, and the publish returns that ru
 ``AsyncResult`` and publishes nothing; else the new task id is marked and the message published
 with the ``taskguard_unique`` header. The mark is cleared by the worker when the run starts
 (atomically with its lease, or when it is skipped), by the worker's main process when the message is
-revoked or expires (``task_revoked``), at once when the publish itself fails, and otherwise by
+revoked or expires (``task_revoked``) or names a task that worker does not know
+(``task_unknown``, :mod:`taskguard_celery.supervision`), at once when the publish itself fails, and otherwise by
 its TTL (``unique_ttl``, default the publish's ``expires`` or 1 hour, plus any countdown): a
 message lost after publishing blocks the key no longer than that.
 

@@ -6,8 +6,10 @@ lease hash) before enqueuing: a job of the key that is queued or running answers
 id, and the existing :class:`rq.job.Job` is returned with nothing enqueued; else the new job id
 is marked and the job enqueued with ``meta["taskguard_unique"]`` naming the key. The mark is
 cleared when the job starts (after it took its lease or was skipped), at once when the enqueue
-itself fails, and otherwise by its TTL (``unique_ttl``, default the job's queued ``ttl`` or 1
-hour, plus the delay of a scheduled job).
+itself fails, by the next ``enqueue_unique`` of the key when the job it names will never start
+(:func:`never_starts`: cancelled, deleted — ``job.delete()``, ``queue.empty()`` — or failed,
+stopped or finished without clearing it), and otherwise by its TTL (``unique_ttl``, default the
+job's queued ``ttl`` or 1 hour, plus the delay of a scheduled job).
 
 Where the job id *is* the key (``job_id=`` given), RQ's own ``unique=True`` (RQ >= 2.8: the id
 check and the enqueue in one step, ``DuplicateJobError`` when the id exists) does the work: a job
@@ -23,6 +25,7 @@ The lease stays the correctness boundary: uniqueness only saves queue space.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
@@ -125,6 +128,7 @@ def enqueue_unique(
         shadow=not opts.enforce,
         send=send,
         existing=lambda found: _handle(Job, found, queue),
+        over=lambda found: never_starts(Job, found, queue.connection),
     )
 
 
@@ -134,6 +138,25 @@ def enqueue_unique(
 OVER = frozenset({"finished", "failed", "stopped", "canceled"})
 #: How many times an explicit id is tried when the job found under it was over and deleted.
 _ROUNDS = 3
+#: A job a queued mark names that has no hash in Redis is taken as deleted only if it still has
+#: none this many seconds later: the caller that marked it writes it right after marking.
+MISSING_GRACE = 0.5
+
+
+def never_starts(job_class: Any, job_id: str, connection: Any, grace: float = MISSING_GRACE) -> bool:
+    """Whether the job ``job_id`` a queued mark names will never start: its status is over
+    (:data:`OVER`: cancelled, or failed, stopped or finished without having cleared its mark) or
+    it is gone (deleted, ``queue.empty()``, its queued ``ttl`` run out) and still gone ``grace``
+    seconds later (its enqueue may still be being written by the caller that marked it). Raises
+    what redis-py raises."""
+    key = job_class.key_for(job_id)
+    status = connection.hget(key, "status")
+    if status is None and connection.exists(key):
+        return False  # a job being written (RQ saves the hash, then its status field)
+    if status is None:
+        time.sleep(grace)
+        return not connection.exists(key)
+    return (status.decode() if isinstance(status, bytes) else status) in OVER
 
 
 def _delete_if_over(job_class: Any, job_id: str, connection: Any) -> bool:
