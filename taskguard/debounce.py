@@ -28,6 +28,14 @@ window still runs once). A send that succeeded is never reported as failed: shou
 window published fail then, it is logged (a later call may publish the window again after the
 claim: one run).
 
+**A window whose message will never run** — cancelled, deleted, revoked, rejected by a worker that
+does not know its task — would swallow every call joining it until its record expires
+(``debounce_max`` + :data:`GRACE`). Where the framework can tell from the handle a joining call
+fetches anyway (RQ: the window's job, over or gone), :func:`publish_call` asks ``over`` and the
+call reopens the window under its own run id instead (one conditional write: of calls finding the
+same dead window one reopens, the others join it); where the framework announces it (Celery:
+``task_revoked``, ``task_unknown``), :func:`drop` deletes the record that names it.
+
 This module imports no task framework.
 """
 
@@ -47,7 +55,7 @@ from .values import Reason
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["RECORD", "Window", "publish_call", "publish", "published", "due", "GRACE", "PUBLISH_CLAIM"]
+__all__ = ["RECORD", "Window", "publish_call", "publish", "published", "due", "drop", "GRACE", "PUBLISH_CLAIM"]
 
 log = logging.getLogger("taskguard")
 
@@ -102,20 +110,31 @@ def publish_call(
     task: str,
     send: Callable[[Window], T],
     joined: Callable[[str], T],
+    over: Callable[[str], bool] | None = None,
 ) -> T:
     """A call of ``task`` (its arguments as ``message``, a JSON value): open the key's window,
     named ``run_id``, or join the open one. ``send(window)`` publishes the window's one message
     (run id ``window.run_id``, ``window.countdown`` seconds ahead) when this call is the one to
     (:attr:`Window.publish`), after which the window is marked published; else ``joined(run_id)``
-    is the handle returned for the open window. A call joining a window is reported as a skip
+    is the handle returned for the open window. ``over(run_id)``, asked before joining a
+    published window: ``True`` when the framework knows its message will never run; this call
+    then reopens the window under ``run_id``. A call joining a window is reported as a skip
     (reason ``"debounced"``). Returns what ``send`` or ``joined`` returns. Raises
     LeaseBackendError when Redis fails (nothing published), and what ``send`` raises."""
     w = publish(locks, key, run_id, message, debounce=debounce, debounce_max=debounce_max)
+    for _ in range(_ROUNDS):
+        if w.pending:
+            w = _await_published(locks, key, w)
+        if w.publish or over is None or not over(w.run_id):
+            break
+        reopened = _reopen(locks, key, w.run_id, run_id, message, debounce=debounce, debounce_max=debounce_max)
+        if reopened is None:  # its record was taken meanwhile: the window ran (this call's arguments too)
+            break
+        log.info("%s: the debounce window %s of %r will never run: reopened", task, w.run_id, key)
+        w = reopened
     if not w.fresh:
         locks.report_skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=task))
         log.debug("%s: call joined the debounce window %s of %r", task, w.run_id, key)
-    if w.pending:
-        w = _await_published(locks, key, w)
     if not w.publish:
         return joined(w.run_id)
     if not w.fresh:  # its publisher's claim ran out: it died before publishing, or is that slow
@@ -141,10 +160,9 @@ def publish(locks: Locks, key: str, run_id: str, message: Any, *, debounce: floa
         now = locks.server_time()
         rec = json.loads(raw) if raw is not None else None
         if rec is None:
-            new = {"id": run_id, "first": now, "due": now + debounce, "msg": message, "pub": 0}
-            new["claim"] = now + PUBLISH_CLAIM
-            if locks.put_record(key, RECORD, _dumps(new), ttl=debounce_max + GRACE, if_absent=True):
-                return Window(run_id, True, debounce, publish=True, ttl=debounce_max + GRACE, claim=new["claim"])
+            opened = _open(locks, key, run_id, message, now, None, debounce=debounce, debounce_max=debounce_max)
+            if opened is not None:
+                return opened
             continue
         rec["due"] = min(now + debounce, rec["first"] + debounce_max)
         rec["msg"] = message
@@ -162,6 +180,66 @@ def publish(locks: Locks, key: str, run_id: str, message: Any, *, debounce: floa
             claim = float(rec["claim"]) if take else 0.0
             return Window(str(rec["id"]), False, countdown, take, left, pending, max(claim_left, 0.0), claim)
     raise LeaseBackendError("debounce", key, "could not record the call: too much contention")
+
+
+def _open(
+    locks: Locks,
+    key: str,
+    run_id: str,
+    message: Any,
+    now: float,
+    raw: str | None,
+    *,
+    debounce: float,
+    debounce_max: float,
+) -> Window | None:
+    """Write a new window named ``run_id``, claimed for publishing by this call, over the record
+    ``raw`` (``None``: where there is none); ``None`` when the record changed meanwhile."""
+    new = {"id": run_id, "first": now, "due": now + debounce, "msg": message, "pub": 0, "claim": now + PUBLISH_CLAIM}
+    ttl = debounce_max + GRACE
+    written = (
+        locks.put_record(key, RECORD, _dumps(new), ttl=ttl, if_absent=True)
+        if raw is None
+        else locks.put_record(key, RECORD, _dumps(new), ttl=ttl, if_value=raw)
+    )
+    return Window(run_id, True, debounce, publish=True, ttl=ttl, claim=new["claim"]) if written else None
+
+
+def _reopen(
+    locks: Locks, key: str, dead: str, run_id: str, message: Any, *, debounce: float, debounce_max: float
+) -> Window | None:
+    """The framework says the window ``dead``'s message will never run: replace the window with
+    one named ``run_id`` (this call publishes it) while the record still names ``dead`` — a
+    message that took its record has run, whatever its state says now (a window's message takes
+    the record, atomically, before its body runs: :func:`due`). When another call replaced it
+    first, add this call to that window, as :func:`publish` does. ``None``: the record is gone
+    (the window ran, with this call's arguments)."""
+    for _ in range(_ROUNDS):
+        raw = locks.get_record(key, RECORD)
+        rec = json.loads(raw) if raw is not None else None
+        if rec is None:
+            return None
+        if rec.get("id") != dead:
+            return publish(locks, key, run_id, message, debounce=debounce, debounce_max=debounce_max)
+        now = locks.server_time()
+        opened = _open(locks, key, run_id, message, now, raw, debounce=debounce, debounce_max=debounce_max)
+        if opened is not None:
+            return opened
+    raise LeaseBackendError("debounce", key, "could not reopen the window: too much contention")
+
+
+def drop(locks: Locks, key: str, run_id: str) -> bool:
+    """The window ``run_id``'s message will never run (revoked, rejected): delete the key's
+    record if it still names that window, so that the next call opens a new one. Returns ``True``
+    when deleted. Raises LeaseBackendError."""
+    for _ in range(_ROUNDS):
+        raw = locks.get_record(key, RECORD)
+        rec = json.loads(raw) if raw is not None else None
+        if rec is None or rec.get("id") != run_id:
+            return False
+        if locks.delete_record(key, RECORD, if_value=raw):
+            return True
+    raise LeaseBackendError("debounce", key, "could not drop the window: too much contention")
 
 
 def _drop_claim(locks: Locks, key: str, run_id: str, claim: float, *, ttl: float) -> None:

@@ -367,6 +367,46 @@ def test_debounce_max_runs_a_steady_stream_at_least_that_often(app, redis_url, p
     assert all(b - a <= 2.0 + 1.0 for a, b in zip(starts, starts[1:], strict=False))  # max plus a worker's delay
 
 
+def _window(app, key):
+    from taskguard.debounce import RECORD
+
+    return app.conf.taskguard_locks.get_record(key, RECORD)
+
+
+@pytest.mark.parametrize("end", ["revoked", "unknown_task"])
+def test_debounce_a_window_whose_message_will_never_run_is_dropped_and_the_next_call_opens_one(
+    app, redis_url, prefix, end
+):
+    """A window whose message was revoked, or rejected by a worker that does not know the task,
+    swallowed every later call for debounce_max + 10 min (each got the dead window's
+    AsyncResult). The worker's ``task_revoked`` / ``task_unknown`` now drops the window; the
+    next call opens one, which runs once with the last call's arguments."""
+    r = redis.Redis.from_url(redis_url)
+    task = app.tasks["tg.search"]
+    if end == "revoked":
+        with embedded_worker(app, concurrency=2):
+            first = task.delay("s9", 0)
+            app.control.revoke(first.id)
+            deadline = time.monotonic() + 10
+            while (first.state != "REVOKED" or _window(app, "search:s9")) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert first.state == "REVOKED" and _window(app, "search:s9") is None
+    else:
+        first = task.delay("s9", 0)
+        older = make_app(f"q-{prefix}", prefix)  # a worker of an older deploy: no tg.search
+        older.tasks.unregister("tg.search")
+        with embedded_worker(older):
+            deadline = time.monotonic() + 10
+            while _window(app, "search:s9") is not None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _window(app, "search:s9") is None and first.state == "FAILURE"
+    second, third = task.delay("s9", 1), task.delay("s9", 2)
+    assert second.id != first.id and third.id == second.id
+    with embedded_worker(app, concurrency=2):
+        assert third.get(timeout=10) == 2
+    assert [n for n, _ in _searched(r, prefix, "s9")] == [2]
+
+
 def test_debounce_options_are_checked_at_declaration():
     with pytest.raises(ConfigError, match="debounce_max needs debounce="):
 

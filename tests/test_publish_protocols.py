@@ -4,6 +4,7 @@ on Redis, Redis Cluster and MemoryLocks."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -189,6 +190,83 @@ def test_debounce_publish_call_publishes_one_message_per_window_and_reports_each
     assert [e.status for e in seen if e.kind == "skip" and e.key == "db:1"] == ["debounced", "debounced"]
     state, message = debounce.due(any_locks, "db:1", "run-0")
     assert state == "wait" and 0 < message <= 5
+
+
+def _debounced(locks, key, run_id, n, send, over=None):
+    return debounce.publish_call(
+        locks, key, run_id, {"n": n}, debounce=5, debounce_max=20, task="t", send=send, joined=str, over=over
+    )
+
+
+def test_debounce_a_window_whose_message_will_never_run_is_reopened_by_the_next_call(any_locks):
+    """A window whose message is cancelled, deleted or revoked swallowed every call joining it
+    until its record ran out (``debounce_max`` + 10 min). When the framework says so (``over``),
+    the joining call reopens it under its own run id and publishes; the window runs that call's
+    arguments; a live window is joined as before, and ``over`` is never asked of the call's own
+    fresh window."""
+    asked: list[str] = []
+
+    def dead(run_id):
+        asked.append(run_id)
+        return run_id == "run-0"
+
+    first = _Sent()
+    assert _debounced(any_locks, "db:o", "run-0", 0, first, over=dead) == ("sent", first.calls[0])
+    assert asked == []  # the opener never asks
+    second = _Sent()
+    _debounced(any_locks, "db:o", "run-1", 1, second, over=dead)
+    assert asked == ["run-0"] and len(second.calls) == 1
+    assert second.calls[0].run_id == "run-1" and second.calls[0].fresh and second.calls[0].countdown == 5
+    third = _Sent()
+    assert _debounced(any_locks, "db:o", "run-2", 2, third, over=dead) == "run-1" and third.calls == []
+    assert asked == ["run-0", "run-1"]
+    window = json.loads(any_locks.get_record("db:o", debounce.RECORD))
+    assert (window["id"], window["msg"]) == ("run-1", {"n": 2})  # the latest call's arguments run
+
+
+def test_debounce_of_calls_finding_one_dead_window_one_reopens_it_and_the_others_join(any_locks):
+    _debounced(any_locks, "db:c", "run-0", 0, _Sent())
+    sends = _Sent()
+    got: list[object] = []
+    barrier = threading.Barrier(6)
+
+    def call(i):
+        barrier.wait()
+        got.append(_debounced(any_locks, "db:c", f"run-{i + 1}", i + 1, sends, over=lambda r: r == "run-0"))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(sends.calls) == 1  # one new window, one message
+    new = sends.calls[0].run_id
+    assert new != "run-0" and sorted(g if isinstance(g, str) else new for g in got) == [new] * 6
+
+
+def test_debounce_a_window_whose_message_took_its_record_meanwhile_is_never_reopened(any_locks):
+    """A window's message takes the record before its body runs: once it has, the window ran
+    with the joining call's arguments, whatever its state says by the time ``over`` is asked
+    (finished, failed in its body). Reopening then would run that call twice."""
+    _debounced(any_locks, "db:r", "run-0", 0, _Sent())
+
+    def ran_meanwhile(run_id):
+        assert debounce.drop(any_locks, "db:r", run_id)  # (as its message taking the record does)
+        return True
+
+    sends = _Sent()
+    assert _debounced(any_locks, "db:r", "run-1", 1, sends, over=ran_meanwhile) == "run-0" and sends.calls == []
+
+
+def test_debounce_drop_deletes_only_the_window_it_names(any_locks):
+    _debounced(any_locks, "db:d", "run-0", 0, _Sent())
+    assert debounce.drop(any_locks, "db:d", "run-9") is False
+    assert _debounced(any_locks, "db:d", "run-1", 1, _Sent()) == "run-0"  # still open
+    assert debounce.drop(any_locks, "db:d", "run-0") is True
+    sends = _Sent()
+    _debounced(any_locks, "db:d", "run-2", 2, sends)
+    assert sends.calls[0].run_id == "run-2" and sends.calls[0].fresh  # a new window
+    assert debounce.drop(any_locks, "db:none", "run-0") is False
 
 
 def test_debounce_a_window_whose_opener_died_before_publishing_is_published_by_the_next_call(any_locks):

@@ -216,6 +216,30 @@ def test_debounce_enqueue_debounced_makes_one_job_per_window_run_with_the_last_a
     assert 0.9 <= ran[0][1] - last_call <= 4.0
 
 
+@pytest.mark.parametrize("end", ["cancel", "delete", "fail_before_its_body"])
+def test_debounce_a_window_whose_job_will_never_run_is_reopened_by_the_next_call(rq_env, end):
+    """A window's job cancelled, deleted or failed without its body (a deploy renamed the
+    function) swallowed every later call for debounce_max + 10 min: the cancelled job was returned
+    and never ran, a deleted one made each call raise NoSuchJobError. The next call now opens a
+    new window (a new job), which runs once with the last call's arguments."""
+    with RQWorker(rq_env) as w:
+        first = rq_jobs.search.enqueue_debounced(rq_env, "s9", 0)
+        if end == "cancel":
+            first.cancel()
+        elif end == "delete":
+            first.delete()
+        else:
+            first.func_name = "tests.rq_jobs.renamed_away"
+            first.save()
+            assert wait_done(first, timeout=20) == JobStatus.FAILED
+        second = rq_jobs.search.enqueue_debounced(rq_env, "s9", 1)
+        third = rq_jobs.search.enqueue_debounced(rq_env, "s9", 2)
+        assert second.id != first.id and third.id == second.id
+        assert wait_done(second, timeout=20) == JobStatus.FINISHED, w.output()
+    assert second.return_value() == 2
+    assert [x.decode().split()[0] for x in rq_env.connection.lrange(_key("searched:s9"), 0, -1)] == ["2"]
+
+
 def test_enqueue_debounced_needs_debounce():
     with pytest.raises(ConfigError, match="enqueue_debounced needs debounce="):
         rq_jobs.rebuild.enqueue_debounced(None, "s1", 1)

@@ -16,28 +16,30 @@ known dead (same host) the copy releases and runs, else it is deferred until the
 A retry message that is revoked or expires before it runs releases the lease it kept (its
 ``taskguard`` header holds the handle).
 
-A message that will never run clears the queued mark it was published with (``unique=True``):
-revoked or expired (``task_revoked``), or received by a worker that does not know its task name
-(``task_unknown``: celery/worker/consumer/consumer.py ``on_unknown_task`` rejects the message and
-stores ``NotRegistered`` — a worker of an older deploy, a renamed task). That worker knows no
-options of the task, so the mark is cleared in the app's default lease store (a task declared
-with ``locks=`` of its own leaves it to ``unique_ttl``).
+A message that will never run clears the queued mark it was published with (``unique=True``),
+and a debounce window's message the window's record (so that the next call opens a new window
+instead of joining one that never runs): revoked or expired (``task_revoked``), or received by a
+worker that does not know its task name (``task_unknown``: celery/worker/consumer/consumer.py
+``on_unknown_task`` rejects the message and stores ``NotRegistered`` — a worker of an older
+deploy, a renamed task). That worker knows no options of the task, so it clears them in the
+app's default lease store (a task declared with ``locks=`` of its own leaves them to their TTL).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from billiard.exceptions import WorkerLostError
 from celery.exceptions import TimeLimitExceeded
 from celery.signals import task_failure, task_revoked, task_unknown
 
-from taskguard import ConfigError, LeaseBackendError, unique
+from taskguard import ConfigError, LeaseBackendError, debounce, unique
 
 from . import uniqueness
 from .config import locks_for
-from .headers import HEADER, UNIQUE_HEADER
+from .headers import DEBOUNCE_HEADER, HEADER, UNIQUE_HEADER, read_header
 from .setup import receiver
 from .task import GuardedTask, release_retry_handle
 
@@ -88,6 +90,7 @@ def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = Fals
     if not isinstance(sender, GuardedTask) or request is None:
         return
     uniqueness.clear(sender, request)  # revoked or expired: it will not run, so it is no longer queued
+    _drop_window(lambda: sender.taskguard_locks, read_header(request, DEBOUNCE_HEADER), request.id, sender.name)
     if terminated:
         release_for_run(sender, request.id, request.args, request.kwargs)
         return
@@ -103,13 +106,29 @@ def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = Fals
 
 @receiver(task_unknown)
 def _on_unknown(sender: Any = None, message: Any = None, name: Any = None, id: Any = None, **_: Any) -> None:  # noqa: A002
-    key = (getattr(message, "headers", None) or {}).get(UNIQUE_HEADER)
+    headers = getattr(message, "headers", None) or {}
+    key = headers.get(UNIQUE_HEADER)
     app = getattr(sender, "app", None)
-    if not (isinstance(key, str) and key and isinstance(name, str) and isinstance(id, str) and app is not None):
+    if not (isinstance(name, str) and isinstance(id, str) and app is not None):
+        return
+    if not (isinstance(key, str) and key) and DEBOUNCE_HEADER not in headers:
+        return
+    if isinstance(key, str) and key:
+        try:
+            unique.clear(locks_for(app), (key, id, name), False)  # (never raises: a failure is logged)
+        except ConfigError as e:
+            log.warning("task %s[%s]: could not clear its queued mark (its TTL bounds it): %s", name, id, e)
+    _drop_window(lambda: locks_for(app), headers.get(DEBOUNCE_HEADER), id, name)
+
+
+def _drop_window(locks: Callable[[], Any], header: Any, run_id: Any, name: str) -> None:
+    """A debounce window's message (its header ``{"key": ...}``) will never run: drop the window
+    from ``locks()`` (never raises: a failure is logged)."""
+    key = header.get("key") if isinstance(header, dict) else None
+    if not (isinstance(key, str) and key and isinstance(run_id, str)):
         return
     try:
-        locks = locks_for(app)
-    except ConfigError as e:
-        log.warning("task %s[%s]: unknown here; could not clear its queued mark (its TTL bounds it): %s", name, id, e)
-        return
-    unique.clear(locks, (key, id, name), False)  # (never raises: a failure is logged)
+        if debounce.drop(locks(), key, run_id):
+            log.info("task %s[%s]: its debounce window of %r will never run: dropped", name, run_id, key)
+    except (ConfigError, LeaseBackendError) as e:
+        log.warning("task %s[%s]: could not drop its debounce window (its TTL bounds it): %s", name, run_id, e)

@@ -31,6 +31,7 @@ from typing import Any
 
 from rq import Retry, get_current_job
 from rq.command import send_stop_job_command
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.registry import ScheduledJobRegistry
 
@@ -426,6 +427,19 @@ def _enqueue_debounced(
         due = datetime.timedelta(seconds=w.countdown)
         return queue.enqueue_in(due, guarded, *args, job_id=w.run_id, meta={DEBOUNCE_META_KEY: key}, **kwargs)
 
+    fetched: dict[str, Any] = {}
+
+    def over(run_id: str) -> bool:  # the window's job, fetched once for joined() too
+        try:
+            job = fetched[run_id] = Job.fetch(run_id, connection=queue.connection, serializer=queue.serializer)
+        except NoSuchJobError:  # deleted (the window is marked published: its job was written)
+            return True
+        return job.get_status(refresh=False) in unique.OVER  # cancelled, failed before its body...
+
+    def joined(run_id: str) -> Any:
+        job = fetched.get(run_id)
+        return job if job is not None else Job.fetch(run_id, connection=queue.connection, serializer=queue.serializer)
+
     return publish_call(
         locks_for(given),
         key,
@@ -435,7 +449,8 @@ def _enqueue_debounced(
         debounce_max=opts.debounce_max,
         task=name,
         send=send,
-        joined=lambda run_id: Job.fetch(run_id, connection=queue.connection, serializer=queue.serializer),
+        joined=joined,
+        over=over,
     )
 
 
