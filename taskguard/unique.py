@@ -8,7 +8,7 @@ marked and the call published carrying its key (a Celery header, an RQ job's met
 run clears the mark when it starts (atomically with its lease: :meth:`taskguard.Locks.acquire`'s
 ``queued_mark``) or is skipped (:func:`clear`); the mark is cleared at once when the publish
 itself fails, and otherwise lasts its TTL — unless the framework can tell that the run a mark
-names will never start (an RQ job cancelled, deleted or failed while queued: ``over``), which
+names will never start (an RQ job cancelled or failed while queued: ``over``), which
 clears that mark at the next publish of the key. In shadow mode (``enforce=False``) the call is always
 published; what uniqueness would have done is reported and logged (shadow mode's mark of its
 own, :mod:`taskguard.queue_marks`).
@@ -58,7 +58,7 @@ def publish(
         existing: ``existing(run_id)`` is the handle returned for the run already queued or
             running (nothing is published then).
         over: ``over(run_id)``, asked of a run found queued or running: ``True`` when the
-            framework knows it will never start (it is over or gone while its mark lasts). Its
+            framework knows it will never start (it is over while its mark lasts). Its
             mark is then cleared (only if it still names that run: a live lease of the run is
             never touched) and the publish asks once more.
 
@@ -67,9 +67,11 @@ def publish(
     try:
         marked, found = locks.mark_queued(key, run_id, ttl=ttl, task=task, shadow=shadow)
         if not marked and not shadow and over is not None and found != run_id and over(found):
-            if locks.clear_queued(key, found, task):  # a mark outliving its run: gone, ask again
+            # a mark outliving its run: cleared (by this call, or by another one that found it
+            # first and may have marked its own run since), then asked again
+            if locks.clear_queued(key, found, task):
                 log.info("%s: the run %s marked queued on %r will never start: mark cleared", task, found, key)
-                marked, found = locks.mark_queued(key, run_id, ttl=ttl, task=task, shadow=shadow)
+            marked, found = locks.mark_queued(key, run_id, ttl=ttl, task=task, shadow=shadow)
     except LeaseBackendError as e:
         if not shadow:
             raise

@@ -1,8 +1,8 @@
 """Enqueue-time uniqueness for RQ (``taskguard_rq.enqueue_unique``) with real ``rq worker``
 processes: one job per key while one is queued or running, RQ's own ``unique=`` where the job id
-is the key, no mark left by a failed enqueue, a job that will never start (cancelled, deleted,
-failed before its body) blocking its key no longer than the next enqueue, a lost job no longer
-than ``unique_ttl``."""
+is the key, no mark left by a failed enqueue, a job that will never start (cancelled, failed
+before its body) blocking its key no longer than the next enqueue, a lost or deleted job no
+longer than ``unique_ttl``."""
 
 from __future__ import annotations
 
@@ -66,19 +66,16 @@ def test_a_failed_enqueue_leaves_no_mark_and_a_lost_job_blocks_only_until_unique
     rq_env.connection.delete(rq_env.key)  # the queue's list is lost; the job's hash still says queued
     assert enqueue_unique(rq_env, rq_jobs.unique_job, ("d",), unique_ttl=1).id == first.id
     time.sleep(1.2)  # unique_ttl=1
-    assert enqueue_unique(rq_env, rq_jobs.unique_job, ("d",), unique_ttl=1).id != first.id
+    second = enqueue_unique(rq_env, rq_jobs.unique_job, ("d",), unique_ttl=1)
+    assert second.id != first.id
+    rq_env.empty()  # deleted while queued: not told from a job its publisher has not written yet
+    assert enqueue_unique(rq_env, rq_jobs.unique_job, ("d",), unique_ttl=1).id == second.id
+    time.sleep(1.2)
+    assert enqueue_unique(rq_env, rq_jobs.unique_job, ("d",), unique_ttl=1).id != second.id
 
 
 def _cancel(queue, job):
     job.cancel()  # (a plain `rq worker`: no GuardedWorker maintenance clears its mark)
-
-
-def _delete(queue, job):
-    job.delete()
-
-
-def _empty(queue, job):
-    queue.empty()  # (`rq empty QUEUE`: deletes the queued jobs' hashes)
 
 
 def _fail_before_its_body(queue, job):
@@ -90,16 +87,12 @@ def _fail_before_its_body(queue, job):
         assert wait_done(job) == JobStatus.FAILED
 
 
-def _expire(queue, job):
-    time.sleep(1.3)  # the job's queued ttl=1: RQ lets its hash expire
-
-
-@pytest.mark.parametrize("end", [_cancel, _delete, _empty, _fail_before_its_body, _expire])
+@pytest.mark.parametrize("end", [_cancel, _fail_before_its_body])
 def test_a_mark_whose_job_will_never_start_blocks_its_key_only_until_the_next_enqueue(rq_env, end):
     """A queued mark outliving its job blocked every ``enqueue_unique`` of the key for the mark's
     TTL (an hour by default): each way RQ ends a queued job without running it. The next
-    enqueue finds the job over or gone, clears that mark and enqueues a job that runs."""
-    first = enqueue_unique(rq_env, rq_jobs.unique_job, ("n",), {"seconds": 0}, ttl=1, unique_ttl=600)
+    enqueue finds the job over, clears that mark and enqueues a job that runs."""
+    first = enqueue_unique(rq_env, rq_jobs.unique_job, ("n",), {"seconds": 0}, unique_ttl=600)
     assert enqueue_unique(rq_env, rq_jobs.unique_job, ("n",)).id == first.id  # queued: it blocks
     end(rq_env, first)
     again = enqueue_unique(rq_env, rq_jobs.unique_job, ("n",), {"seconds": 0})
@@ -110,18 +103,36 @@ def test_a_mark_whose_job_will_never_start_blocks_its_key_only_until_the_next_en
     assert log(rq_env).count("unique:n") == 1
 
 
-def test_a_mark_whose_job_is_still_being_written_is_not_taken_for_a_deleted_one(rq_env):
-    """The caller that marked a key writes its job right after: a job missing for less than
-    ``MISSING_GRACE`` is waited for, and returned once written (one job, not two)."""
+def test_a_mark_whose_job_is_not_written_yet_blocks_however_long_its_publisher_stalls(rq_env):
+    """The caller that marked a key writes its job after: a publisher stalled there (a GC pause,
+    SIGSTOP, a slow network) still holds the key; the job is returned once written."""
     job_id = f"written-late-{uuid.uuid4().hex}"
     assert locks().mark_queued("uq:w", job_id, ttl=60, task=rq_jobs.unique_job.taskguard_name) == (True, job_id)
-    writer = threading.Timer(0.2, lambda: rq_env.enqueue_call(rq_jobs.unique_job, args=("w",), job_id=job_id))
-    writer.start()
-    try:
-        found = enqueue_unique(rq_env, rq_jobs.unique_job, ("w",))
-    finally:
-        writer.join()
-    assert found.id == job_id and rq_env.count == 1
+    found = enqueue_unique(rq_env, rq_jobs.unique_job, ("w",))
+    time.sleep(1.0)
+    assert enqueue_unique(rq_env, rq_jobs.unique_job, ("w",)).id == found.id == job_id and rq_env.count == 0
+    rq_env.enqueue_call(rq_jobs.unique_job, args=("w",), job_id=job_id)
+    assert enqueue_unique(rq_env, rq_jobs.unique_job, ("w",)).id == job_id and rq_env.count == 1
+
+
+def test_concurrent_enqueues_finding_a_cancelled_jobs_mark_make_one_new_job(rq_env):
+    first = enqueue_unique(rq_env, rq_jobs.unique_job, ("v",), {"seconds": 0})
+    first.cancel()
+    jobs: list = []
+    barrier = threading.Barrier(6)
+
+    def enqueue():
+        barrier.wait()
+        jobs.append(enqueue_unique(rq_env, rq_jobs.unique_job, ("v",), {"seconds": 0}))
+
+    threads = [threading.Thread(target=enqueue) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({j.id for j in jobs}) == 1 and jobs[0].id != first.id and rq_env.count == 1
+    with RQWorker(rq_env):
+        assert wait_done(jobs[0]) == JobStatus.FINISHED
 
 
 def test_the_bound_helper_enqueues_uniquely(rq_env):

@@ -7,9 +7,10 @@ id, and the existing :class:`rq.job.Job` is returned with nothing enqueued; else
 is marked and the job enqueued with ``meta["taskguard_unique"]`` naming the key. The mark is
 cleared when the job starts (after it took its lease or was skipped), at once when the enqueue
 itself fails, by the next ``enqueue_unique`` of the key when the job it names will never start
-(:func:`never_starts`: cancelled, deleted — ``job.delete()``, ``queue.empty()`` — or failed,
-stopped or finished without clearing it), and otherwise by its TTL (``unique_ttl``, default the
-job's queued ``ttl`` or 1 hour, plus the delay of a scheduled job).
+(:func:`never_starts`: cancelled, or failed, stopped or finished without clearing it), and
+otherwise by its TTL (``unique_ttl``, default the job's queued ``ttl`` or 1 hour, plus the delay
+of a scheduled job) — also for a job deleted while queued (``job.delete()``, ``queue.empty()``):
+a job missing from Redis cannot be told from one its publisher has marked and not yet written.
 
 Where the job id *is* the key (``job_id=`` given), RQ's own ``unique=True`` (RQ >= 2.8: the id
 check and the enqueue in one step, ``DuplicateJobError`` when the id exists) does the work: a job
@@ -25,7 +26,6 @@ The lease stays the correctness boundary: uniqueness only saves queue space.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
@@ -138,25 +138,16 @@ def enqueue_unique(
 OVER = frozenset({"finished", "failed", "stopped", "canceled"})
 #: How many times an explicit id is tried when the job found under it was over and deleted.
 _ROUNDS = 3
-#: A job a queued mark names that has no hash in Redis is taken as deleted only if it still has
-#: none this many seconds later: the caller that marked it writes it right after marking.
-MISSING_GRACE = 0.5
 
 
-def never_starts(job_class: Any, job_id: str, connection: Any, grace: float = MISSING_GRACE) -> bool:
+def never_starts(job_class: Any, job_id: str, connection: Any) -> bool:
     """Whether the job ``job_id`` a queued mark names will never start: its status is over
-    (:data:`OVER`: cancelled, or failed, stopped or finished without having cleared its mark) or
-    it is gone (deleted, ``queue.empty()``, its queued ``ttl`` run out) and still gone ``grace``
-    seconds later (its enqueue may still be being written by the caller that marked it). Raises
-    what redis-py raises."""
-    key = job_class.key_for(job_id)
-    status = connection.hget(key, "status")
-    if status is None and connection.exists(key):
-        return False  # a job being written (RQ saves the hash, then its status field)
-    if status is None:
-        time.sleep(grace)
-        return not connection.exists(key)
-    return (status.decode() if isinstance(status, bytes) else status) in OVER
+    (:data:`OVER`: cancelled, or failed, stopped or finished without having cleared its mark). A
+    job with no hash is not: its publisher may have marked it and not written it yet (however
+    long it stalls there), so a job deleted while queued is left to the mark's TTL. Raises what
+    redis-py raises."""
+    status = connection.hget(job_class.key_for(job_id), "status")
+    return status is not None and (status.decode() if isinstance(status, bytes) else status) in OVER
 
 
 def _delete_if_over(job_class: Any, job_id: str, connection: Any) -> bool:
