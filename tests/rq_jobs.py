@@ -417,3 +417,9 @@ _OWN_LOCKS = RedisLocks(
 @guarded_job(ttl=30, key="own:{name}", locks=_OWN_LOCKS)
 def with_own_locks(name):
     return current_lease().fencing_token
+
+
+@guarded_job(ttl=5, key="cache:{name}", debounce=1.0, debounce_max=2.5)
+def refresh_cache(name, ttl=60, meta=None):
+    """debounce= on a function whose parameters are named as RQ enqueue options."""
+    return {"ttl": ttl, "meta": meta}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -238,6 +239,52 @@ def test_debounce_a_window_whose_job_will_never_run_is_reopened_by_the_next_call
         assert wait_done(second, timeout=20) == JobStatus.FINISHED, w.output()
     assert second.return_value() == 2
     assert [x.decode().split()[0] for x in rq_env.connection.lrange(_key("searched:s9"), 0, -1)] == ["2"]
+
+
+def test_debounce_the_functions_own_keyword_arguments_are_never_taken_for_rq_options(rq_env):
+    """enqueue_debounced passed the call's keyword arguments to RQ's enqueue_in: a parameter named
+    ``ttl`` became the job's queued TTL (the window's job expired unrun), one named ``meta`` a
+    TypeError."""
+    with RQWorker(rq_env) as w:
+        first = rq_jobs.refresh_cache.enqueue_debounced(rq_env, "c1", ttl=1, meta={"v": 1})
+        last = rq_jobs.refresh_cache.enqueue_debounced(rq_env, "c1", ttl=1, meta={"v": 2})
+        assert first.id == last.id and last.ttl is None
+        time.sleep(1.5)  # past ttl=1
+        assert wait_done(last, timeout=20) == JobStatus.FINISHED, w.output()
+    assert last.return_value() == {"ttl": 1, "meta": {"v": 2}}
+
+
+def test_debounce_a_publisher_stalled_past_its_claim_never_overwrites_the_windows_job(rq_env, monkeypatch):
+    """The opener stalls between writing the window and publishing it, past its claim: a joining
+    call publishes the window (same job id), which runs with the last arguments. The opener's
+    late enqueue overwrote that job, which ran again and ended Skipped("debounced") for every
+    handle. Now it finds the job (RQ's unique=True) and returns it."""
+    from taskguard import debounce
+
+    monkeypatch.setattr(debounce, "PUBLISH_CLAIM", 1.0)
+    real = type(rq_env).enqueue_in
+    sent: list = []
+
+    def stalls_first(self, *args, **kwargs):
+        sent.append(kwargs.get("job_id"))
+        if len(sent) == 1:
+            time.sleep(2.5)  # past the 1 s claim, and past the window's run
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(rq_env), "enqueue_in", stalls_first)
+    got: list = []
+    with RQWorker(rq_env) as w:
+        opener = threading.Thread(target=lambda: got.append(rq_jobs.search.enqueue_debounced(rq_env, "s8", 1)))
+        opener.start()
+        time.sleep(0.2)
+        joiner = rq_jobs.search.enqueue_debounced(rq_env, "s8", 2)  # waits the claim out, publishes
+        opener.join()
+        assert got[0].id == joiner.id and sent == [joiner.id, joiner.id]
+        assert wait_done(joiner, timeout=20) == JobStatus.FINISHED, w.output()
+        time.sleep(3.0)  # (a second run would come now)
+        output = w.output()
+    assert joiner.return_value() == 2, output
+    assert [x.decode().split()[0] for x in rq_env.connection.lrange(_key("searched:s8"), 0, -1)] == ["2"]
 
 
 def test_enqueue_debounced_needs_debounce():

@@ -32,6 +32,11 @@ from typing import Any
 from rq import Retry, get_current_job
 from rq.command import send_stop_job_command
 from rq.exceptions import NoSuchJobError
+
+try:
+    from rq.exceptions import DuplicateJobError
+except ImportError:  # RQ < 2.8: no unique= of its own
+    DuplicateJobError = None  # type: ignore[misc,assignment]  # noqa: N806
 from rq.job import Job
 from rq.registry import ScheduledJobRegistry
 
@@ -424,8 +429,18 @@ def _enqueue_debounced(
     key = opts.key.render(args, kwargs)
 
     def send(w: Window) -> Any:
+        # the function's own arguments as args= / kwargs=: none of them is taken for an RQ option
+        # (a parameter named ttl or meta); unique=True (RQ >= 2.8): a publisher that stalled past
+        # its claim while another call published the window's job never overwrites that job
+        options = {"job_id": w.run_id, "meta": {DEBOUNCE_META_KEY: key}}
         due = datetime.timedelta(seconds=w.countdown)
-        return queue.enqueue_in(due, guarded, *args, job_id=w.run_id, meta={DEBOUNCE_META_KEY: key}, **kwargs)
+        if DuplicateJobError is None:
+            return queue.enqueue_in(due, guarded, args=args, kwargs=kwargs, **options)
+        try:
+            return queue.enqueue_in(due, guarded, args=args, kwargs=kwargs, unique=True, **options)
+        except DuplicateJobError:
+            log.info("job %s: the debounce window of %r was published meanwhile", w.run_id, key)
+            return Job.fetch(w.run_id, connection=queue.connection, serializer=queue.serializer)
 
     fetched: dict[str, Any] = {}
 
