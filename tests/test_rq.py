@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -467,6 +468,33 @@ def test_a_job_cancelled_while_waiting_for_its_retry_releases_the_kept_lease(rq_
     GuardedWorker([rq_env], connection=conn).clean_registries()
     assert locks().holder("flaky:c") is None
     assert load_handle(locks(), job.id) is None
+
+
+def test_maintenance_never_settles_a_live_job_whose_reused_id_is_still_listed_as_cancelled(rq_env):
+    """A job id cancelled once stays in RQ's CanceledJobRegistry when a job of that id is enqueued
+    again. That job failed, and its retry (interval 30 s) kept its lease: the maintenance released
+    it as a cancelled job's, and another job of the key ran inside the retry interval."""
+    from taskguard_rq import GuardedWorker
+    from taskguard_rq.handles import load_handle
+
+    conn = rq_env.connection
+    job_id = f"reused-{uuid.uuid4().hex}"
+    rq_env.enqueue(rq_jobs.flaky, "r", fail_times=1, job_id=job_id).cancel()
+    assert job_id in rq_env.canceled_job_registry.get_job_ids()
+    with RQWorker(rq_env):
+        job = rq_env.enqueue(rq_jobs.flaky, "r", fail_times=1, retry=Retry(max=1, interval=30), job_id=job_id)
+        deadline = time.monotonic() + 15
+        while load_handle(locks(), job.id) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+    held = locks().holder("flaky:r")
+    assert held is not None and load_handle(locks(), job_id) is not None  # kept for the retry
+    assert job.get_status(refresh=True) == JobStatus.SCHEDULED and job_id in rq_env.canceled_job_registry.get_job_ids()
+    GuardedWorker([rq_env], connection=conn).clean_registries()
+    after = locks().holder("flaky:r")
+    assert after is not None and after.fencing_token == held.fencing_token
+    assert load_handle(locks(), job_id) is not None
+    locks().release_run("flaky:r", job_id)
 
 
 def test_maintenance_never_releases_a_lease_whose_body_may_still_run(rq_env):

@@ -223,6 +223,7 @@ class GuardedWorker(Worker):
 def settle_canceled_jobs(queue: Any) -> int:
     """Release the kept leases (and delete the handles) of ``queue``'s cancelled jobs. Returns how
     many were settled."""
+    from rq.job import JobStatus
     from rq.registry import CanceledJobRegistry
 
     settled = 0
@@ -232,9 +233,12 @@ def settle_canceled_jobs(queue: Any) -> int:
         except Exception:
             job = None
         try:
-            if job is not None:
-                clear_mark(locks_for(getattr(getattr(job, "func", None), "taskguard_locks", None)), job)
-            if job is not None and settle_killed_job(job, retry=False, why="cancelled") == "released":
+            # (RQ leaves an id in the registry when a job of that id is enqueued again: only a job
+            # that is cancelled now is settled, never the live execution of a reused id)
+            if job is None or job.get_status(refresh=False) != JobStatus.CANCELED:
+                continue
+            clear_mark(locks_for(getattr(getattr(job, "func", None), "taskguard_locks", None)), job)
+            if settle_killed_job(job, retry=False, why="cancelled") == "released":
                 settled += 1
         except Exception as e:  # one job's trouble (an unimportable function...) must not stop the others
             log.warning("job %s: could not settle its lease (its TTL bounds it): %s", job_id, e)
