@@ -28,6 +28,10 @@ window still runs once). A send that succeeded is never reported as failed: shou
 window published fail then, it is logged (a later call may publish the window again after the
 claim: one run).
 
+**A window whose run finds the key's lease held** (the previous window's run still going) is
+not skipped: :func:`put_back` opens it again for its message to come back when the lease is due
+to be free, so a burst's last call is never lost.
+
 **A window whose message will never run** — cancelled, deleted, revoked, rejected by a worker that
 does not know its task — would swallow every call joining it until its record expires
 (``debounce_max`` + :data:`GRACE`). Where the framework can tell from the handle a joining call
@@ -55,7 +59,20 @@ from .values import Reason
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["RECORD", "Window", "publish_call", "publish", "published", "due", "drop", "GRACE", "PUBLISH_CLAIM"]
+__all__ = [
+    "RECORD",
+    "Window",
+    "publish_call",
+    "publish",
+    "published",
+    "due",
+    "put_back",
+    "busy_retry_in",
+    "BUSY",
+    "drop",
+    "GRACE",
+    "PUBLISH_CLAIM",
+]
 
 log = logging.getLogger("taskguard")
 
@@ -226,6 +243,33 @@ def _reopen(
         if opened is not None:
             return opened
     raise LeaseBackendError("debounce", key, "could not reopen the window: too much contention")
+
+
+#: The skip reasons that mean the key is busy now: a window's run skipped for one of them is put
+#: back (:func:`put_back`), never ended.
+BUSY = frozenset({Reason.HELD, Reason.LIMIT, Reason.LIMIT_TOTAL, Reason.WAIT_TIMEOUT, Reason.UNREPLICATED})
+
+
+def busy_retry_in(skipped: Skipped, ttl: float, bound: float) -> float | None:
+    """Seconds after which a window's run ``skipped`` because its key is busy (:data:`BUSY`)
+    comes back: the holder's time left (else the guard's ``ttl``), at least 1 s, at most
+    ``bound`` (the adapter's longest deferral). ``None``: skipped for another reason."""
+    if skipped.reason not in BUSY:
+        return None
+    return min(max(1.0, skipped.holder_ttl or ttl), max(bound, 1.0))
+
+
+def put_back(locks: Locks, key: str, run_id: str, message: Any, *, countdown: float) -> bool:
+    """The window ``run_id`` closed (its message took the record: :func:`due`) but its run
+    cannot start now — the key's lease is held, e.g. by the previous window's run, still going:
+    open it again, published, under the same run id with its arguments (``message``), due in
+    ``countdown`` seconds, for its message to come back then (calls meanwhile join it and their
+    arguments win, as in any window). ``False``: a newer window of the key is open — its calls
+    came later, so their arguments run and this window ends (``Skipped("debounced")``). Raises
+    LeaseBackendError."""
+    now = locks.server_time()
+    rec = {"id": run_id, "first": now, "due": now + countdown, "msg": message, "pub": 1}
+    return locks.put_record(key, RECORD, _dumps(rec), ttl=countdown + GRACE, if_absent=True)
 
 
 def drop(locks: Locks, key: str, run_id: str) -> bool:

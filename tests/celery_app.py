@@ -566,6 +566,28 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         return n
 
     @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.digest",
+        ttl=5,
+        key="digest:{user}",
+        debounce=0.5,
+        debounce_max=2.0,
+    )
+    def digest(self, user, n, seconds=0.0, fail_first=False):
+        # debounce= with a body that takes a while or retries its first attempt: the n that ran
+        tag = f"{prefix}:digested:{user}"
+        if fail_first:
+            attempts = r.incr(tag + ":attempts")
+            r.expire(tag + ":attempts", 600)
+            if attempts == 1:
+                raise self.retry(countdown=0.5)
+        r.pipeline().rpush(tag, str(n)).expire(tag, 600).execute()
+        time.sleep(seconds)
+        return n
+
+    @app.task(
         base=GuardedTask, bind=True, shared=False, name="tg.report", ttl=1.5, key="report:{user}", overlap="replace"
     )
     def report(self, user, n, seconds=5.0):

@@ -423,3 +423,22 @@ def with_own_locks(name):
 def refresh_cache(name, ttl=60, meta=None):
     """debounce= on a function whose parameters are named as RQ enqueue options."""
     return {"ttl": ttl, "meta": meta}
+
+
+@guarded_job(ttl=5, key="digest:{user}", debounce=0.5, debounce_max=2.0)
+def digest(user, n, seconds=0.0, fail_first=None):
+    """debounce= with a body that takes ``seconds`` or, with ``fail_first``, fails its first
+    attempt: ``"raise"`` (a failed job) or ``"retry"`` (returns RQ's ``Retry``). Logs ``"n"``
+    per attempt that got past that."""
+    r = TimedRedis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    tag = "{" + os.environ["TASKGUARD_PREFIX"] + ":digested:" + user + "}"
+    if fail_first is not None:
+        attempts = r.incr(tag + ":attempts")
+        r.expire(tag + ":attempts", 600)
+        if attempts == 1:
+            if fail_first == "retry":
+                return Retry(max=1, interval=1)
+            raise RuntimeError("the first attempt fails")
+    r.pipeline().rpush(tag, str(n)).expire(tag, 600).execute()
+    time.sleep(seconds)
+    return n

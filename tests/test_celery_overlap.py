@@ -407,6 +407,42 @@ def test_debounce_a_window_whose_message_will_never_run_is_dropped_and_the_next_
     assert [n for n, _ in _searched(r, prefix, "s9")] == [2]
 
 
+def _digested(r, prefix, user):
+    return [x.decode() for x in r.lrange(f"{prefix}:digested:{user}", 0, -1)]
+
+
+def test_debounce_a_retry_of_a_windows_run_runs_the_windows_arguments(app, redis_url, prefix):
+    """The window's run calls ``self.retry()``: the retry kept the window's header, found the
+    window gone (taken by the first attempt) and was ignored, its state RETRY for good and its
+    kept lease held; it also carried the first call's arguments. Now it runs the window's."""
+    r = redis.Redis.from_url(redis_url)
+    task = app.tasks["tg.digest"]
+    with embedded_worker(app, concurrency=2):
+        task.delay("r1", 1, fail_first=True)
+        handle = task.delay("r1", 2, fail_first=True)
+        assert handle.get(timeout=15) == 2
+    assert _digested(r, prefix, "r1") == ["2"]
+    assert app.conf.taskguard_locks.holder("digest:r1") is None
+
+
+def test_debounce_a_window_due_while_the_previous_windows_run_holds_the_key_runs_after_it(app, redis_url, prefix):
+    """A window falling due while the previous window's run still holds the key's lease ended
+    Skipped("held"): that burst's last call never ran. It is put back and runs once the lease is
+    free, with its last call's arguments."""
+    r = redis.Redis.from_url(redis_url)
+    task = app.tasks["tg.digest"]
+    with embedded_worker(app, concurrency=2):
+        first = task.delay("h1", 1, seconds=3.0)
+        deadline = time.monotonic() + 10
+        while app.conf.taskguard_locks.holder("digest:h1") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        task.delay("h1", 2)
+        second = task.delay("h1", 3)
+        assert second.id != first.id
+        assert second.get(timeout=20) == 3 and first.get(timeout=10) == 1
+    assert _digested(r, prefix, "h1") == ["1", "3"]
+
+
 def test_debounce_options_are_checked_at_declaration():
     with pytest.raises(ConfigError, match="debounce_max needs debounce="):
 

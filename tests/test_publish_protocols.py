@@ -258,6 +258,25 @@ def test_debounce_a_window_whose_message_took_its_record_meanwhile_is_never_reop
     assert _debounced(any_locks, "db:r", "run-1", 1, sends, over=ran_meanwhile) == "run-0" and sends.calls == []
 
 
+def test_debounce_a_window_whose_run_finds_its_key_busy_is_put_back_unless_a_newer_one_is_open(any_locks):
+    from taskguard.skipped import Skipped
+
+    held = Skipped(key="db:p", reason="held", holder_ttl=3.5)
+    assert debounce.busy_retry_in(held, ttl=60, bound=30) == 3.5
+    assert debounce.busy_retry_in(Skipped(key="db:p", reason="held", holder_ttl=0.2), ttl=60, bound=30) == 1.0
+    assert debounce.busy_retry_in(Skipped(key="db:p", reason="limit"), ttl=60, bound=30) == 30
+    assert debounce.busy_retry_in(Skipped(key="db:p", reason="once"), ttl=60, bound=30) is None
+    _debounced(any_locks, "db:p", "run-0", 0, _Sent())
+    assert debounce.due(any_locks, "db:p", "run-0") == ("wait", pytest.approx(5, abs=0.5))
+    any_locks.delete_record("db:p", debounce.RECORD)  # (as the message closing the window does)
+    assert debounce.put_back(any_locks, "db:p", "run-0", {"n": 0}, countdown=2.0) is True
+    joined = _Sent()
+    assert _debounced(any_locks, "db:p", "run-1", 1, joined) == "run-0" and joined.calls == []  # calls join it
+    window = json.loads(any_locks.get_record("db:p", debounce.RECORD))
+    assert (window["id"], window["msg"], window["pub"]) == ("run-0", {"n": 1}, 1)
+    assert debounce.put_back(any_locks, "db:p", "run-9", {"n": 9}, countdown=2.0) is False  # a newer one is open
+
+
 def test_debounce_drop_deletes_only_the_window_it_names(any_locks):
     _debounced(any_locks, "db:d", "run-0", 0, _Sent())
     assert debounce.drop(any_locks, "db:d", "run-9") is False

@@ -287,6 +287,49 @@ def test_debounce_a_publisher_stalled_past_its_claim_never_overwrites_the_window
     assert [x.decode().split()[0] for x in rq_env.connection.lrange(_key("searched:s8"), 0, -1)] == ["2"]
 
 
+def _digested(queue, user):
+    return [x.decode() for x in queue.connection.lrange(_key("digested:" + user), 0, -1)]
+
+
+@pytest.mark.parametrize("how", ["returned_retry", "requeue"])
+def test_debounce_a_retry_or_requeue_of_a_windows_run_runs_the_windows_arguments(rq_env, how):
+    """The first execution of a window's job takes the window; its retry (a returned Retry) or a
+    requeue of the failed job found the window gone and ended Skipped("debounced") without running
+    (the retry's kept lease held meanwhile). Now the job carries the window's arguments from then
+    on, and runs them."""
+    with RQWorker(rq_env) as w:
+        rq_jobs.digest.enqueue_debounced(rq_env, "r1", 1, fail_first="retry" if how == "returned_retry" else "raise")
+        job = rq_jobs.digest.enqueue_debounced(
+            rq_env, "r1", 2, fail_first="retry" if how == "returned_retry" else "raise"
+        )
+        if how == "requeue":
+            assert wait_done(job, timeout=20) == JobStatus.FAILED, w.output()
+            rq_env.failed_job_registry.requeue(job.id)  # (`rq requeue`: by id; a stale Job object saves its own state)
+        assert wait_done(job, timeout=20) == JobStatus.FINISHED, w.output()
+        output = w.output()
+    assert job.return_value() == 2 and _digested(rq_env, "r1") == ["2"], output
+    assert locks().holder("digest:r1") is None
+
+
+def test_debounce_a_window_due_while_the_previous_windows_run_holds_the_key_runs_after_it(rq_env):
+    """A window falling due while the previous window's run still holds the key's lease ended
+    Skipped("held"): that burst's last call never ran. The window is put back and runs once the
+    lease is free, with its last call's arguments (two workers: one runs the first window)."""
+    with RQWorker(rq_env) as w, RQWorker(rq_env) as w2:
+        first = rq_jobs.digest.enqueue_debounced(rq_env, "h1", 1, seconds=3.0)
+        deadline = time.monotonic() + 10
+        while locks().holder("digest:h1") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rq_jobs.digest.enqueue_debounced(rq_env, "h1", 2)
+        second = rq_jobs.digest.enqueue_debounced(rq_env, "h1", 3)
+        assert second.id != first.id
+        assert wait_done(second, timeout=30) == JobStatus.FINISHED, w.output() + w2.output()
+        output = w.output() + w2.output()
+    assert second.return_value() == 3 and first.return_value() == 1, output
+    assert "debounce window put back" in output
+    assert _digested(rq_env, "h1") == ["1", "3"]
+
+
 def test_enqueue_debounced_needs_debounce():
     with pytest.raises(ConfigError, match="enqueue_debounced needs debounce="):
         rq_jobs.rebuild.enqueue_debounced(None, "s1", 1)

@@ -7,7 +7,10 @@ one died before publishing: :mod:`taskguard.debounce`); later calls publish noth
 arguments and get its ``AsyncResult`` (a ``skip`` event with reason ``"debounced"`` each). When
 the message arrives before the window's due time it is published again for the rest (still one
 message per window) and this delivery ends with ``Ignore``; at the due time the window closes and
-the body runs with the stored arguments of the latest call."""
+the body runs with the stored arguments of the latest call. A window whose run finds its key's
+lease held is opened again and its message published for when the lease is due to be free
+(:func:`busy`); a retry of the run (``self.retry()``, ``autoretry_for``) is a plain run of the
+window's arguments."""
 
 from __future__ import annotations
 
@@ -17,12 +20,15 @@ from typing import Any
 
 from celery.exceptions import Ignore
 
-from taskguard.debounce import Window, due as window_due, publish_call
+from taskguard.debounce import Window, busy_retry_in, due as window_due, publish_call, put_back
+from taskguard.pipeline import Skip
+from taskguard.skipped import Skipped
+from taskguard.values import Reason
 
 from .headers import COALESCE_HEADER, DEBOUNCE_HEADER, PUBLISH_HEADER, RUN_HEADERS, read_header, without
 from .serialization import decode, encode
 
-__all__ = ["publish", "arrived", "is_window_message"]
+__all__ = ["publish", "arrived", "busy", "is_window_message"]
 
 
 def is_window_message(headers: Any) -> bool:
@@ -60,17 +66,38 @@ def publish(
 _OWN = (*RUN_HEADERS, PUBLISH_HEADER, COALESCE_HEADER)
 
 
-def arrived(task: Any, req: Any, key: str) -> tuple[tuple, dict]:
-    """The window's message arrived: the latest call's ``(args, kwargs)`` when the window closes
-    now; else it is published again for the rest of the window (or, a copy of a window that ran,
-    dropped) and ``Ignore`` is raised."""
+def arrived(task: Any, req: Any, key: str) -> tuple[tuple, dict, Any]:
+    """The window's message arrived: the latest call's ``(args, kwargs)`` and the stored
+    message (for :func:`busy`) when the window closes now; else it is published again for the
+    rest of the window (or, a copy of a window that ran, dropped) and ``Ignore`` is raised."""
     state, value = window_due(task.taskguard_locks, key, req.id)
     if state == "run":
         call = decode(value)
-        return tuple(call["args"]), dict(call["kwargs"])
+        return tuple(call["args"]), dict(call["kwargs"]), value
     if state == "wait":
-        headers = without(req.headers, _OWN)
-        headers[DEBOUNCE_HEADER] = read_header(req, DEBOUNCE_HEADER)
-        task.signature_from_request(req, countdown=value, retries=req.retries, headers=headers).apply_async()
+        _come_back(task, req, value)
         raise Ignore(f"{task.name}[{req.id}]: debounce window of {key!r} open {value:.2f}s more")
     raise Ignore(f"{task.name}[{req.id}]: its debounce window ran already")
+
+
+def busy(task: Any, req: Any, key: str, message: Any, decision: Any, bound: float) -> Any:
+    """The window closed, but its run was refused because the key is busy (its lease held: the
+    previous window's run still going): open the window again and publish its message for when
+    the holder's lease is due to end (at most ``bound`` seconds), then ``Ignore``; when a newer
+    window is open meanwhile (its calls win), a ``Skip`` with reason ``"debounced"`` to settle.
+    Any other decision is returned as it is."""
+    countdown = (
+        busy_retry_in(decision.skipped, task.taskguard_options.ttl, bound) if isinstance(decision, Skip) else None
+    )
+    if countdown is None:
+        return decision
+    if put_back(task.taskguard_locks, key, req.id, message, countdown=countdown):
+        _come_back(task, req, countdown)
+        raise Ignore(f"{task.name}[{req.id}]: lease of {key!r} held; debounce window put back for {countdown:.2f}s")
+    return Skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=task.name))
+
+
+def _come_back(task: Any, req: Any, countdown: float) -> None:
+    headers = without(req.headers, _OWN)
+    headers[DEBOUNCE_HEADER] = read_header(req, DEBOUNCE_HEADER)
+    task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers).apply_async()

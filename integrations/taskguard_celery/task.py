@@ -28,7 +28,7 @@ from taskguard.schedule.periodic import slot_run as beat_slot
 
 from . import debouncing, identity, setup, skipping, uniqueness
 from .config import locks_for
-from .decisions import CeleryHooks, execution, outcome
+from .decisions import CeleryHooks, execution, max_countdown, outcome
 from .headers import (
     BEAT_HEADER,
     DEBOUNCE_HEADER,
@@ -225,8 +225,9 @@ class GuardedTask(Task):
         header = read_header(req)
         skips = skipping.skip_count(self, header)
         local = req.called_directly or req.is_eager
+        window = None  # a debounce window's message that closed it: the window's stored call
         if opts.debounce is not None and not local and isinstance(read_header(req, DEBOUNCE_HEADER), dict):
-            args, kwargs = debouncing.arrived(self, req, key)  # the latest call's arguments (or Ignore)
+            args, kwargs, window = debouncing.arrived(self, req, key)  # the latest call's arguments (or Ignore)
         outer = self._enclosing_run(key, locks) if local else None
         if outer is not None:
             # a nested call of the same key in this thread (eager mode's replace() runs the
@@ -239,8 +240,12 @@ class GuardedTask(Task):
         redelivered = not local and (identity.is_redelivery(req) or handle is not None)
         ex, hooks = execution(self, req, local, redelivered, slot_run), CeleryHooks(self, req, handle)
         decision = decide(opts, key, args, kwargs, ex, hooks, locks)
+        if window is not None:  # refused because the key is busy: the window is put back (Ignore)
+            decision = debouncing.busy(self, req, key, window, decision, max_countdown(self.app))
         if not isinstance(decision, Run):
             return outcome(self, decision, skips, redelivered)
+        if window is not None:  # a retry of this run is a run of the window's arguments
+            req.args, req.kwargs = list(args), dict(kwargs)
         identity.end_chain(self, decision.run)
         entered.append(True)
         done = perform(decision, lambda: self._body(req, args, kwargs), opts, key, args, kwargs, ex, hooks, locks)
@@ -345,6 +350,7 @@ class GuardedTask(Task):
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         # a retry is a new call: it asks the rate again
         headers = without({**(req.headers or {}), **(options.pop("headers", None) or {})})
+        headers.pop(DEBOUNCE_HEADER, None)  # (a debounce window's run: its retry is a plain run of its arguments)
         if not throw:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
         handle = run.keep(_retry_delay(eta, countdown, self.default_retry_delay) + self.taskguard_options.ttl)

@@ -41,7 +41,7 @@ from rq.job import Job
 from rq.registry import ScheduledJobRegistry
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
-from taskguard.debounce import Window, due as window_due, publish_call
+from taskguard.debounce import Window, busy_retry_in, due as window_due, publish_call, put_back
 from taskguard.handoff import release_handle
 from taskguard.overlap import Pending
 from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide, perform
@@ -257,6 +257,7 @@ def _run(
     key = opts.key.render(args, kwargs)
     locks = locks_for(given)
     run_id = job.id if job is not None else None
+    window = None  # a debounce window's job that closed it: the window's stored call
     if job is not None and opts.debounce is not None and job.meta.get(DEBOUNCE_META_KEY) == key:
         state, value = window_due(locks, key, job.id)
         if state == "wait":  # arrived early (RQ's scheduler counts whole seconds): the rest of the window
@@ -264,7 +265,7 @@ def _run(
             return Retry(max=10**9, interval=[max(1, math.ceil(value))])
         if state == "gone":  # a copy of a window that ran already
             return _settle(job, locks, name, opts, Skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=name)))
-        args, kwargs = _decode_call(job, value)  # the window closed: the latest call's arguments
+        args, kwargs, window = *_decode_call(job, value), value  # the window closed: the latest call's arguments
     ex = Execution(
         task=name,
         run_id=run_id,
@@ -275,6 +276,10 @@ def _run(
     )
     hooks = _Hooks(locks, job, name, opts.replace_terminate)
     decision = decide(opts, key, args, kwargs, ex, hooks, locks)
+    if window is not None:
+        decision = _window_decision(job, locks, name, opts, key, window, decision, args, kwargs)
+        if isinstance(decision, Retry):
+            return decision
     if not isinstance(decision, Run):
         return _outcome(job, locks, name, opts, key, decision)
     run = decision.run
@@ -467,6 +472,33 @@ def _enqueue_debounced(
         joined=joined,
         over=over,
     )
+
+
+def _window_decision(
+    job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, window: Any, decision: Any, args: Any, kwargs: Any
+) -> Any:
+    """The job closed its debounce window. Refused because the key is busy (its lease held: the
+    previous window's run still going), the window is put back and the job comes back when the
+    holder's lease is due to end (a ``Retry``), or — a newer window open meanwhile, whose calls
+    win — ends ``Skipped("debounced")``. Run: from here the job is a plain job of the window's
+    arguments (saved with them, its window entry gone), so that a retry or a requeue runs them."""
+    if isinstance(decision, Run):
+        job.args, job.kwargs = list(args), dict(kwargs)
+        job.meta.pop(DEBOUNCE_META_KEY, None)
+        try:
+            job.save()
+        except Exception as e:  # the run goes on; only a later retry would find its window gone
+            log.warning("job %s: could not save the debounce window's arguments as its own: %s", job.id, e)
+        return decision
+    countdown = busy_retry_in(decision.skipped, opts.ttl, RATE_MAX_COUNTDOWN) if isinstance(decision, Skip) else None
+    if countdown is None:
+        return decision
+    if not put_back(locks, key, job.id, window, countdown=countdown):
+        return Skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=name))
+    log.info("job %s: lease %r held; debounce window put back for %ss", job.id, key, math.ceil(countdown))
+    mirror_meta(job, key=key, outcome="pending")
+    job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
+    return Retry(max=10**9, interval=[math.ceil(countdown)])
 
 
 def _decode_call(job: Any, body: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
