@@ -87,6 +87,7 @@ print(json.dumps(steps))
 EXPECTED = {
     "task_failure": ["taskguard_celery.supervision._on_failure"],
     "task_revoked": ["taskguard_celery.supervision._on_revoked"],
+    "task_unknown": ["taskguard_celery.supervision._on_unknown"],
     "worker_init": ["taskguard_celery.metrics._main_process", "taskguard_celery.pools.check_pool"],
     "worker_process_init": ["taskguard_celery.metrics._pool_child"],
 }
