@@ -17,7 +17,7 @@ import click
 import redis
 
 from . import __version__
-from .config import EX_CONFIG, parse_prefix, read_env
+from .config import ENV_VARS, EX_CONFIG, parse_prefix, read_env
 from .errors import ConfigError, LeaseBackendError
 from .extras import missing_extra
 from .redis_locks import RedisLocks
@@ -34,23 +34,45 @@ def _source(option: str, var: str) -> str:
     return var if src is click.core.ParameterSource.ENVIRONMENT else f"--{option}"
 
 
+#: A command's connection settings where no variable sets them: quick to fail (a command is run by
+#: hand), the socket timeout long enough for the durability option's wait (``replica_timeout``).
+CLI_CONNECT_TIMEOUT = CLI_SOCKET_TIMEOUT = 2.0
+CLI_RETRIES = 0
+
+
 def _locks(url: str | None, prefix: str | None) -> RedisLocks:
     """The locks object for a command: ``--url`` / ``--prefix`` (or their variables) plus the
-    other ``TASKGUARD_*`` variables. A bad value is a usage error naming where it came from."""
+    other ``TASKGUARD_*`` variables, as a worker reads them (the connection settings a variable
+    does not set: :data:`CLI_CONNECT_TIMEOUT`, :data:`CLI_SOCKET_TIMEOUT`, :data:`CLI_RETRIES`).
+    A bad value is a usage error naming where it came from."""
     try:
         if url is None:
             raise ConfigError("no Redis URL: pass --url redis://host:6379/0 or set TASKGUARD_REDIS_URL")
         url = check_url(url, _source("url", "TASKGUARD_REDIS_URL"))
         opts = read_env({k: v for k, v in os.environ.items() if k not in ("TASKGUARD_REDIS_URL", "TASKGUARD_PREFIX")})
+        if prefix is None and os.environ.get("TASKGUARD_PREFIX") == "":
+            # (click takes an empty variable for an unset one: refused, as from_env() does)
+            opts["prefix"] = parse_prefix("TASKGUARD_PREFIX", "")
         if prefix is not None:
             opts["prefix"] = parse_prefix(_source("prefix", "TASKGUARD_PREFIX"), prefix)
-        opts.update(connect_timeout=2.0, socket_timeout=2.0, retries=0)
+        opts.setdefault("connect_timeout", CLI_CONNECT_TIMEOUT)
+        opts.setdefault("socket_timeout", max(CLI_SOCKET_TIMEOUT, (opts.get("replica_timeout") or 0.0) + 1.0))
+        opts.setdefault("retries", CLI_RETRIES)
         try:
             return RedisLocks.from_url(url, **opts)
         except ConfigError as e:
-            raise ConfigError(f"{_source('url', 'TASKGUARD_REDIS_URL')}: {e}") from None
+            raise ConfigError(f"{_culprit(str(e))}: {e}") from None
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
+
+
+def _culprit(message: str) -> str:
+    """Where a setting an error message starts with came from: its ``TASKGUARD_*`` variable
+    when one set it, else the URL's source."""
+    return next(
+        (var for var, (opt, _) in ENV_VARS.items() if message.startswith(opt) and var in os.environ),
+        _source("url", "TASKGUARD_REDIS_URL"),
+    )
 
 
 def _info(client: Any, section: str) -> dict[str, Any]:
@@ -407,8 +429,9 @@ def rq_cron(
     locks = _locks(url, prefix)
     try:
         from taskguard_rq.cron import RQCronScheduler
-    except ImportError as e:
-        raise click.UsageError(missing_extra("taskguard rq-cron", "rq", e)) from None
+    except ImportError as e:  # exit 78, as a refused configuration
+        click.echo(f"taskguard rq-cron cannot start: {missing_extra('taskguard rq-cron', 'rq', e)}", err=True)
+        sys.exit(EX_CONFIG)
     rq_source = rq_url or url
     try:
         if rq_url is not None:
@@ -444,8 +467,9 @@ def metrics(port: int, addr: str) -> None:
 
     try:
         import prometheus_client  # noqa: F401
-    except ImportError as e:
-        raise click.ClickException(missing_extra("taskguard metrics", "prometheus", e)) from None
+    except ImportError as e:  # a configuration to fix, as a missing directory is: 78
+        click.echo(f"taskguard metrics cannot start: {missing_extra('taskguard metrics', 'prometheus', e)}", err=True)
+        sys.exit(EX_CONFIG)
     where = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not where or not os.path.isdir(where):
         click.echo(

@@ -162,3 +162,27 @@ def test_release_errors_are_clean_and_never_show_a_password():
     # an "@" the URL parser does not take for user info is still masked
     out = taskguard("doctor", "--json", "--url", f"redis://default:{free_port()}#s3cretPW@127.0.0.1:6379/0")
     assert "s3cretPW" not in out.stdout + out.stderr
+
+
+def _taskguard_env(*args, **variables):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TASKGUARD_")} | variables
+    return subprocess.run(
+        [sys.executable, "-m", "taskguard.cli", *args], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_commands_read_the_settings_workers_read_and_name_the_variable_at_fault(redis_url, prefix):
+    """The commands forced a 2 s socket timeout over TASKGUARD_SOCKET_TIMEOUT, so a
+    TASKGUARD_REPLICA_TIMEOUT workers accept (1.5 s and more) made `doctor` and `leases` refuse to
+    start, blaming TASKGUARD_REDIS_URL; an empty TASKGUARD_PREFIX was taken for an unset one (the
+    default prefix listed, while from_env() refuses it)."""
+    base = {"TASKGUARD_REDIS_URL": redis_url, "TASKGUARD_PREFIX": prefix}
+    durable = base | {"TASKGUARD_REPLICAS": "1", "TASKGUARD_REPLICA_TIMEOUT": "4"}
+    assert _taskguard_env("leases", **durable).returncode == 0
+    doctor = _taskguard_env("doctor", "--json", **durable)
+    assert doctor.returncode in (0, 1) and "replicas" in doctor.stdout, doctor.stderr
+    tight = _taskguard_env("leases", **durable, TASKGUARD_SOCKET_TIMEOUT="3")
+    assert tight.returncode == 2 and "TASKGUARD_REPLICA_TIMEOUT: replica_timeout (4.0 s)" in tight.stderr
+    assert "TASKGUARD_REDIS_URL" not in tight.stderr
+    empty = _taskguard_env("leases", **(base | {"TASKGUARD_PREFIX": ""}))
+    assert empty.returncode == 2 and "TASKGUARD_PREFIX must be 1-64 characters" in empty.stderr

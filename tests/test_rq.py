@@ -538,6 +538,17 @@ def test_a_guarded_worker_with_a_malformed_lease_configuration_refuses_to_start_
     assert bad.returncode == 78, text
     assert "GuardedWorker cannot start" in text and "TASKGUARD_REDIS_URL" in text and "Traceback" not in text, text
     assert job.get_status(refresh=True) == JobStatus.QUEUED
+    # an empty URL is a malformed one (it started, as if unset); with the URL unset, the other
+    # variables are checked all the same (a misspelt or malformed one went unnoticed)
+    for env, named in (
+        ({"TASKGUARD_REDIS_URL": ""}, "TASKGUARD_REDIS_URL"),
+        ({"TASKGUARD_PREFX": "billing"}, "did you mean TASKGUARD_PREFIX?"),
+        ({"TASKGUARD_SOCKET_TIMEOUT": "soon"}, "TASKGUARD_SOCKET_TIMEOUT"),
+    ):
+        refused = subprocess.run(cmd, cwd=ROOT, env={**base, **env}, capture_output=True, text=True, timeout=60)
+        text = refused.stdout + refused.stderr
+        assert refused.returncode == 78 and named in text and "Traceback" not in text, (env, text)
+    assert job.get_status(refresh=True) == JobStatus.QUEUED
     own = rq_env.enqueue(rq_jobs.with_own_locks, "x")
     own_env = {
         "TG_OWN_LOCKS_URL": os.environ["TASKGUARD_REDIS_URL"],

@@ -51,7 +51,7 @@ from typing import Any
 from rq import Worker
 
 from taskguard import ConfigError
-from taskguard.config import EX_CONFIG
+from taskguard.config import EX_CONFIG, read_env
 from taskguard.handoff import handle_of, restore_handle
 from taskguard.liveness import holder_is_dead
 
@@ -169,14 +169,18 @@ class GuardedWorker(Worker):
         ``locks=`` take their leases from :func:`taskguard.from_env` (``TASKGUARD_REDIS_URL``...).
         A malformed setting is logged and the worker exits 78 (``EX_CONFIG``) before taking a job.
         Without ``TASKGUARD_REDIS_URL`` it starts (its jobs may all bring their own ``locks=``)
-        and says at start that jobs without them will fail."""
-        if os.environ.get("TASKGUARD_REDIS_URL") or has_default():  # (has_default: use_locks() was called)
-            try:
+        and says at start that jobs without them will fail (every other ``TASKGUARD_*`` variable is
+        checked all the same: a malformed or misspelt one exits 78)."""
+        url_set = "TASKGUARD_REDIS_URL" in os.environ  # (an empty one is malformed, not unset)
+        try:
+            if url_set or has_default():  # (has_default: use_locks() was called)
                 locks_for()
-            except ConfigError as e:
-                log.critical("GuardedWorker cannot start: %s", e)
-                raise SystemExit(EX_CONFIG) from None
-        else:
+            else:
+                read_env()
+        except ConfigError as e:
+            log.critical("GuardedWorker cannot start: %s", e)
+            raise SystemExit(EX_CONFIG) from None
+        if not url_set and not has_default():
             log.warning(
                 "GuardedWorker: TASKGUARD_REDIS_URL is not set: guarded jobs declared without locks= will fail "
                 "(set it to the leases' Redis)"
