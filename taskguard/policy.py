@@ -618,8 +618,24 @@ def check_option_names(
             )
         if known is not None and known(name):
             continue
-        close = difflib.get_close_matches(name, supported, n=1, cutoff=0.75)
+        close = _slips(name, supported) or difflib.get_close_matches(name, supported, n=1, cutoff=0.75)
         if known is not None and not close:
             continue  # a framework option or a user's attribute, not a misspelt guard option
         hint = f"; did you mean {close[0]!r}?" if close else f" (guard options: {', '.join(sorted(supported))})"
         raise ConfigError(f"{noun} {task!r}: unknown option {name!r}{hint}")
+
+
+def _slips(name: str, options: Collection[str]) -> list[str]:
+    """The option ``name`` is a slip of: the same but for case (``TTL``, ``Key``) or for two
+    adjacent letters swapped (``kye``) — what the similarity ratio misses in names as short as
+    ``key`` and ``ttl``."""
+    low = name.lower()
+    for option in options:
+        if low == option:
+            return [option]
+        diff = [i for i, (a, b) in enumerate(zip(low, option)) if a != b]
+        if len(low) == len(option) and len(diff) == 2 and diff[1] == diff[0] + 1:
+            i = diff[0]
+            if low[i] == option[i + 1] and low[i + 1] == option[i]:
+                return [option]
+    return []
