@@ -67,7 +67,7 @@ __all__ = [
     "published",
     "due",
     "put_back",
-    "busy_retry_in",
+    "refused",
     "BUSY",
     "drop",
     "GRACE",
@@ -250,13 +250,22 @@ def _reopen(
 BUSY = frozenset({Reason.HELD, Reason.LIMIT, Reason.LIMIT_TOTAL, Reason.WAIT_TIMEOUT, Reason.UNREPLICATED})
 
 
-def busy_retry_in(skipped: Skipped, ttl: float, bound: float) -> float | None:
-    """Seconds after which a window's run ``skipped`` because its key is busy (:data:`BUSY`)
-    comes back: the holder's time left (else the guard's ``ttl``), at least 1 s, at most
-    ``bound`` (the adapter's longest deferral). ``None``: skipped for another reason."""
+def refused(
+    locks: Locks, key: str, run_id: str, message: Any, skipped: Skipped, *, ttl: float, bound: float
+) -> float | Skipped | None:
+    """The window ``run_id`` closed (its stored call ``message``) and its run was refused,
+    ``skipped``. Because the key is busy (:data:`BUSY`), the window is put back (:func:`put_back`)
+    and this returns the seconds after which its message comes back — the holder's time left
+    (else the guard's ``ttl``), at least 1 s, at most ``bound`` (the adapter's longest deferral)
+    — or, a newer window being open (its calls win), the ``Skipped`` (reason ``"debounced"``)
+    this run ends with. ``None``: refused for another reason, settled as usual. Raises
+    LeaseBackendError."""
     if skipped.reason not in BUSY:
         return None
-    return min(max(1.0, skipped.holder_ttl or ttl), max(bound, 1.0))
+    countdown = min(max(1.0, skipped.holder_ttl or ttl), max(bound, 1.0))
+    if put_back(locks, key, run_id, message, countdown=countdown):
+        return countdown
+    return Skipped(key=key, reason=Reason.DEBOUNCED, task=skipped.task)
 
 
 def put_back(locks: Locks, key: str, run_id: str, message: Any, *, countdown: float) -> bool:

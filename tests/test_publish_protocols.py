@@ -261,20 +261,22 @@ def test_debounce_a_window_whose_message_took_its_record_meanwhile_is_never_reop
 def test_debounce_a_window_whose_run_finds_its_key_busy_is_put_back_unless_a_newer_one_is_open(any_locks):
     from taskguard.skipped import Skipped
 
-    held = Skipped(key="db:p", reason="held", holder_ttl=3.5)
-    assert debounce.busy_retry_in(held, ttl=60, bound=30) == 3.5
-    assert debounce.busy_retry_in(Skipped(key="db:p", reason="held", holder_ttl=0.2), ttl=60, bound=30) == 1.0
-    assert debounce.busy_retry_in(Skipped(key="db:p", reason="limit"), ttl=60, bound=30) == 30
-    assert debounce.busy_retry_in(Skipped(key="db:p", reason="once"), ttl=60, bound=30) is None
-    _debounced(any_locks, "db:p", "run-0", 0, _Sent())
-    assert debounce.due(any_locks, "db:p", "run-0") == ("wait", pytest.approx(5, abs=0.5))
-    any_locks.delete_record("db:p", debounce.RECORD)  # (as the message closing the window does)
-    assert debounce.put_back(any_locks, "db:p", "run-0", {"n": 0}, countdown=2.0) is True
+    def refused(skipped, run_id="run-0", n=0):
+        return debounce.refused(any_locks, "db:p", run_id, {"n": n}, skipped, ttl=60, bound=30)
+
+    assert refused(Skipped(key="db:p", reason="once")) is None  # not busy: settled as usual
+    assert any_locks.get_record("db:p", debounce.RECORD) is None
+    assert refused(Skipped(key="db:p", reason="held", holder_ttl=3.5)) == 3.5  # the holder's time left
     joined = _Sent()
     assert _debounced(any_locks, "db:p", "run-1", 1, joined) == "run-0" and joined.calls == []  # calls join it
     window = json.loads(any_locks.get_record("db:p", debounce.RECORD))
     assert (window["id"], window["msg"], window["pub"]) == ("run-0", {"n": 1}, 1)
-    assert debounce.put_back(any_locks, "db:p", "run-9", {"n": 9}, countdown=2.0) is False  # a newer one is open
+    newer = refused(Skipped(key="db:p", reason="limit", task="t"), run_id="run-9", n=9)  # a newer window is open
+    assert (newer.key, newer.reason, newer.task) == ("db:p", "debounced", "t")
+    any_locks.delete_record("db:p", debounce.RECORD)
+    assert refused(Skipped(key="db:p", reason="held", holder_ttl=0.2)) == 1.0  # at least 1 s
+    any_locks.delete_record("db:p", debounce.RECORD)
+    assert refused(Skipped(key="db:p", reason="wait_timeout")) == 30  # the guard's ttl, at most the bound
 
 
 def test_debounce_drop_deletes_only_the_window_it_names(any_locks):

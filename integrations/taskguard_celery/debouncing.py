@@ -20,10 +20,8 @@ from typing import Any
 
 from celery.exceptions import Ignore
 
-from taskguard.debounce import Window, busy_retry_in, due as window_due, publish_call, put_back
+from taskguard.debounce import Window, due as window_due, publish_call, refused
 from taskguard.pipeline import Skip
-from taskguard.skipped import Skipped
-from taskguard.values import Reason
 
 from .headers import COALESCE_HEADER, DEBOUNCE_HEADER, PUBLISH_HEADER, RUN_HEADERS, read_header, without
 from .serialization import decode, encode
@@ -81,20 +79,21 @@ def arrived(task: Any, req: Any, key: str) -> tuple[tuple, dict, Any]:
 
 
 def busy(task: Any, req: Any, key: str, message: Any, decision: Any, bound: float) -> Any:
-    """The window closed, but its run was refused because the key is busy (its lease held: the
-    previous window's run still going): open the window again and publish its message for when
-    the holder's lease is due to end (at most ``bound`` seconds), then ``Ignore``; when a newer
-    window is open meanwhile (its calls win), a ``Skip`` with reason ``"debounced"`` to settle.
-    Any other decision is returned as it is."""
-    countdown = (
-        busy_retry_in(decision.skipped, task.taskguard_options.ttl, bound) if isinstance(decision, Skip) else None
+    """The window closed; a run refused because the key is busy is put back
+    (:func:`taskguard.debounce.refused`): its message published again for when the holder's
+    lease is due to end (at most ``bound`` seconds), then ``Ignore`` — or, a newer window open,
+    a ``Skip`` with reason ``"debounced"`` to settle. Any other decision is returned as it is."""
+    back = (
+        refused(
+            task.taskguard_locks, key, req.id, message, decision.skipped, ttl=task.taskguard_options.ttl, bound=bound
+        )
+        if isinstance(decision, Skip)
+        else None
     )
-    if countdown is None:
-        return decision
-    if put_back(task.taskguard_locks, key, req.id, message, countdown=countdown):
-        _come_back(task, req, countdown)
-        raise Ignore(f"{task.name}[{req.id}]: lease of {key!r} held; debounce window put back for {countdown:.2f}s")
-    return Skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=task.name))
+    if isinstance(back, float):
+        _come_back(task, req, back)
+        raise Ignore(f"{task.name}[{req.id}]: lease of {key!r} held; debounce window put back for {back:.2f}s")
+    return decision if back is None else Skip(back)
 
 
 def _come_back(task: Any, req: Any, countdown: float) -> None:

@@ -41,7 +41,7 @@ from rq.job import Job
 from rq.registry import ScheduledJobRegistry
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
-from taskguard.debounce import Window, busy_retry_in, due as window_due, publish_call, put_back
+from taskguard.debounce import Window, due as window_due, publish_call, refused
 from taskguard.handoff import release_handle
 from taskguard.overlap import Pending
 from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide, perform
@@ -490,11 +490,14 @@ def _window_decision(
         except Exception as e:  # the run goes on; only a later retry would find its window gone
             log.warning("job %s: could not save the debounce window's arguments as its own: %s", job.id, e)
         return decision
-    countdown = busy_retry_in(decision.skipped, opts.ttl, RATE_MAX_COUNTDOWN) if isinstance(decision, Skip) else None
-    if countdown is None:
-        return decision
-    if not put_back(locks, key, job.id, window, countdown=countdown):
-        return Skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=name))
+    back = (
+        refused(locks, key, job.id, window, decision.skipped, ttl=opts.ttl, bound=RATE_MAX_COUNTDOWN)
+        if isinstance(decision, Skip)
+        else None
+    )
+    if not isinstance(back, float):
+        return decision if back is None else Skip(back)
+    countdown = back
     log.info("job %s: lease %r held; debounce window put back for %ss", job.id, key, math.ceil(countdown))
     mirror_meta(job, key=key, outcome="pending")
     job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
