@@ -280,6 +280,7 @@ def test_debounce_a_window_whose_run_finds_its_key_busy_is_put_back_unless_a_new
 
 
 def test_debounce_drop_deletes_only_the_window_it_names(any_locks):
+    """(bullmq#3232: a removed job deleted the deduplication key a newer job held.)"""
     _debounced(any_locks, "db:d", "run-0", 0, _Sent())
     assert debounce.drop(any_locks, "db:d", "run-9") is False
     assert _debounced(any_locks, "db:d", "run-1", 1, _Sent()) == "run-0"  # still open

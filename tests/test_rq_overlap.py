@@ -222,7 +222,8 @@ def test_debounce_a_window_whose_job_will_never_run_is_reopened_by_the_next_call
     """A window's job cancelled, deleted or failed without its body (a deploy renamed the
     function) swallowed every later call for debounce_max + 10 min: the cancelled job was returned
     and never ran, a deleted one made each call raise NoSuchJobError. The next call now opens a
-    new window (a new job), which runs once with the last call's arguments."""
+    new window (a new job), which runs once with the last call's arguments (bullmq#2716: a
+    debounce key outliving its removed job)."""
     with RQWorker(rq_env) as w:
         first = rq_jobs.search.enqueue_debounced(rq_env, "s9", 0)
         if end == "cancel":
@@ -314,7 +315,8 @@ def test_debounce_a_retry_or_requeue_of_a_windows_run_runs_the_windows_arguments
 def test_debounce_a_window_due_while_the_previous_windows_run_holds_the_key_runs_after_it(rq_env):
     """A window falling due while the previous window's run still holds the key's lease ended
     Skipped("held"): that burst's last call never ran. The window is put back and runs once the
-    lease is free, with its last call's arguments (two workers: one runs the first window)."""
+    lease is free, with its last call's arguments (two workers: one runs the first window; the
+    caveat of bull#1034: a debounced job due while the previous one is active)."""
     with RQWorker(rq_env) as w, RQWorker(rq_env) as w2:
         first = rq_jobs.digest.enqueue_debounced(rq_env, "h1", 1, seconds=3.0)
         deadline = time.monotonic() + 10

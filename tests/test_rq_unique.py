@@ -91,7 +91,8 @@ def _fail_before_its_body(queue, job):
 def test_a_mark_whose_job_will_never_start_blocks_its_key_only_until_the_next_enqueue(rq_env, end):
     """A queued mark outliving its job blocked every ``enqueue_unique`` of the key for the mark's
     TTL (an hour by default): each way RQ ends a queued job without running it. The next
-    enqueue finds the job over, clears that mark and enqueues a job that runs."""
+    enqueue finds the job over, clears that mark and enqueues a job that runs (the kind of
+    sidekiq-unique-jobs#546 and wurk#211: a unique lock outliving its job)."""
     first = enqueue_unique(rq_env, rq_jobs.unique_job, ("n",), {"seconds": 0}, unique_ttl=600)
     assert enqueue_unique(rq_env, rq_jobs.unique_job, ("n",)).id == first.id  # queued: it blocks
     end(rq_env, first)
