@@ -251,18 +251,18 @@ BUSY = frozenset({Reason.HELD, Reason.LIMIT, Reason.LIMIT_TOTAL, Reason.WAIT_TIM
 
 
 def refused(
-    locks: Locks, key: str, run_id: str, message: Any, skipped: Skipped, *, ttl: float, bound: float
+    locks: Locks, key: str, run_id: str, message: Any, skipped: Skipped, *, debounce: float, bound: float
 ) -> float | Skipped | None:
     """The window ``run_id`` closed (its stored call ``message``) and its run was refused,
     ``skipped``. Because the key is busy (:data:`BUSY`), the window is put back (:func:`put_back`)
-    and this returns the seconds after which its message comes back — the holder's time left
-    (else the guard's ``ttl``), at least 1 s, at most ``bound`` (the adapter's longest deferral)
-    — or, a newer window being open (its calls win), the ``Skipped`` (reason ``"debounced"``)
-    this run ends with. ``None``: refused for another reason, settled as usual. Raises
-    LeaseBackendError."""
+    and this returns the seconds after which its message comes back to look again — the holder's
+    time left, but at most ``debounce`` (a holder that renews its lease may end long before its
+    TTL would) and ``bound`` (the adapter's longest deferral), at least 1 s — or, a newer window
+    being open (its calls win), the ``Skipped`` (reason ``"debounced"``) this run ends with.
+    ``None``: refused for another reason, settled as usual. Raises LeaseBackendError."""
     if skipped.reason not in BUSY:
         return None
-    countdown = min(max(1.0, skipped.holder_ttl or ttl), max(bound, 1.0))
+    countdown = max(1.0, min(skipped.holder_ttl or debounce, debounce, bound))
     if put_back(locks, key, run_id, message, countdown=countdown):
         return countdown
     return Skipped(key=key, reason=Reason.DEBOUNCED, task=skipped.task)

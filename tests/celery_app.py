@@ -587,6 +587,46 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         time.sleep(seconds)
         return n
 
+    def digested(user, n):
+        tag = f"{prefix}:digested:{user}"
+        r.pipeline().rpush(tag, str(n)).expire(tag, 600).execute()
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.digest_coalesced",
+        ttl=5,
+        key="dc:{user}",
+        debounce=0.5,
+        debounce_max=2.0,
+        overlap="coalesce",
+    )
+    def digest_coalesced(self, user, n, seconds=0.0):
+        # debounce= with overlap="coalesce": a window closing while the key is held pends
+        digested(user, n)
+        time.sleep(seconds)
+        return n
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.digest_rated",
+        ttl=5,
+        key="dr:{user}",
+        debounce=0.5,
+        debounce_max=2.0,
+        rate=(1, 4.0),
+    )
+    def digest_rated(self, user, n, upstream_429=False):
+        # debounce= under a rate of one run per 4 s; with upstream_429 the first attempt gets a 429
+        if upstream_429 and r.incr(f"{prefix}:digest-429:{user}") == 1:
+            r.expire(f"{prefix}:digest-429:{user}", 600)
+            raise RateLimited(retry_after=1.0)
+        digested(user, n)
+        return n
+
     @app.task(
         base=GuardedTask, bind=True, shared=False, name="tg.report", ttl=1.5, key="report:{user}", overlap="replace"
     )

@@ -442,3 +442,24 @@ def digest(user, n, seconds=0.0, fail_first=None):
     r.pipeline().rpush(tag, str(n)).expire(tag, 600).execute()
     time.sleep(seconds)
     return n
+
+
+def _digest_log(user, n):
+    r = TimedRedis.from_url(os.environ.get("TASKGUARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    tag = "{" + os.environ["TASKGUARD_PREFIX"] + ":digested:" + user + "}"
+    r.pipeline().rpush(tag, str(n)).expire(tag, 600).execute()
+
+
+@guarded_job(ttl=5, key="dc:{user}", debounce=0.5, debounce_max=2.0, overlap="coalesce")
+def digest_coalesced(user, n, seconds=0.0):
+    """debounce= with overlap="coalesce": a window closing while the key is held pends."""
+    _digest_log(user, n)
+    time.sleep(seconds)
+    return n
+
+
+@guarded_job(ttl=5, key="dr:{user}", debounce=0.5, debounce_max=2.0, rate=(1, 4.0))
+def digest_rated(user, n):
+    """debounce= under a rate of one run per 4 s: a window closing inside it waits its turn."""
+    _digest_log(user, n)
+    return n

@@ -443,6 +443,30 @@ def test_debounce_a_window_due_while_the_previous_windows_run_holds_the_key_runs
     assert _digested(r, prefix, "h1") == ["1", "3"]
 
 
+def test_debounce_a_window_that_pends_waits_its_rate_turn_or_backs_off_runs_its_last_call(app, redis_url, prefix):
+    """A window's run that became the key's pending follow-up (overlap="coalesce"), was deferred
+    to its rate turn, or backed off after an upstream 429 came back with the window's header,
+    found the window gone (taken when it closed) and was ignored: the burst's last call never ran
+    (its handle PENDING or RETRY for good). Whatever brings a closed window's run back now runs
+    its arguments."""
+    r = redis.Redis.from_url(redis_url)
+    coalesced, rated = app.tasks["tg.digest_coalesced"], app.tasks["tg.digest_rated"]
+    with embedded_worker(app, concurrency=4):
+        first = coalesced.delay("c1", 1, seconds=3.0)
+        rated.delay("t1", 1).get(timeout=10)
+        deadline = time.monotonic() + 10
+        while app.conf.taskguard_locks.holder("dc:c1") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        coalesced.delay("c1", 2)
+        pending = coalesced.delay("c1", 3)
+        rated.delay("t1", 2)
+        turn = rated.delay("t1", 3)  # inside the 4 s of the rate
+        backs_off = rated.delay("b1", 1, upstream_429=True)
+        assert pending.id != first.id
+        assert (pending.get(timeout=20), turn.get(timeout=20), backs_off.get(timeout=20)) == (3, 3, 1)
+    assert [_digested(r, prefix, u) for u in ("c1", "t1", "b1")] == [["1", "3"], ["1", "3"], ["1"]]
+
+
 def test_debounce_options_are_checked_at_declaration():
     with pytest.raises(ConfigError, match="debounce_max needs debounce="):
 

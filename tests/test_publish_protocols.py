@@ -262,7 +262,7 @@ def test_debounce_a_window_whose_run_finds_its_key_busy_is_put_back_unless_a_new
     from taskguard.skipped import Skipped
 
     def refused(skipped, run_id="run-0", n=0):
-        return debounce.refused(any_locks, "db:p", run_id, {"n": n}, skipped, ttl=60, bound=30)
+        return debounce.refused(any_locks, "db:p", run_id, {"n": n}, skipped, debounce=5, bound=30)
 
     assert refused(Skipped(key="db:p", reason="once")) is None  # not busy: settled as usual
     assert any_locks.get_record("db:p", debounce.RECORD) is None
@@ -276,7 +276,10 @@ def test_debounce_a_window_whose_run_finds_its_key_busy_is_put_back_unless_a_new
     any_locks.delete_record("db:p", debounce.RECORD)
     assert refused(Skipped(key="db:p", reason="held", holder_ttl=0.2)) == 1.0  # at least 1 s
     any_locks.delete_record("db:p", debounce.RECORD)
-    assert refused(Skipped(key="db:p", reason="wait_timeout")) == 30  # the guard's ttl, at most the bound
+    assert refused(Skipped(key="db:p", reason="wait_timeout")) == 5  # no holder's time known: debounce
+    any_locks.delete_record("db:p", debounce.RECORD)
+    # a holder renewing a long lease may end any moment: the window looks again every `debounce`
+    assert refused(Skipped(key="db:p", reason="held", holder_ttl=3600)) == 5
 
 
 def test_debounce_drop_deletes_only_the_window_it_names(any_locks):

@@ -332,6 +332,29 @@ def test_debounce_a_window_due_while_the_previous_windows_run_holds_the_key_runs
     assert _digested(rq_env, "h1") == ["1", "3"]
 
 
+def test_debounce_a_window_that_pends_or_waits_its_rate_turn_runs_its_last_call_when_it_comes_back(rq_env):
+    """A window's run that became the key's pending follow-up (overlap="coalesce") or was
+    deferred to its rate turn came back with its window entry, found the window gone (taken when
+    it closed) and ended Skipped("debounced"): the burst's last call never ran. Whatever brings a
+    closed window's job back now runs its arguments."""
+    with RQWorker(rq_env) as w, RQWorker(rq_env) as w2:
+        first = rq_jobs.digest_coalesced.enqueue_debounced(rq_env, "c1", 1, seconds=3.0)
+        rated = rq_jobs.digest_rated.enqueue_debounced(rq_env, "t1", 1)
+        deadline = time.monotonic() + 10
+        while (locks().holder("dc:c1") is None or wait_done(rated, timeout=10) is None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rq_jobs.digest_coalesced.enqueue_debounced(rq_env, "c1", 2)
+        pending = rq_jobs.digest_coalesced.enqueue_debounced(rq_env, "c1", 3)
+        rq_jobs.digest_rated.enqueue_debounced(rq_env, "t1", 2)
+        turn = rq_jobs.digest_rated.enqueue_debounced(rq_env, "t1", 3)  # inside the 4 s of the rate
+        assert pending.id != first.id and turn.id != rated.id
+        assert wait_done(pending, timeout=30) == JobStatus.FINISHED, w.output() + w2.output()
+        assert wait_done(turn, timeout=30) == JobStatus.FINISHED, w.output() + w2.output()
+        output = w.output() + w2.output()
+    assert (pending.return_value(), turn.return_value()) == (3, 3), output
+    assert (_digested(rq_env, "c1"), _digested(rq_env, "t1")) == (["1", "3"], ["1", "3"]), output
+
+
 def test_enqueue_debounced_needs_debounce():
     with pytest.raises(ConfigError, match="enqueue_debounced needs debounce="):
         rq_jobs.rebuild.enqueue_debounced(None, "s1", 1)

@@ -26,7 +26,7 @@ from taskguard.pipeline import Skip
 from .headers import COALESCE_HEADER, DEBOUNCE_HEADER, PUBLISH_HEADER, RUN_HEADERS, read_header, without
 from .serialization import decode, encode
 
-__all__ = ["publish", "arrived", "busy", "is_window_message"]
+__all__ = ["publish", "arrived", "busy", "is_closed", "is_window_message"]
 
 
 def is_window_message(headers: Any) -> bool:
@@ -66,37 +66,53 @@ _OWN = (*RUN_HEADERS, PUBLISH_HEADER, COALESCE_HEADER)
 
 def arrived(task: Any, req: Any, key: str) -> tuple[tuple, dict, Any]:
     """The window's message arrived: the latest call's ``(args, kwargs)`` and the stored
-    message (for :func:`busy`) when the window closes now; else it is published again for the
-    rest of the window (or, a copy of a window that ran, dropped) and ``Ignore`` is raised."""
+    message (for :func:`busy`) when the window closes now — from here the request is a plain run
+    of those arguments (:func:`_close`) — else it is published again for the rest of the window
+    (or, a copy of a window that ran, dropped) and ``Ignore`` is raised."""
     state, value = window_due(task.taskguard_locks, key, req.id)
     if state == "run":
         call = decode(value)
-        return tuple(call["args"]), dict(call["kwargs"]), value
+        args, kwargs = tuple(call["args"]), dict(call["kwargs"])
+        _close(req, key, args, kwargs)
+        return args, kwargs, value
     if state == "wait":
-        _come_back(task, req, value)
+        _come_back(task, req, key, value)
         raise Ignore(f"{task.name}[{req.id}]: debounce window of {key!r} open {value:.2f}s more")
     raise Ignore(f"{task.name}[{req.id}]: its debounce window ran already")
 
 
+def is_closed(header: Any) -> bool:
+    """A window header of a run whose window closed (:func:`_close`): a plain run."""
+    return isinstance(header, dict) and bool(header.get("closed"))
+
+
+def _close(req: Any, key: str, args: tuple, kwargs: dict) -> None:
+    """The window closed: the request carries its arguments and a closed window header, so that
+    whatever publishes it again — a retry, its rate turn, a back-off, its wake as a pending
+    follow-up — is a plain run of them (never the window's message again, nor a new call)."""
+    req.args, req.kwargs = list(args), dict(kwargs)
+    closed = {"key": key, "closed": True}
+    req.headers = {**(req.headers or {}), DEBOUNCE_HEADER: closed}
+    if getattr(req, DEBOUNCE_HEADER, None) is not None:
+        setattr(req, DEBOUNCE_HEADER, closed)
+
+
 def busy(task: Any, req: Any, key: str, message: Any, decision: Any, bound: float) -> Any:
     """The window closed; a run refused because the key is busy is put back
-    (:func:`taskguard.debounce.refused`): its message published again for when the holder's
-    lease is due to end (at most ``bound`` seconds), then ``Ignore`` — or, a newer window open,
-    a ``Skip`` with reason ``"debounced"`` to settle. Any other decision is returned as it is."""
-    back = (
-        refused(
-            task.taskguard_locks, key, req.id, message, decision.skipped, ttl=task.taskguard_options.ttl, bound=bound
-        )
-        if isinstance(decision, Skip)
-        else None
-    )
+    (:func:`taskguard.debounce.refused`): its message published again to look when the key may be
+    free (at most ``bound`` seconds), then ``Ignore`` — or, a newer window open, a ``Skip`` with
+    reason ``"debounced"`` to settle. Any other decision is returned as it is."""
+    if not isinstance(decision, Skip):
+        return decision
+    debounce = task.taskguard_options.debounce or 0.0
+    back = refused(task.taskguard_locks, key, req.id, message, decision.skipped, debounce=debounce, bound=bound)
     if isinstance(back, float):
-        _come_back(task, req, back)
+        _come_back(task, req, key, back)
         raise Ignore(f"{task.name}[{req.id}]: lease of {key!r} held; debounce window put back for {back:.2f}s")
     return decision if back is None else Skip(back)
 
 
-def _come_back(task: Any, req: Any, countdown: float) -> None:
-    headers = without(req.headers, _OWN)
-    headers[DEBOUNCE_HEADER] = read_header(req, DEBOUNCE_HEADER)
+def _come_back(task: Any, req: Any, key: str, countdown: float) -> None:
+    """Publish the window's message again (an open window header), ``countdown`` seconds ahead."""
+    headers = {**without(req.headers, _OWN), DEBOUNCE_HEADER: {"key": key}}
     task.signature_from_request(req, countdown=countdown, retries=req.retries, headers=headers).apply_async()

@@ -226,7 +226,8 @@ class GuardedTask(Task):
         skips = skipping.skip_count(self, header)
         local = req.called_directly or req.is_eager
         window = None  # a debounce window's message that closed it: the window's stored call
-        if opts.debounce is not None and not local and isinstance(read_header(req, DEBOUNCE_HEADER), dict):
+        header = read_header(req, DEBOUNCE_HEADER)  # (a closed window's run is a plain run)
+        if opts.debounce is not None and not local and isinstance(header, dict) and not debouncing.is_closed(header):
             args, kwargs, window = debouncing.arrived(self, req, key)  # the latest call's arguments (or Ignore)
         outer = self._enclosing_run(key, locks) if local else None
         if outer is not None:
@@ -244,8 +245,6 @@ class GuardedTask(Task):
             decision = debouncing.busy(self, req, key, window, decision, max_countdown(self.app))
         if not isinstance(decision, Run):
             return outcome(self, decision, skips, redelivered)
-        if window is not None:  # a retry of this run is a run of the window's arguments
-            req.args, req.kwargs = list(args), dict(kwargs)
         identity.end_chain(self, decision.run)
         entered.append(True)
         done = perform(decision, lambda: self._body(req, args, kwargs), opts, key, args, kwargs, ex, hooks, locks)

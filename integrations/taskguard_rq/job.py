@@ -478,30 +478,31 @@ def _window_decision(
     job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, window: Any, decision: Any, args: Any, kwargs: Any
 ) -> Any:
     """The job closed its debounce window. Refused because the key is busy (its lease held: the
-    previous window's run still going), the window is put back and the job comes back when the
-    holder's lease is due to end (a ``Retry``), or — a newer window open meanwhile, whose calls
-    win — ends ``Skipped("debounced")``. Run: from here the job is a plain job of the window's
-    arguments (saved with them, its window entry gone), so that a retry or a requeue runs them."""
-    if isinstance(decision, Run):
-        job.args, job.kwargs = list(args), dict(kwargs)
-        job.meta.pop(DEBOUNCE_META_KEY, None)
-        try:
-            job.save()
-        except Exception as e:  # the run goes on; only a later retry would find its window gone
-            log.warning("job %s: could not save the debounce window's arguments as its own: %s", job.id, e)
-        return decision
-    back = (
-        refused(locks, key, job.id, window, decision.skipped, ttl=opts.ttl, bound=RATE_MAX_COUNTDOWN)
-        if isinstance(decision, Skip)
-        else None
-    )
-    if not isinstance(back, float):
-        return decision if back is None else Skip(back)
-    countdown = back
-    log.info("job %s: lease %r held; debounce window put back for %ss", job.id, key, math.ceil(countdown))
-    mirror_meta(job, key=key, outcome="pending")
-    job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
-    return Retry(max=10**9, interval=[math.ceil(countdown)])
+    previous window's run still going), the window is put back and the job comes back to look
+    again (a ``Retry``: :func:`taskguard.debounce.refused`), or — a newer window open meanwhile,
+    whose calls win — ends ``Skipped("debounced")``. Any other decision: from here the job is a
+    plain job of the window's arguments (saved with them, its window entry gone), so that whatever
+    brings it back — a retry, a requeue, its rate turn, its wake as a pending follow-up — runs
+    them."""
+    if isinstance(decision, Skip):
+        back = refused(
+            locks, key, job.id, window, decision.skipped, debounce=opts.debounce or 0.0, bound=RATE_MAX_COUNTDOWN
+        )
+        if isinstance(back, float):
+            log.info("job %s: lease %r held; debounce window put back for %ss", job.id, key, math.ceil(back))
+            mirror_meta(job, key=key, outcome="pending")
+            job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
+            return Retry(max=10**9, interval=[math.ceil(back)])
+        if back is not None:
+            return Skip(back)
+    job.args, job.kwargs = list(args), dict(kwargs)
+    job.meta.pop(DEBOUNCE_META_KEY, None)
+    try:
+        job.save()
+        job.save_meta()  # (save() leaves an empty meta unwritten: the window entry would stay)
+    except Exception as e:  # the run goes on; only a later execution would find its window gone
+        log.warning("job %s: could not save the debounce window's arguments as its own: %s", job.id, e)
+    return decision
 
 
 def _decode_call(job: Any, body: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
