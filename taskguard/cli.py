@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -46,6 +47,8 @@ def _locks(url: str | None, prefix: str | None) -> RedisLocks:
     does not set: :data:`CLI_CONNECT_TIMEOUT`, :data:`CLI_SOCKET_TIMEOUT`, :data:`CLI_RETRIES`).
     A bad value is a usage error naming where it came from."""
     try:
+        if url is None and os.environ.get("TASKGUARD_REDIS_URL") == "":  # (click takes it for unset)
+            raise ConfigError("TASKGUARD_REDIS_URL is set but empty: set it to a Redis URL (redis://host:6379/0)")
         if url is None:
             raise ConfigError("no Redis URL: pass --url redis://host:6379/0 or set TASKGUARD_REDIS_URL")
         url = check_url(url, _source("url", "TASKGUARD_REDIS_URL"))
@@ -67,12 +70,10 @@ def _locks(url: str | None, prefix: str | None) -> RedisLocks:
 
 
 def _culprit(message: str) -> str:
-    """Where a setting an error message starts with came from: its ``TASKGUARD_*`` variable
-    when one set it, else the URL's source."""
-    return next(
-        (var for var, (opt, _) in ENV_VARS.items() if message.startswith(opt) and var in os.environ),
-        _source("url", "TASKGUARD_REDIS_URL"),
-    )
+    """Where the settings an error message names came from: the ``TASKGUARD_*`` variables that
+    set them (``replica_timeout`` against ``socket_timeout``: both), else the URL's source."""
+    named = [var for var, (opt, _) in ENV_VARS.items() if re.search(rf"\b{opt}\b", message) and var in os.environ]
+    return " / ".join(named) or _source("url", "TASKGUARD_REDIS_URL")
 
 
 def _info(client: Any, section: str) -> dict[str, Any]:
