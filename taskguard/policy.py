@@ -633,7 +633,7 @@ def _slips(name: str, options: Collection[str]) -> list[str]:
     for option in options:
         if low == option:
             return [option]
-        diff = [i for i, (a, b) in enumerate(zip(low, option)) if a != b]
+        diff = [i for i, (a, b) in enumerate(zip(low, option, strict=False)) if a != b]
         if len(low) == len(option) and len(diff) == 2 and diff[1] == diff[0] + 1:
             i = diff[0]
             if low[i] == option[i + 1] and low[i + 1] == option[i]:

@@ -182,7 +182,10 @@ def test_the_commands_read_the_settings_workers_read_and_name_the_variable_at_fa
     doctor = _taskguard_env("doctor", "--json", **durable)
     assert doctor.returncode in (0, 1) and "replicas" in doctor.stdout, doctor.stderr
     tight = _taskguard_env("leases", **durable, TASKGUARD_SOCKET_TIMEOUT="3")
-    assert tight.returncode == 2 and "TASKGUARD_SOCKET_TIMEOUT / TASKGUARD_REPLICA_TIMEOUT: replica_timeout" in tight.stderr
+    assert (
+        tight.returncode == 2
+        and "TASKGUARD_SOCKET_TIMEOUT / TASKGUARD_REPLICA_TIMEOUT: replica_timeout" in tight.stderr
+    )
     assert "TASKGUARD_REDIS_URL" not in tight.stderr
     empty = _taskguard_env("leases", **(base | {"TASKGUARD_PREFIX": ""}))
     assert empty.returncode == 2 and "TASKGUARD_PREFIX must be 1-64 characters" in empty.stderr

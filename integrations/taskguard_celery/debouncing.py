@@ -23,7 +23,7 @@ from celery.exceptions import Ignore
 from taskguard.debounce import Window, due as window_due, publish_call, refused
 from taskguard.pipeline import Skip
 
-from .headers import COALESCE_HEADER, DEBOUNCE_HEADER, PUBLISH_HEADER, RUN_HEADERS, read_header, without
+from .headers import COALESCE_HEADER, DEBOUNCE_HEADER, PUBLISH_HEADER, RUN_HEADERS, without
 from .serialization import decode, encode
 
 __all__ = ["publish", "arrived", "busy", "is_closed", "is_window_message"]
