@@ -45,11 +45,12 @@ This module imports no task framework.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import LeaseBackendError
@@ -67,6 +68,9 @@ __all__ = [
     "published",
     "due",
     "put_back",
+    "ended",
+    "closing",
+    "CLOSED",
     "refused",
     "BUSY",
     "drop",
@@ -82,6 +86,10 @@ T = TypeVar("T")
 RECORD = "debounce"
 #: Seconds a window's record outlives ``debounce_max`` (a message delayed by a busy worker).
 GRACE = 600.0
+#: The record keeping a closed window's call while the execution that closed it runs
+#: (``debounce-closed:<run id>``; :func:`due`, :func:`ended`), and how long it stays should that
+#: execution die: a day, for a redelivery or a requeue to find it.
+CLOSED, CLOSED_TTL = "debounce-closed:", 86400.0
 #: Seconds a call's claim to publish a window's message lasts: calls joining the window meanwhile
 #: wait for it to be published; after it, one of them publishes instead (its publisher is taken
 #: for dead). Longer than a broker publish with its retries normally takes.
@@ -359,19 +367,47 @@ def published(locks: Locks, key: str, run_id: str, *, ttl: float) -> None:
     raise LeaseBackendError("debounce", key, "could not mark the window published: too much contention")
 
 
-def due(locks: Locks, key: str, run_id: str) -> tuple[str, Any]:
+def due(locks: Locks, key: str, run_id: str, *, again: bool = False) -> tuple[str, Any]:
     """The window's message ``run_id`` arrived: ``("wait", seconds)`` (come back then),
     ``("run", message)`` (the window is closed and taken: run with the latest call's arguments)
-    or ``("gone", None)`` (no open window names it: a copy of a run that ran already). Raises
-    LeaseBackendError."""
+    or ``("gone", None)`` (no open window names it: a copy of a run that ran already).
+
+    Closing the window keeps its call (the record :data:`CLOSED` ``+ run_id``) until the run's
+    execution ends (:func:`ended`): with ``again`` — this is the same delivery or job once more,
+    its execution having died (a broker redelivery after a SIGKILLed worker process, an RQ job
+    requeued or retried after its work-horse was killed) — a closed window's kept call is
+    ``("run", message)`` again. Raises LeaseBackendError."""
     for _ in range(_ROUNDS):
         raw = locks.get_record(key, RECORD)
         rec = json.loads(raw) if raw is not None else None
         if rec is None or rec.get("id") != run_id:
-            return "gone", None
+            kept = locks.get_record(key, CLOSED + run_id) if again else None
+            return ("run", json.loads(kept)) if kept is not None else ("gone", None)
         left = rec["due"] - locks.server_time()
         if left > 0.02:
             return "wait", left
+        locks.put_record(key, CLOSED + run_id, _dumps(rec["msg"]), ttl=CLOSED_TTL)
         if locks.delete_record(key, RECORD, if_value=raw):
             return "run", rec["msg"]
     raise LeaseBackendError("debounce", key, "could not close the window: too much contention")
+
+
+@contextlib.contextmanager
+def closing(locks: Locks, key: str, run_id: str | None, closed: bool) -> Iterator[None]:
+    """Around the execution of ``run_id`` (``closed``: it closed its window): when it ends, in
+    whatever way, its kept call goes (:func:`ended`). A process killed meanwhile leaves it."""
+    try:
+        yield
+    finally:
+        if closed and run_id is not None:
+            ended(locks, key, run_id)
+
+
+def ended(locks: Locks, key: str, run_id: str) -> None:
+    """The execution that closed the window ``run_id`` ended (ran, failed, was put back, pends,
+    waits its rate turn as a plain run): its kept call goes (:func:`due`). Never raises (a
+    failure is logged: the record's TTL bounds it)."""
+    try:
+        locks.delete_record(key, CLOSED + run_id)
+    except Exception as e:
+        log.warning("could not delete the closed debounce window %s of %r (its TTL bounds it): %s", run_id, key, e)

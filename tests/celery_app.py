@@ -595,6 +595,24 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         base=GuardedTask,
         bind=True,
         shared=False,
+        name="tg.digest_acked",
+        ttl=3,
+        key="da:{user}",
+        debounce=0.5,
+        debounce_max=2.0,
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
+    def digest_acked(self, user, n, seconds=0.0):
+        # debounce= with acks_late: a window's run whose pool child dies is redelivered
+        digested(user, n)
+        time.sleep(seconds)
+        return n
+
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
         name="tg.digest_coalesced",
         ttl=5,
         key="dc:{user}",

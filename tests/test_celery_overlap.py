@@ -5,6 +5,7 @@ workers against real Redis."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -465,6 +466,24 @@ def test_debounce_a_window_that_pends_waits_its_rate_turn_or_backs_off_runs_its_
         assert pending.id != first.id
         assert (pending.get(timeout=20), turn.get(timeout=20), backs_off.get(timeout=20)) == (3, 3, 1)
     assert [_digested(r, prefix, u) for u in ("c1", "t1", "b1")] == [["1", "3"], ["1", "3"], ["1"]]
+
+
+def test_debounce_a_window_run_whose_pool_child_dies_runs_its_last_call_on_redelivery(app, redis_url, prefix):
+    """acks_late + reject_on_worker_lost: the pool child running a window's run is SIGKILLed and
+    the broker delivers the message again. That copy found the window gone (taken when it
+    closed) and was ignored: the burst's last call never ran, its handle PENDING. The closed
+    window's call is kept until its execution ends; the redelivery runs it."""
+    r = redis.Redis.from_url(redis_url)
+    task, locks = app.tasks["tg.digest_acked"], app.conf.taskguard_locks
+    with WorkerProcess(f"q-{prefix}", prefix, concurrency=1):
+        task.delay("k1", 1, seconds=4.0)
+        last = task.delay("k1", 2, seconds=4.0)
+        deadline = time.monotonic() + 20
+        while not (locks.holder("da:k1") and _digested(r, prefix, "k1")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(locks.holder("da:k1").holder["pid"], signal.SIGKILL)
+        assert last.get(timeout=40) == 2
+    assert _digested(r, prefix, "k1") == ["2", "2"]
 
 
 def test_debounce_options_are_checked_at_declaration():

@@ -282,6 +282,19 @@ def test_debounce_a_window_whose_run_finds_its_key_busy_is_put_back_unless_a_new
     assert refused(Skipped(key="db:p", reason="held", holder_ttl=3600)) == 5
 
 
+def test_debounce_a_closed_windows_call_is_kept_for_a_redelivery_until_its_execution_ends(any_locks):
+    _debounced(any_locks, "db:k", "run-0", 0, _Sent())
+    _debounced(any_locks, "db:k", "run-1", 1, _Sent())  # joins: the window's call is now {"n": 1}
+    window = json.loads(any_locks.get_record("db:k", debounce.RECORD))
+    any_locks.put_record("db:k", debounce.RECORD, json.dumps({**window, "due": 0}), ttl=60)
+    assert debounce.due(any_locks, "db:k", "run-0") == ("run", {"n": 1})
+    assert debounce.due(any_locks, "db:k", "run-0") == ("gone", None)  # another copy: not the same delivery
+    assert debounce.due(any_locks, "db:k", "run-0", again=True) == ("run", {"n": 1})  # its execution died
+    with pytest.raises(RuntimeError), debounce.closing(any_locks, "db:k", "run-0", True):
+        raise RuntimeError("the body failed")  # an execution that ends, in whatever way
+    assert debounce.due(any_locks, "db:k", "run-0", again=True) == ("gone", None)
+
+
 def test_debounce_drop_deletes_only_the_window_it_names(any_locks):
     """(bullmq#3232: a removed job deleted the deduplication key a newer job held.)"""
     _debounced(any_locks, "db:d", "run-0", 0, _Sent())

@@ -355,6 +355,24 @@ def test_debounce_a_window_that_pends_or_waits_its_rate_turn_runs_its_last_call_
     assert (_digested(rq_env, "c1"), _digested(rq_env, "t1")) == (["1", "3"], ["1", "3"]), output
 
 
+def test_debounce_a_window_run_whose_work_horse_is_killed_runs_its_last_call_when_requeued(rq_env):
+    """The work-horse running a window's run is SIGKILLed; the worker saves its own copy of the
+    job (the first call's arguments, the window entry) over what the horse saved, and a requeue
+    then ran the first call's arguments, or found the window gone. The closed window's call is
+    kept until its execution ends; the requeue runs it."""
+    with RQWorker(rq_env) as w:
+        rq_jobs.digest.enqueue_debounced(rq_env, "k1", 1, seconds=4.0)
+        job = rq_jobs.digest.enqueue_debounced(rq_env, "k1", 2, seconds=4.0)
+        deadline = time.monotonic() + 20
+        while not (locks().holder("digest:k1") and _digested(rq_env, "k1")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(locks().holder("digest:k1").holder["pid"], signal.SIGKILL)
+        assert wait_done(job, timeout=20) == JobStatus.FAILED, w.output()
+        rq_env.failed_job_registry.requeue(job.id)
+        assert wait_done(job, timeout=20) == JobStatus.FINISHED, w.output()
+    assert job.return_value() == 2 and _digested(rq_env, "k1") == ["2", "2"]
+
+
 def test_enqueue_debounced_needs_debounce():
     with pytest.raises(ConfigError, match="enqueue_debounced needs debounce="):
         rq_jobs.rebuild.enqueue_debounced(None, "s1", 1)

@@ -24,6 +24,7 @@ from taskguard.debounce import Window, due as window_due, publish_call, refused
 from taskguard.pipeline import Skip
 
 from .headers import COALESCE_HEADER, DEBOUNCE_HEADER, PUBLISH_HEADER, RUN_HEADERS, without
+from .identity import is_redelivery
 from .serialization import decode, encode
 
 __all__ = ["publish", "arrived", "busy", "is_closed", "is_window_message"]
@@ -69,7 +70,8 @@ def arrived(task: Any, req: Any, key: str) -> tuple[tuple, dict, Any]:
     message (for :func:`busy`) when the window closes now — from here the request is a plain run
     of those arguments (:func:`_close`) — else it is published again for the rest of the window
     (or, a copy of a window that ran, dropped) and ``Ignore`` is raised."""
-    state, value = window_due(task.taskguard_locks, key, req.id)
+    # (a broker redelivery of a message whose execution died after closing it: its kept call)
+    state, value = window_due(task.taskguard_locks, key, req.id, again=is_redelivery(req))
     if state == "run":
         call = decode(value)
         args, kwargs = tuple(call["args"]), dict(call["kwargs"])

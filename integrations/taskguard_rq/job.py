@@ -41,7 +41,7 @@ from rq.job import Job
 from rq.registry import ScheduledJobRegistry
 
 from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
-from taskguard.debounce import Window, due as window_due, publish_call, refused
+from taskguard.debounce import Window, closing, due as window_due, publish_call, refused
 from taskguard.handoff import release_handle
 from taskguard.overlap import Pending
 from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide, perform
@@ -258,14 +258,36 @@ def _run(
     locks = locks_for(given)
     run_id = job.id if job is not None else None
     window = None  # a debounce window's job that closed it: the window's stored call
-    if job is not None and opts.debounce is not None and job.meta.get(DEBOUNCE_META_KEY) == key:
-        state, value = window_due(locks, key, job.id)
+    entry = job.meta.get(DEBOUNCE_META_KEY) if job is not None and opts.debounce is not None else None
+    if isinstance(entry, dict) and entry.get("key") == key and isinstance(entry.get("call"), str):
+        # a closed window's run, back (a retry, a requeue, its rate turn...): its call, kept in the
+        # meta — which RQ's worker never overwrites with its own older copy of the job, as it does
+        # the arguments after a killed work-horse
+        args, kwargs = _decode_call(job, entry["call"])
+    elif entry == key:
+        state, value = window_due(locks, key, job.id, again=True)  # (a job killed after closing it: its call)
         if state == "wait":  # arrived early (RQ's scheduler counts whole seconds): the rest of the window
             job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
             return Retry(max=10**9, interval=[max(1, math.ceil(value))])
         if state == "gone":  # a copy of a window that ran already
             return _settle(job, locks, name, opts, Skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=name)))
         args, kwargs, window = *_decode_call(job, value), value  # the window closed: the latest call's arguments
+    with closing(locks, key, run_id, window is not None):
+        return _execute(fn, name, opts, locks, key, job, args, kwargs, window)
+
+
+def _execute(
+    fn: Callable[..., Any],
+    name: str,
+    opts: GuardOptions,
+    locks: Locks,
+    key: str,
+    job: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    window: Any,
+) -> Any:
+    run_id = job.id if job is not None else None
     ex = Execution(
         task=name,
         run_id=run_id,
@@ -416,7 +438,8 @@ class _Hooks:
             log.warning("job %s: could not stop the replaced job %s: %s", self.job.id, holder.run_id, e)
 
 
-#: ``job.meta`` entry of a ``debounce`` window's job: its lease key.
+#: ``job.meta`` entry of a ``debounce`` window's job: its lease key; once the window closed,
+#: ``{"key", "call"}``: the window's call, which every later execution of the job runs.
 DEBOUNCE_META_KEY = "taskguard_debounce"
 
 
@@ -481,9 +504,9 @@ def _window_decision(
     previous window's run still going), the window is put back and the job comes back to look
     again (a ``Retry``: :func:`taskguard.debounce.refused`), or — a newer window open meanwhile,
     whose calls win — ends ``Skipped("debounced")``. Any other decision: from here the job is a
-    plain job of the window's arguments (saved with them, its window entry gone), so that whatever
-    brings it back — a retry, a requeue, its rate turn, its wake as a pending follow-up — runs
-    them."""
+    plain job of the window's call (saved as its arguments and as its window entry), so that
+    whatever brings it back — a retry, a requeue, its rate turn, its wake as a pending follow-up —
+    runs it."""
     if isinstance(decision, Skip):
         back = refused(
             locks, key, job.id, window, decision.skipped, debounce=opts.debounce or 0.0, bound=RATE_MAX_COUNTDOWN
@@ -496,10 +519,9 @@ def _window_decision(
         if back is not None:
             return Skip(back)
     job.args, job.kwargs = list(args), dict(kwargs)
-    job.meta.pop(DEBOUNCE_META_KEY, None)
+    job.meta[DEBOUNCE_META_KEY] = {"key": key, "call": window}
     try:
         job.save()
-        job.save_meta()  # (save() leaves an empty meta unwritten: the window entry would stay)
     except Exception as e:  # the run goes on; only a later execution would find its window gone
         log.warning("job %s: could not save the debounce window's arguments as its own: %s", job.id, e)
     return decision
