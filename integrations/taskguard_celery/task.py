@@ -226,8 +226,13 @@ class GuardedTask(Task):
         skips = skipping.skip_count(self, header)
         local = req.called_directly or req.is_eager
         window = None  # a debounce window's message that closed it: the window's stored call
-        header = read_header(req, DEBOUNCE_HEADER)  # (a closed window's run is a plain run)
-        if opts.debounce is not None and not local and isinstance(header, dict) and not debouncing.is_closed(header):
+        window_header = read_header(req, DEBOUNCE_HEADER)  # (a closed window's run is a plain run)
+        if (
+            opts.debounce is not None
+            and not local
+            and isinstance(window_header, dict)
+            and not debouncing.is_closed(window_header)
+        ):
             args, kwargs, window = debouncing.arrived(self, req, key)  # the latest call's arguments (or Ignore)
         outer = self._enclosing_run(key, locks) if local else None
         if outer is not None:
