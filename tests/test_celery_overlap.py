@@ -337,6 +337,10 @@ def test_debounce_a_burst_of_calls_makes_one_run_after_the_last_with_its_argumen
         remove()
     assert len({h.id for h in handles}) == 1
     assert values == [7] * 8
+    from taskguard.debounce import CLOSED
+
+    # the closed window's call, kept for a redelivery while its execution ran, went with it
+    assert app.conf.taskguard_locks.get_record("search:s1", CLOSED + handles[0].id) is None
     ran = _searched(r, prefix, "s1")
     assert [n for n, _ in ran] == [7]
     assert 0.8 <= ran[0][1] - last_call <= 2.0

@@ -211,6 +211,10 @@ def test_debounce_enqueue_debounced_makes_one_job_per_window_run_with_the_last_a
         time.sleep(1.0)
         output = w1.output()
     assert jobs[0].return_value() == 5, output
+    from taskguard.debounce import CLOSED
+
+    # the closed window's call, kept for a requeue while its execution ran, went with it
+    assert locks().get_record("search:s1", CLOSED + jobs[0].id) is None
     raw = rq_env.connection.lrange(_key("searched:s1"), 0, -1)
     ran = [(int(n), float(t)) for n, t in (x.decode().split() for x in raw)]
     assert [n for n, _ in ran] == [5]

@@ -19,6 +19,7 @@ from celery.utils.time import get_exponential_backoff_interval, maybe_iso8601
 
 from taskguard import ConfigError, LeaseBackendError, Locks, RateLimited
 from taskguard.context import current_lease, current_runs, running
+from taskguard.debounce import closing
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.pipeline import Run, decide, perform
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
@@ -245,15 +246,16 @@ class GuardedTask(Task):
         # a retry's message carries its one-shot handle: a second copy of it is a copy, not a publish
         redelivered = not local and (identity.is_redelivery(req) or handle is not None)
         ex, hooks = execution(self, req, local, redelivered, slot_run), CeleryHooks(self, req, handle)
-        decision = decide(opts, key, args, kwargs, ex, hooks, locks)
-        if window is not None:  # refused because the key is busy: the window is put back (Ignore)
-            decision = debouncing.busy(self, req, key, window, decision, max_countdown(self.app))
-        if not isinstance(decision, Run):
-            return outcome(self, decision, skips, redelivered)
-        identity.end_chain(self, decision.run)
-        entered.append(True)
-        done = perform(decision, lambda: self._body(req, args, kwargs), opts, key, args, kwargs, ex, hooks, locks)
-        return done.value if done.instead is None else outcome(self, done.instead, skips, redelivered)
+        with closing(locks, key, req.id, window is not None):  # (its window's kept call goes when it ends)
+            decision = decide(opts, key, args, kwargs, ex, hooks, locks)
+            if window is not None:  # refused because the key is busy: the window is put back (Ignore)
+                decision = debouncing.busy(self, req, key, window, decision, max_countdown(self.app))
+            if not isinstance(decision, Run):
+                return outcome(self, decision, skips, redelivered)
+            identity.end_chain(self, decision.run)
+            entered.append(True)
+            done = perform(decision, lambda: self._body(req, args, kwargs), opts, key, args, kwargs, ex, hooks, locks)
+            return done.value if done.instead is None else outcome(self, done.instead, skips, redelivered)
 
     def _body(self, req: Any, args: tuple, kwargs: dict) -> Any:
         if self._plain_call and not req.called_directly:
