@@ -299,7 +299,7 @@ def _execute(
     hooks = _Hooks(locks, job, name, opts.replace_terminate)
     decision = decide(opts, key, args, kwargs, ex, hooks, locks)
     if window is not None:
-        decision = _window_decision(job, locks, name, opts, key, window, decision, args, kwargs)
+        decision = _window_decision(job, locks, opts, key, window, decision, args, kwargs)
         if isinstance(decision, Retry):
             return decision
     if not isinstance(decision, Run):
@@ -498,7 +498,7 @@ def _enqueue_debounced(
 
 
 def _window_decision(
-    job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, window: Any, decision: Any, args: Any, kwargs: Any
+    job: Any, locks: Locks, opts: GuardOptions, key: str, window: Any, decision: Any, args: Any, kwargs: Any
 ) -> Any:
     """The job closed its debounce window. Refused because the key is busy (its lease held: the
     previous window's run still going), the window is put back and the job comes back to look
