@@ -10,7 +10,9 @@ defers next publishes its own copy first and then swaps the record to it atomica
 the loser of a swap) is dropped (:func:`superseded`). The chain goes on until the holder ends, so
 if it dies the work still runs once, and a crash anywhere in a deferral loses nothing: the record
 only ever names a copy that was published. A copy that runs (or is dropped as a duplicate) ends
-its chain (:func:`end`).
+its chain (:func:`end`). A publish's chain waits for another delivery of its run id, so a record
+of the run id's outcome (Celery's result backend) may be that delivery's: such a copy is told
+finished only by its own finished marker (:func:`waits_for_another_delivery`).
 
 This module imports no task framework.
 """
@@ -28,12 +30,14 @@ from .errors import LeaseBackendError
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["Deferral", "DEFER_MAX", "carried", "plan", "superseded", "name", "end"]
+__all__ = ["Deferral", "DEFER_MAX", "carried", "plan", "superseded", "name", "end", "waits_for_another_delivery"]
 
 log = logging.getLogger("taskguard")
 
 #: Longest a deferred copy waits before looking again, seconds.
 DEFER_MAX = 10.0
+#: How the chain of the broker's redeliveries of one delivery begins (then its publish stamp).
+_REDELIVERY_CHAIN = "r:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +69,15 @@ def carried(value: Any) -> Mapping[str, Any] | None:
     return value
 
 
+def waits_for_another_delivery(header: Mapping[str, Any] | None) -> bool:
+    """Is ``header`` (what a copy carries, :func:`carried`) a deferred copy of a *publish*? A
+    publish's chain starts when the publish finds another execution of its run id holding the
+    lease: one that is necessarily another delivery's (the publish's own run never started), so
+    the framework's record of the run id's outcome may be that delivery's, not this one's. (A
+    chain started by the broker's redelivery may be waiting for its own delivery's run.)"""
+    return header is not None and not str(header.get("chain", "")).startswith(_REDELIVERY_CHAIN)
+
+
 def _record(run_id: str, chain: str) -> str:
     return f"defer:{run_id}:{chain}"
 
@@ -84,7 +97,7 @@ def plan(
     if header:
         chain = header["chain"]
     elif redelivered:
-        chain = "r:" + (stamp if isinstance(stamp, str) else "")
+        chain = _REDELIVERY_CHAIN + (stamp if isinstance(stamp, str) else "")
     else:
         chain = secrets.token_hex(8)
     countdown = min(max(holder_ttl or 1.0, 0.5), DEFER_MAX, max(0.5, bound))

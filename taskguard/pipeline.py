@@ -137,6 +137,7 @@ __all__ = [
     "Duplicate",
     "Pend",
     "decide",
+    "shadow_line",
     "replaced_skip",
     "backed_off",
     "Performed",
@@ -181,6 +182,15 @@ class Execution:
     backstop: bool = False
 
 
+def shadow_line(key: str, reason: str, rate: bool) -> str:
+    """The log line (after the task's name) of a run shadow mode lets go although its guard would
+    have held it back (:meth:`Hooks.shadow`): the same words from every adapter."""
+    if rate:
+        what = "rate-limited" if reason == Reason.RATE_LIMITED else "backing off"
+        return f"shadow mode: would have been {what} (rate key {key!r}); running it"
+    return f"shadow mode: would have been skipped ({reason}, lease {key!r}); running it"
+
+
 class Hooks(Protocol):
     """What an adapter tells the pipeline, and does for it."""
 
@@ -216,7 +226,8 @@ class Hooks(Protocol):
 
     def shadow(self, key: str, reason: str, holder_ttl: float | None, leased: bool, rate: bool) -> None:
         """Shadow mode: the guard (``rate`` or the lease) would have held this run back
-        (``reason`` a plain ``str``, for events and records)."""
+        (``reason`` a plain ``str``, for events and records): log :func:`shadow_line` and record
+        it where the framework shows a run's state, whichever guard it was."""
 
     def lost(self, run: GuardedRun, reason: str) -> None:
         """The lease was lost while the body ran (before ``on_lost`` applies)."""

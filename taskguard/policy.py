@@ -130,6 +130,7 @@ class GuardOptions:
         replica_timeout: float | None = None,
         allowed_on_skip: tuple[str, ...] = ON_SKIP,
         noun: str = "task",
+        locks: Any = None,
     ) -> GuardOptions:
         """Validate options for the task ``name`` whose body is ``fn``.
 
@@ -245,6 +246,9 @@ class GuardOptions:
                 terminate; RQ: ``send_stop_job_command``, the job ends STOPPED).
 
             noun: what the framework calls the task in messages (``"task"``; RQ: ``"job"``).
+            locks: the :class:`~taskguard.Locks` the guard is declared with, when known then: the
+                durability option is checked against their client here
+                (:meth:`taskguard.Locks.check_durability`), not at the first run.
 
         Raises:
             ConfigError: naming the task and the bad option.
@@ -321,6 +325,10 @@ class GuardOptions:
                 )
                 replicas = None if replicas is None else checked[0]
                 replica_timeout = None if replica_timeout is None else checked[1]
+            if locks is not None:
+                if not callable(getattr(locks, "check_durability", None)):
+                    raise ConfigError(f"locks must be a taskguard.Locks, got {type(locks).__name__}")
+                locks.check_durability(replicas, replica_timeout)
             if isinstance(once_max_bytes, bool) or not isinstance(once_max_bytes, int) or once_max_bytes < 1:
                 raise ConfigError(f"once_max_bytes must be an int >= 1, got {once_max_bytes!r}")
         except ConfigError as e:
@@ -569,7 +577,11 @@ class PerCall:
 
 def _defaults() -> dict[str, Any]:
     params = inspect.signature(GuardOptions.build).parameters
-    return {n: p.default for n, p in params.items() if n not in ("fn", "name", "skip_self", "allowed_on_skip", "noun")}
+    return {
+        n: p.default
+        for n, p in params.items()
+        if n not in ("fn", "name", "skip_self", "allowed_on_skip", "noun", "locks")
+    }
 
 
 #: The guard options :meth:`GuardOptions.build` accepts, with their defaults (the one place each

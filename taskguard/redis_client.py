@@ -127,8 +127,8 @@ def _sentinel_client(
     sentinel_kwargs: dict[str, Any] = dict(socket_connect_timeout=connect_timeout, socket_timeout=socket_timeout)
     if sentinel_password:
         sentinel_kwargs["password"] = sentinel_password
-    sentinel = Sentinel(parsed.sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
-    return sentinel.master_for(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(parsed.sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call,unused-ignore]  # (typed from redis-py 8.2)
+    return sentinel.master_for(  # type: ignore[no-untyped-call,unused-ignore]  # (typed from redis-py 8.2)
         master,
         socket_connect_timeout=connect_timeout,
         socket_timeout=socket_timeout,

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
-from .context import running
+from .context import current_runs, running
 from .errors import ConfigError, IdempotencyConflict, LeaseBackendError, LeaseLost
 from .handoff import ResumeRequest, persist, restore_handle, resume
 from .lease import Acquisition, Lease
@@ -40,7 +40,7 @@ from .values import OnLost, Reason, RunState
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["GuardedRun", "RunRequest", "SAME_RUN", "SHADOW_ONCE"]
+__all__ = ["GuardedRun", "RunRequest", "Nested", "nested_in", "SAME_RUN", "SHADOW_ONCE"]
 
 log = logging.getLogger("taskguard")
 
@@ -694,3 +694,34 @@ class GuardedRun:
     def _who(self) -> str:
         name = self.task or "run"
         return f"{name}[{self.run_id}]" if self.run_id else name
+
+
+class Nested:
+    """A guarded call made inside a run of the same key in the same thread (recursion; Celery's
+    eager ``replace()``, which runs the replacement inside the caller): it runs under that run's
+    lease (``lease``), neither acquiring nor releasing — the run already holds the key. ``tag``
+    is the adapter's (Celery: the task, for ``self.lease``)."""
+
+    __slots__ = ("tag", "lease")
+    state = "nested"
+
+    def __init__(self, tag: Any, lease: Lease | None) -> None:
+        self.tag, self.lease = tag, lease
+
+
+def nested_in(key: str, locks: Locks, tag: Any = None) -> Nested | None:
+    """The call of ``key`` on ``locks`` as a :class:`Nested` one when a run of that key is running
+    in this thread (or asyncio task) and has not lost its lease, else ``None``: the call then is a
+    run of its own (under a lost lease another holder may have the key: the call asks for it and is
+    skipped as ``held`` while that one holds it)."""
+    outer = next(
+        (
+            r
+            for r in reversed(current_runs())
+            if isinstance(r, GuardedRun) and r.key == key and r.locks is locks and r.state == RunState.RUNNING
+        ),
+        None,
+    )
+    if outer is None or (outer.lease is not None and outer.lease.lost):
+        return None
+    return Nested(tag, outer.lease)

@@ -28,11 +28,15 @@ from .errors import ConfigError, LeaseBackendError
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
 
-__all__ = ["publish", "clear"]
+__all__ = ["publish", "clear", "DEFAULT_TTL"]
 
 log = logging.getLogger("taskguard")
 
 T = TypeVar("T")
+
+#: How long a queued mark lasts when neither the guard (``unique_ttl``) nor the publish (Celery's
+#: ``expires``, RQ's queued ``ttl``) says, seconds; the run's delay (countdown, ETA) is added.
+DEFAULT_TTL = 3600.0
 
 
 def publish(

@@ -48,6 +48,14 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         worker_hijack_root_logger=False,
     )
     app.conf.update(conf)
+    if not broker:
+        # Every test's Redis-transport workers share kombu's one restore mutex (the `unacked_mutex`
+        # key, a redis-py lock held while a worker sweeps unacked messages back to their queues).
+        # A worker SIGKILLed inside its sweep leaves that lock for `unacked_mutex_expire`, 300 s
+        # by default, and until then no worker of any test restores anything (kombu/transport/
+        # redis.py `Mutex`, `QoS.restore_visible`; celery/kombu#1816): a test killing workers
+        # would stall the redeliveries of every test running beside it.
+        app.conf.broker_transport_options = {"unacked_mutex_expire": 10, **(app.conf.broker_transport_options or {})}
     r = TimedRedis.from_url(REDIS_URL)
     log = f"{prefix}:log"  # what bodies did, in order: "name:fence" entries
 
@@ -61,6 +69,17 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         time.sleep(seconds)
         note(f"slow:{n}:end")
         return {"n": n, "fence": self.lease.fencing_token, "same": current_lease() is self.lease}
+
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.slow_or_retry", ttl=0.8, key="sr:{n}", max_retries=3)
+    def slow_or_retry(self, n, seconds=0.0, retry_once=False):
+        """Sleeps ``seconds``; with ``retry_once`` its first attempt retries (0.3 s). A short TTL: a
+        copy deferred behind a run of its task id looks again every 0.5-0.8 s."""
+        note(f"sr:{n}:start:{self.request.retries}:{self.lease.fencing_token}")
+        time.sleep(seconds)
+        if retry_once and self.request.retries == 0:
+            raise self.retry(countdown=0.3)
+        note(f"sr:{n}:end:{self.request.retries}")
+        return self.request.retries
 
     @app.task(base=GuardedTask, bind=True, shared=False, name="tg.short_ttl", ttl=0.6, key="short")
     def short_ttl(self, seconds=2.0):

@@ -280,6 +280,28 @@ def shadowed(name):
     return {"leased": lease is not None}
 
 
+@guarded_job(ttl=5, key="rep-retry:{u}", overlap="replace", replace_terminate=True)
+def replaced_retrying(u, fail=True):
+    """Fails (a Retry keeps its lease while it waits) unless ``fail`` is false."""
+    if fail:
+        raise RuntimeError("transient")
+    return "ok"
+
+
+@guarded_job(ttl=5, key="nest:{n}")
+def nest(n, depth=0):
+    """Calls itself once with the same key: the inner call runs under the outer's lease."""
+    fence = current_lease().fencing_token
+    if depth == 0:
+        return [fence, *nest(n, depth=1)]
+    return [fence]
+
+
+@guarded_job(ttl=5, key="shadow-rated:{name}", rate="1/m", rate_key="shadow-rate:{name}", enforce=False)
+def shadow_rated(name):
+    return "ran"
+
+
 @guarded_job(ttl=5, key="uq:{name}")
 def unique_job(name, seconds=0.3):
     _log(f"unique:{name}")

@@ -389,28 +389,32 @@ def test_killing_the_leader_around_window_starts_loses_no_window(beat_env, every
 def test_a_leader_dying_between_claim_publish_and_confirm_loses_and_doubles_nothing(beat_env, mode):
     """The leader SIGKILLs itself once, after claiming a slot but before publishing it ("claim"),
     or after publishing it but before confirming it ("publish"). The next leader publishes the slot
-    again; the worker runs it once (both messages name the slot)."""
+    again; the worker runs it once (both messages name the slot). The interval (8 s) leaves the
+    next leader room to take over (leader TTL 3 s + a loop) before the following slot falls due,
+    even on a loaded machine: with 4 s it sometimes came after it, and then rightly published that
+    later slot instead."""
     app, queue, prefix, tmp = beat_env
+    every = 8.0
     flag = tmp / "crash-once"
     env = {**beat_conf(), "TG_TEST_CRASH_FLAG": str(flag), "TG_TEST_CRASH_MODE": mode}
     with WorkerProcess(queue, prefix, pool="threads", concurrency=4):
         beats = [
             BeatProcess(
-                queue, prefix, tmp, n, every=EVERY, env=env, scheduler="tests.beat_schedulers:CrashingScheduler"
+                queue, prefix, tmp, n, every=every, env=env, scheduler="tests.beat_schedulers:CrashingScheduler"
             ).start()
             for n in ("a", "b")
         ]
         leader_pid(app)
-        time.sleep(EVERY)
-        first = math.floor(time.time() / EVERY) + 1
+        time.sleep(every)
+        first = math.floor(time.time() / every) + 1
         flag.write_text("1")
         say(f"injected: the leader SIGKILLs itself after the {mode} step of its next publish")
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 2 * every + 5
         while not (tmp / "crash-once.taken").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert (tmp / "crash-once.taken").exists()
-        time.sleep(3 * EVERY)
-        last = math.floor(time.time() / EVERY) - 1
+        time.sleep(2 * every)
+        last = math.floor(time.time() / every) - 1
         time.sleep(1.0)
         outputs = "".join(b.output() for b in beats)
         for b in beats:

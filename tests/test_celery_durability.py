@@ -22,9 +22,15 @@ def app(redis_url, prefix):
     client.close()
 
 
-def test_a_guard_replica_timeout_above_the_socket_timeout_fails_each_run_and_leaves_nothing(app, redis_url):
-    """What the worker does with such a guard: each run fails with the ConfigError (raised by the
-    acquisition, before anything was sent), the unique mark is cleared, no lease is left."""
+def test_a_guard_replica_timeout_above_the_socket_timeout_stops_the_worker_or_fails_each_run_leaving_nothing(
+    app, redis_url, prefix
+):
+    """With the app's locks known at worker start, the worker refuses to start, naming the task.
+    Locks swapped afterwards (``use_locks``) meet the check at each run instead: it fails with the
+    ConfigError (raised by the acquisition, before anything was sent), the unique mark is cleared,
+    no lease is left."""
+    from taskguard_celery.config import use_locks
+    from taskguard_celery.pools import check_settings
 
     @app.task(
         base=GuardedTask,
@@ -42,7 +48,11 @@ def test_a_guard_replica_timeout_above_the_socket_timeout_fails_each_run_and_lea
         return n
 
     locks = app.conf.taskguard_locks
+    with pytest.raises(SystemExit, match="task 'tg.brk_replica_timeout': replica_timeout"):
+        check_settings(app)  # (what the worker's start, worker_init, runs)
+    use_locks(app, RedisLocks(redis.Redis.from_url(redis_url), prefix=prefix))  # (a 5 s socket timeout)
     with embedded_worker(app):
+        use_locks(app, locks)  # after the start
         res = durable.delay(1)
         with pytest.raises(Exception) as info:
             res.get(timeout=20)

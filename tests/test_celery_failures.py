@@ -109,6 +109,62 @@ def test_same_task_id_published_while_running_runs_after_it(env):
     assert app.conf.taskguard_locks.holder("sleeper:dup") is None
 
 
+def _queued(app, queue: str, broker: str | None) -> int:
+    if broker is None:
+        return redis.Redis.from_url(app.conf.broker_url).llen(queue)
+    with app.connection_for_write() as conn:
+        return conn.default_channel.queue_declare(queue, passive=True).message_count
+
+
+@pytest.mark.parametrize("comes_back", ["while-the-first-runs", "after-the-first-finished"])
+def test_a_publish_whose_deferred_copy_the_broker_delivers_again_still_runs(env, redis_url, comes_back):
+    """The same task id published while its first run runs: the publish is deferred (a copy looks
+    again later). The worker holding that copy dies, and the broker delivers the copy again
+    (Redis: its visibility timeout; RabbitMQ: the closed connection), flagged ``redelivered``.
+    That delivery's run never ran, so it runs once after the first. Both moments the copy can come
+    back: while the first run still runs (it defers again) and after it finished. (It used to be
+    taken for a duplicate of the finished run — the result backend's SUCCESS is the *first*
+    delivery's, written after this one was published — and the publish was lost.) Results are
+    kept longer than the broker's redelivery window, so the backend is where finished runs are
+    told (with shorter-lived results taskguard's per-delivery finished markers tell them)."""
+    _, queue, prefix, broker, conf = env
+    conf = {**conf, "result_expires": 86400}
+    app = make_app(queue, prefix, broker=broker, **conf)
+    other = f"{queue}-b"  # the publish goes to a worker of its own, the one that dies
+    task_id = str(uuid.uuid4())
+    r = redis.Redis.from_url(redis_url)
+    records = lambda: list(r.scan_iter(match="{" + prefix + ":sleeper:dup}:r:defer:*"))  # noqa: E731
+    first_seconds = 9.0 if comes_back == "while-the-first-runs" else 3.0
+    try:
+        with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
+            dying = WorkerProcess(other, prefix, broker=broker, concurrency=1, conf=conf).start()
+            try:
+                app.tasks["tg.sleeper"].apply_async(("dup",), {"seconds": first_seconds}, task_id=task_id)
+                assert wait_for(lambda: entries(app, "sleeper:dup:start"), timeout=20)
+                app.tasks["tg.sleeper"].apply_async(("dup",), {"seconds": 0.5}, task_id=task_id, queue=other)
+                # the publish was deferred, and the dying worker holds its copy (nothing queued)
+                assert wait_for(lambda: records() and _queued(app, other, broker) == 0, timeout=10)
+                dying.signal_all(signal.SIGKILL)
+                say(f"injected: the worker holding the deferred copy SIGKILLed; it comes back {comes_back}")
+            finally:
+                dying.stop()
+            if comes_back == "after-the-first-finished":
+                assert wait_for(lambda: entries(app, "sleeper:dup:end"), timeout=20)
+            with WorkerProcess(other, prefix, broker=broker, concurrency=1, conf=conf):
+                assert wait_for(lambda: len(entries(app, "sleeper:dup:end")) == 2, timeout=40), entries(
+                    app, "sleeper:dup:"
+                )
+                time.sleep(1.0)  # nothing runs a third time
+        log = entries(app, "sleeper:dup:")
+        say(f"observed: {log}")
+        assert [e.split(":")[2] for e in log] == ["start", "write", "end", "start", "write", "end"]
+        assert app.conf.taskguard_locks.holder("sleeper:dup") is None
+    finally:
+        r.delete(other)
+        if broker:
+            delete_amqp_queue(app, other)
+
+
 def test_redis_visibility_timeout_redelivery_does_not_run_twice(redis_url, prefix):
     """acks_late + a 2 s visibility timeout with a 5 s body: Redis hands the unacked message to
     the other worker while the first still runs it."""
@@ -145,9 +201,12 @@ def test_whole_worker_sigkilled_mid_body(env):
         a.signal_all(signal.SIGKILL)
     finally:
         a.stop()
-    with WorkerProcess(queue, prefix, broker=broker, concurrency=2, conf=conf):
+    # one at a time: RabbitMQ requeues the killed run's message as soon as its connection drops, so
+    # it can arrive together with `other`; two pool children would then run them side by side, and
+    # whichever took the lease first would skip the other ("held": another run holds the key)
+    with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
         other = app.tasks["tg.sleeper"].delay("crash", seconds=0)
-        out = other.get(timeout=10)
+        out = other.get(timeout=30)  # (it may wait for the redelivered run's 6 s)
         say(f"observed: another run of the key while the dead holder's TTL lasts: {out!r}")
         fence = res.get(timeout=30)  # the broker redelivers the killed run's message
     say(f"observed: the redelivered run finished with fence {fence} > {first_fence}")
@@ -159,43 +218,92 @@ def test_whole_worker_sigkilled_mid_body(env):
 # 3. hard time limit, terminate, lost child: the main process releases ------------------------------
 
 
-def test_hard_time_limit_is_released_by_the_main_process(env):
+#: A run published for a beat slot (its message's ``taskguard_beat`` header, as the scheduler
+#: sends it): its lease is named by the slot, not by its task id; with ``key`` the entry's own key.
+def slot_header(**entry):
+    return {"taskguard_beat": {"entry": "e1", "slot": f"s-{uuid.uuid4().hex[:8]}", "keep": 60, **entry}}
+
+
+@pytest.mark.parametrize("published", ["plain", "beat_slot"])
+def test_hard_time_limit_is_released_by_the_main_process(env, published):
+    """Celery sends ``task_failure`` for a hard time limit without the request (celery/worker/
+    request.py ``on_timeout``): the lease is found by the execution's task id on the task's key,
+    a beat slot's run (named by its slot) included."""
     app, queue, prefix, broker, conf = env
     locks = app.conf.taskguard_locks
+    headers = slot_header() if published == "beat_slot" else None
     with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
-        res = app.tasks["tg.limited"].delay()
+        res = app.tasks["tg.limited"].apply_async(headers=headers)
         with pytest.raises(Exception) as err:
             res.get(timeout=15)
         assert "TimeLimitExceeded" in type(err.value).__name__
         released = wait_for(lambda: locks.holder("limited") is None, timeout=3)
-    say(f"injected: time_limit=1 on a 10 s body (ttl 30); observed lease released promptly: {released}")
+    say(f"injected: time_limit=1 on a 10 s body (ttl 30, {published}); observed lease released promptly: {released}")
     assert released
 
 
-def test_revoke_terminate_is_released_by_the_main_process(env):
+def test_a_main_process_release_without_the_request_finds_a_beat_slots_lease_by_its_task_id(redis_url, prefix):
+    """The hard-time-limit path of the main process (``task_failure`` without the request, the
+    child already killed; billiard sends SIGTERM 0.1 s before SIGKILL, so the child usually hands
+    its lease back itself — above): the lease of the execution's task id is released although a
+    beat slot's run names it by its slot; another execution's lease of the same key is not."""
+    from celery.exceptions import TimeLimitExceeded
+    from celery.signals import task_failure
+
+    app = make_app(f"q-{prefix}", prefix)
+    task, locks = app.tasks["tg.limited"], app.conf.taskguard_locks
+    slot_run = f"beat:e1:s-{uuid.uuid4().hex[:8]}"
+    locks.acquire("limited", ttl=30, run_id=slot_run, holder={"task": task.name, "task_id": "other"})
+    task_failure.send(sender=task, task_id="t-1", exception=TimeLimitExceeded(1), args=(), kwargs={})
+    assert locks.holder("limited").holder["task_id"] == "other"  # not this execution's: kept
+    locks.release_run("limited", slot_run)
+    # a copy of the same message (same task id) running on a worker of another host: not this one's
+    locks.acquire("limited", ttl=30, run_id=slot_run, holder={"task_id": "t-1", "host": "elsewhere"})
+    task_failure.send(sender=task, task_id="t-1", exception=TimeLimitExceeded(1), args=(), kwargs={})
+    assert locks.holder("limited").holder["host"] == "elsewhere"
+    locks.release_run("limited", slot_run)
+    locks.acquire("limited", ttl=30, run_id=slot_run, holder={"task": task.name, "task_id": "t-1"})
+    task_failure.send(sender=task, task_id="t-1", exception=TimeLimitExceeded(1), args=(), kwargs={})
+    assert locks.holder("limited") is None
+
+
+@pytest.mark.parametrize("published", ["plain", "beat_slot"])
+def test_revoke_terminate_is_released_by_the_main_process(env, published):
+    """A beat slot's run with its entry's own key: the main process releases that key's lease,
+    named by the slot (it released by task id on the task's key: the entry's key stayed held to
+    its TTL, and the next slots were skipped)."""
     app, queue, prefix, broker, conf = env
     locks = app.conf.taskguard_locks
+    key, headers = ("long", None) if published == "plain" else ("long-entry", slot_header(key="long-entry"))
     with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
-        res = app.tasks["tg.long_holder"].delay(seconds=20)
+        res = app.tasks["tg.long_holder"].apply_async(kwargs={"seconds": 20}, headers=headers)
         assert wait_for(lambda: entries(app, "long:start"))
+        assert locks.holder(key) is not None
         app.control.revoke(res.id, terminate=True, signal="SIGKILL")
-        released = wait_for(lambda: locks.holder("long") is None, timeout=5)
-    say(f"injected: revoke(terminate=True) of a 20 s body (ttl 30); observed released promptly: {released}")
+        released = wait_for(lambda: locks.holder(key) is None, timeout=5)
+    say(
+        f"injected: revoke(terminate=True) of a 20 s body (ttl 30, {published}); observed released promptly: {released}"
+    )
     assert released
 
 
-def test_lost_child_is_released_by_the_main_process(env):
+@pytest.mark.parametrize("published", ["plain", "beat_slot"])
+def test_lost_child_is_released_by_the_main_process(env, published):
     app, queue, prefix, broker, conf = env
     locks = app.conf.taskguard_locks
+    key, headers = ("long", None) if published == "plain" else ("long-entry", slot_header(key="long-entry"))
     with WorkerProcess(queue, prefix, broker=broker, concurrency=1, conf=conf):
-        res = app.tasks["tg.long_holder"].delay(seconds=20)
-        assert wait_for(lambda: locks.holder("long"))
-        pid = locks.holder("long").holder["pid"]
+        res = app.tasks["tg.long_holder"].apply_async(kwargs={"seconds": 20}, headers=headers)
+        assert wait_for(lambda: locks.holder(key))
+        pid = locks.holder(key).holder["pid"]
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(Exception) as err:
             res.get(timeout=15)
-        released = wait_for(lambda: locks.holder("long") is None, timeout=5)
-    say(f"injected: SIGKILL to the pool child {pid}; observed {type(err.value).__name__}, released: {released}")
+        released = wait_for(lambda: locks.holder(key) is None, timeout=5)
+    say(
+        f"injected: SIGKILL to the pool child {pid} ({published}); "
+        f"observed {type(err.value).__name__}, released: {released}"
+    )
     assert "WorkerLost" in type(err.value).__name__ and released
 
 

@@ -187,6 +187,17 @@ def test_shadow_rate_reports_each_would_be_deferral_with_a_worker(app):
     assert locks.throttle("srate", rate=(1, 2.0)).allowed  # the enforced rate: untouched
 
 
+def test_shadow_rate_logs_a_would_be_rate_limit_as_a_held_lease_is_logged(app, caplog):
+    """A direct call over the rate in shadow mode logged nothing (only a held lease's was logged;
+    RQ logged both): the same line from both adapters now (:func:`taskguard.pipeline.shadow_line`)."""
+    import logging
+
+    task = app.tasks["tg.shadow_rated"]
+    with caplog.at_level(logging.INFO, logger="taskguard.celery"):
+        assert [task(n)["n"] for n in range(2)] == [0, 1]
+    assert "shadow mode: would have been rate-limited (rate key 'srate'); running it" in caplog.text
+
+
 def test_shadow_unique_publishes_every_call_and_reports_the_would_be_suppressions(app):
     """``enforce=False, unique=True``: three publishes while the first run is queued or running. Before,
     the second and third were suppressed (uniqueness was enforced in shadow mode); now all three

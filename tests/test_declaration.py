@@ -122,15 +122,29 @@ def test_an_unknown_option_on_rq_is_a_config_error_listing_the_guard_options():
 
 @pytest.mark.parametrize(
     "option, where",
-    [("unique", "enqueue_unique"), ("unique_ttl", "enqueue_unique"), ("continue_on_skip", "depends_on")],
+    [
+        ("unique", "enqueue_unique"),
+        ("unique_ttl", "enqueue_unique"),
+        ("continue_on_skip", "depends_on"),
+        ("skip_retry_delay", "on_skip='retry', which RQ jobs do not have"),
+        ("skip_max_retries", "on_skip='retry', which RQ jobs do not have"),
+    ],
 )
 def test_rq_refuses_the_guard_options_it_does_not_take_and_says_where_they_live(option, where):
     with pytest.raises(ConfigError, match=rf"job 'decl\.j': option '{option}' is not supported here: .*{where}"):
-        guarded_job(name="decl.j", key="uq:{n}", **{option: True if option != "unique_ttl" else 5})(job)
+        guarded_job(name="decl.j", key="uq:{n}", **{option: True if option in ("unique", "continue_on_skip") else 5})(
+            job
+        )
 
 
 def test_each_adapter_declares_what_it_takes():
-    assert set(RQ_OPTIONS) == set(OPTION_NAMES) - {"unique", "unique_ttl", "continue_on_skip"}
+    assert set(RQ_OPTIONS) == set(OPTION_NAMES) - {
+        "unique",
+        "unique_ttl",
+        "continue_on_skip",
+        "skip_retry_delay",
+        "skip_max_retries",
+    }
     for name in RQ_OPTIONS:  # every declared option is really taken (valid defaults)
         guarded_job(name="decl.all", **{name: _valid(name)})(job)
 

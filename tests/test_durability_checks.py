@@ -111,6 +111,72 @@ def test_a_guard_declared_with_locks_refuses_a_replica_timeout_at_or_above_their
         client.close()
 
 
+def _body():  # (Celery makes a task of a named function: a lambda has no name to call it by)
+    return "ran"
+
+
+def test_a_celery_task_declared_with_locks_refuses_the_same_replica_timeout_when_declared(redis_url, prefix):
+    """The same declaration on Celery — ``@guarded_task(locks=...)`` and
+    ``@app.task(base=GuardedTask, locks=...)`` — was accepted (only the RQ adapter checked it),
+    and every run failed with the ConfigError. Now the core's option check does it for both."""
+    import redis
+    from celery import Celery
+
+    from taskguard_celery import GuardedTask, guarded_task
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=1)
+    locks = RedisLocks(client, prefix=prefix)
+    app = Celery("decl-durability", set_as_current=False)
+    try:
+        with pytest.raises(ConfigError, match="task 'decl.too_long': .*below the client's socket_timeout"):
+            guarded_task(name="decl.too_long", locks=locks, replicas=1, replica_timeout=2.0)(_body)
+        declare = app.task(  # (not shared: a task added to every app made later in this process)
+            base=GuardedTask, name="decl.too_long_base", shared=False, locks=locks, replicas=1, replica_timeout=2.0
+        )(_body)
+        with pytest.raises(ConfigError, match="task 'decl.too_long_base': .*below the client's socket_timeout"):
+            declare.name  # noqa: B018  (the app's task is made when first used)
+        fits = app.task(base=GuardedTask, name="decl.fits", shared=False, locks=locks, replicas=1, replica_timeout=0.5)
+        assert fits(_body).taskguard_options.replicas == 1
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("framework", ["celery", "rq"])
+def test_a_guard_declared_with_locks_that_are_not_locks_is_refused_when_declared(framework):
+    """``locks="redis://..."`` (a URL where a Locks object belongs) was accepted at declaration
+    and failed on every run with an AttributeError; now a ConfigError naming the task."""
+    if framework == "celery":
+        from taskguard_celery import guarded_task as declare
+    else:
+        from taskguard_rq import guarded_job as declare
+    with pytest.raises(ConfigError, match="decl.url_locks.*locks must be a taskguard.Locks, got str"):
+        declare(name="decl.url_locks", locks="redis://127.0.0.1:6379/0")(_body)
+
+
+def test_a_celery_worker_stops_at_start_for_a_tasks_replica_timeout_its_apps_redis_cannot_wait(redis_url, prefix):
+    """A task declared without ``locks=`` (the app's Redis, unknown at declaration) whose
+    ``replica_timeout`` is at or above that client's socket timeout: the worker refuses to start
+    (``worker_init``), naming the task — not a ConfigError on each of its runs."""
+    import redis
+    from celery import Celery
+
+    from taskguard_celery import GuardedTask
+    from taskguard_celery.pools import check_settings
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=1)
+    app = Celery("start-durability", set_as_current=False)
+    app.conf.taskguard_locks = RedisLocks(client, prefix=prefix)
+    try:
+        fits = app.task(base=GuardedTask, name="start.fits", shared=False, replicas=1, replica_timeout=0.5)(_body)
+        assert fits.taskguard_options.replica_timeout == 0.5
+        check_settings(app)  # every task fits
+        app.task(base=GuardedTask, name="start.too_long", shared=False, replicas=1, replica_timeout=2.0)(_body)
+        with pytest.raises(SystemExit, match="task 'start.too_long': .*below the client's socket_timeout"):
+            check_settings(app)
+    finally:
+        client.close()
+
+
 def test_the_check_sees_the_socket_timeout_redis_py_applies_to_a_client_made_from_a_url(pair):
     """``redis.Redis.from_url(url)`` with no ``socket_timeout``: redis-py 8 leaves it out of the
     pool's ``connection_kwargs`` but its connections time out reads after 5 s all the same.

@@ -414,7 +414,7 @@ def _body():
 def test_celery_reads_the_sentinel_and_durability_settings():
     from celery import Celery
 
-    from taskguard_celery import guarded_task
+    from taskguard_celery import GuardedTask, guarded_task
     from taskguard_celery.config import locks_for
 
     app = Celery("failover", set_as_current=False)
@@ -436,5 +436,7 @@ def test_celery_reads_the_sentinel_and_durability_settings():
         locks_for(bad)
     with pytest.raises(ConfigError, match=r"unknown option 'replica_timout'; did you mean 'replica_timeout'\?"):
         guarded_task(name="failover.t", replica_timout=1)(_body)
-    task = guarded_task(name="failover.t2", replicas=2, replica_timeout=0.5)(_body)
+    # (not shared: a shared task joins every app made later in the process, whose worker start
+    # would check its replicas against that app's Redis)
+    task = app.task(base=GuardedTask, shared=False, name="failover.t2", replicas=2, replica_timeout=0.5)(_body)
     assert (task.taskguard_options.replicas, task.taskguard_options.replica_timeout) == (2, 0.5)

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 
+import pytest
 import redis
 
 from taskguard import LeaseBackendError, RedisLocks
@@ -141,7 +142,11 @@ def test_cut_connections_never_double_hold_and_waiters_do_not_hang(redis_url, pr
 # -- Celery workers SIGKILLed under load, and the soak ------------------------------------------------
 
 
-def run_soak(redis_url: str, prefix: str, seconds: float, units: int, keys: int, broker: str | None = None) -> None:
+def run_soak(
+    redis_url: str, prefix: str, seconds: float, units: int, keys: int, broker: str | None = None, complete: bool = True
+) -> None:
+    """``complete``: every unit must be done at the end (on RabbitMQ; the Redis transport can lose
+    a SIGKILLed worker's message in the broker: :func:`test_soak`)."""
     queue = f"q-{prefix}"
     conf = (
         {}
@@ -160,8 +165,9 @@ def run_soak(redis_url: str, prefix: str, seconds: float, units: int, keys: int,
     workers = [WorkerProcess(queue, prefix, concurrency=2, conf=conf, broker=broker).start() for _ in range(2)]
     kills = 0
     try:
+        sent = {}
         for i in range(units):
-            app.tasks["tg.unit"].delay(f"u{i}", f"k{i % keys}", seconds=rng.uniform(0.2, 0.6))
+            sent[f"u{i}"] = app.tasks["tg.unit"].delay(f"u{i}", f"k{i % keys}", seconds=rng.uniform(0.2, 0.6))
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and r.scard(f"{prefix}:done") < units:
             time.sleep(rng.uniform(1.5, 3.0))
@@ -197,19 +203,40 @@ def run_soak(redis_url: str, prefix: str, seconds: float, units: int, keys: int,
         f"injected: {kills} SIGKILLs (whole workers and pool children) over {units} units on {keys} keys; "
         f"observed {done}/{units} completed, {len(violations)} overlaps, fences increasing per key: {increasing}"
     )
+    if done < units and not broker:  # where the missing units are: still unacked, or on the queue
+        unacked = sum(queue.encode() in v for v in r.hvals("unacked"))
+        mutex = f"held, ttl {r.ttl('unacked_mutex')} s" if r.exists("unacked_mutex") else "free"
+        say(f"missing {units - done}: {r.llen(queue)} on the queue, {unacked} unacked; kombu's restore mutex {mutex}")
+    finished = {m.decode() for m in r.smembers(f"{prefix}:done")}
+    for unit, res in sent.items():  # and how each missing one last ended, as Celery recorded it
+        if unit not in finished:
+            say(f"  {unit} ({res.id}): {res.state} {str(res.info)[:160]}")
     keys_left = list(r.scan_iter(match=f"{prefix}:*"))
     if keys_left:
         r.delete(*keys_left)
     r.delete(queue)
     if broker:
         delete_amqp_queue(app, queue)
-    assert done == units
+    assert done == units or not complete
     assert violations == []
     assert increasing
 
 
+@pytest.mark.timeout(240)  # its own bounds: 25 s of kills, then up to 120 s for the units to finish (~20 s alone)
 def test_sigkill_workers_under_load_every_unit_completes_once_at_a_time(redis_url, prefix):
-    run_soak(redis_url, prefix, seconds=25, units=60, keys=6)
+    """On RabbitMQ, which requeues a killed consumer's deliveries: every unit done, none beside another."""
+    from .test_celery_failures import require_rabbitmq
+
+    run_soak(redis_url, prefix, seconds=25, units=60, keys=6, broker=require_rabbitmq())
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_workers_under_load_on_the_redis_transport_never_run_a_key_twice_at_once(redis_url, prefix):
+    """The same on Celery's Redis transport: no unit beside another of its key, fences increasing
+    per key. Completion is printed, not asserted: a SIGKILLed worker can lose a message inside
+    kombu before any task code sees it (:func:`test_soak`); each missing unit's Celery state is
+    printed."""
+    run_soak(redis_url, prefix, seconds=25, units=60, keys=6, complete=False)
 
 
 def test_soak(redis_url, prefix):

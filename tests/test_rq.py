@@ -259,7 +259,7 @@ def _wait_running(job: Job, key: str, timeout: float = 20.0) -> None:
     """Until ``job`` holds ``key`` *and* has stored its handle: the work-horse saves the handle one
     round trip after its lease, so a test that injects an end right after seeing the lease could
     otherwise strike between the two."""
-    from taskguard_rq.handles import load_handle
+    from taskguard_rq import load_handle
 
     def running() -> bool:
         return locks().holder(key) is not None and load_handle(locks(), job.id) is not None
@@ -282,7 +282,8 @@ def test_every_outside_end_of_a_running_job_settles_its_lease_and_handle(rq_env,
     by the job id, its holder process being dead (before, it waited for its TTL)."""
     from rq.command import send_kill_horse_command, send_stop_job_command
 
-    from taskguard_rq.handles import drop_handle, load_handle
+    from taskguard import handle_records
+    from taskguard_rq.job import handle_record, load_handle
 
     conn = rq_env.connection
     with RQWorker(rq_env) as worker:
@@ -290,7 +291,7 @@ def test_every_outside_end_of_a_running_job_settles_its_lease_and_handle(rq_env,
         _wait_running(job, f"long:{how}")
         assert load_handle(locks(), job.id) is not None
         if not handle_saved:
-            drop_handle(locks(), job.id)
+            handle_records.drop(locks(), handle_record(job.id))
         if how == "stop_job":
             send_stop_job_command(conn, job.id)
         elif how == "kill_horse":
@@ -324,7 +325,7 @@ def test_every_outside_end_of_a_running_job_settles_its_lease_and_handle(rq_env,
 def test_a_warm_shutdown_lets_the_job_end_and_settle_itself(rq_env):
     """One SIGTERM while a guarded job runs: RQ lets it finish; its lease is released and its
     handle deleted by the job itself."""
-    from taskguard_rq.handles import load_handle
+    from taskguard_rq import load_handle
 
     with RQWorker(rq_env) as worker:
         job = rq_env.enqueue(rq_jobs.long_running, "warm", seconds=2.0)
@@ -346,15 +347,16 @@ def test_the_abandoned_job_cleanup_settles_a_dead_workers_lease_and_handle(rq_en
     lease is found by the job id)."""
     from rq.registry import StartedJobRegistry
 
+    from taskguard import handle_records
     from taskguard_rq import GuardedWorker
-    from taskguard_rq.handles import drop_handle, load_handle
+    from taskguard_rq.job import handle_record, load_handle
 
     conn = rq_env.connection
     with RQWorker(rq_env) as worker:
         job = rq_env.enqueue(rq_jobs.long_running, f"abandoned-{horse}", seconds=20.0, job_timeout=60)
         _wait_running(job, f"long:abandoned-{horse}")
         if not handle_saved:
-            drop_handle(locks(), job.id)
+            handle_records.drop(locks(), handle_record(job.id))
         horse_pid = locks().holder(f"long:abandoned-{horse}").holder["pid"]
         os.killpg(worker.proc.pid, signal.SIGKILL)
         worker.proc.wait(10)
@@ -398,8 +400,7 @@ def test_ending_a_retry_that_waits_for_an_orphaned_work_horse_leaves_that_horses
     from rq.command import send_kill_horse_command, send_stop_job_command
     from rq.registry import StartedJobRegistry
 
-    from taskguard_rq import GuardedWorker
-    from taskguard_rq.handles import load_handle
+    from taskguard_rq import GuardedWorker, load_handle
 
     conn = rq_env.connection
     key = f"long:orphan-{how}-{retries}"
@@ -453,8 +454,7 @@ def test_a_job_cancelled_while_waiting_for_its_retry_releases_the_kept_lease(rq_
     """A job fails, its retry (interval 30 s) keeps the lease; the job is cancelled meanwhile. The
     next GuardedWorker maintenance releases the kept lease and deletes the handle, so the key is
     free long before the 30 s stretch would have ended."""
-    from taskguard_rq import GuardedWorker
-    from taskguard_rq.handles import load_handle
+    from taskguard_rq import GuardedWorker, load_handle
 
     conn = rq_env.connection
     with RQWorker(rq_env):
@@ -474,8 +474,7 @@ def test_maintenance_never_settles_a_live_job_whose_reused_id_is_still_listed_as
     """A job id cancelled once stays in RQ's CanceledJobRegistry when a job of that id is enqueued
     again. That job failed, and its retry (interval 30 s) kept its lease: the maintenance released
     it as a cancelled job's, and another job of the key ran inside the retry interval."""
-    from taskguard_rq import GuardedWorker
-    from taskguard_rq.handles import load_handle
+    from taskguard_rq import GuardedWorker, load_handle
 
     conn = rq_env.connection
     job_id = f"reused-{uuid.uuid4().hex}"
@@ -517,6 +516,7 @@ def test_maintenance_never_releases_a_lease_whose_body_may_still_run(rq_env):
     assert locks().holder("long:live") is None  # released by the body itself when it ended
 
 
+@pytest.mark.timeout(330)  # five worker runs, each bounded to 60 s below
 def test_a_guarded_worker_with_a_malformed_lease_configuration_refuses_to_start_and_warns_when_it_is_unset(rq_env):
     """A malformed TASKGUARD_REDIS_URL: ``rq worker -w taskguard_rq.GuardedWorker`` exits 78 before
     taking a job, saying why in one line (no traceback), and the queued job is left for a worker
@@ -554,7 +554,10 @@ def test_a_guarded_worker_with_a_malformed_lease_configuration_refuses_to_start_
         "TG_OWN_LOCKS_URL": os.environ["TASKGUARD_REDIS_URL"],
         "TG_OWN_LOCKS_PREFIX": os.environ["TASKGUARD_PREFIX"],
     }
-    unset = subprocess.run(cmd, cwd=ROOT, env={**base, **own_env}, capture_output=True, text=True, timeout=60)
+    try:  # (a GuardedWorker exits at once after its burst: the pubsub stop is bounded)
+        unset = subprocess.run(cmd, cwd=ROOT, env={**base, **own_env}, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as e:  # what it was doing, whole
+        raise AssertionError(f"the worker did not end: {e.stdout!r} {e.stderr!r}") from None
     text = unset.stdout + unset.stderr
     assert unset.returncode == 0, text
     assert "TASKGUARD_REDIS_URL is not set: guarded jobs declared without locks= will fail" in text
@@ -584,8 +587,9 @@ def test_a_dead_horse_whose_stored_handle_is_another_executions_has_its_own_leas
     own handle. Settling the stored handle releases nothing; the dead horse's lease, found by the
     job id and released by its fencing token, is released instead. (Before, the worker logged
     "released" and the lease stayed for its TTL.)"""
+    from taskguard import handle_records
     from taskguard.handoff import handle_of
-    from taskguard_rq.handles import load_handle, save_handle
+    from taskguard_rq.job import handle_record
     from taskguard_rq.worker import settle_killed_job
 
     job = rq_env.enqueue(rq_jobs.long_running, how, seconds=0)
@@ -593,10 +597,12 @@ def test_a_dead_horse_whose_stored_handle_is_another_executions_has_its_own_leas
     holder = {"job": "tests.rq_jobs.long_running", "job_id": job.id}
     earlier = lk.acquire(key, ttl=60, run_id=job.id, holder=holder).lease
     if how == "claimed_the_kept_lease":
-        save_handle(lk, job.id, {**handle_of(earlier), "running": False}, ttl=60)  # kept for the retry
+        handle_records.save(
+            lk, handle_record(job.id), {**handle_of(earlier), "running": False}, ttl=60
+        )  # kept for the retry
         args = ["claim", key, job.id, earlier.owner_token]
     else:  # an earlier execution's handle, its lease released by the dead-holder rule
-        save_handle(lk, job.id, {**handle_of(earlier), "running": True}, ttl=60)
+        handle_records.save(lk, handle_record(job.id), {**handle_of(earlier), "running": True}, ttl=60)
         assert lk.release_run(key, job.id, fencing_token=earlier.fencing_token)
         args = ["fresh", key, job.id]
     out = subprocess.run(
@@ -628,3 +634,28 @@ def test_a_guarded_worker_given_its_locks_with_use_locks_does_not_warn(rq_env, m
         finally:
             use_locks(None)
         assert said not in caplog.text
+
+
+def test_a_guarded_worker_exits_at_once_when_its_pubsub_thread_read_the_unsubscribe_first(rq_env):
+    """A worker's shutdown (burst end, warm shutdown) unsubscribes its command channel and stops
+    its pubsub thread. A thread that read the unsubscribe reply before the stop waits for a new
+    subscription for RQ's ``sleep_time`` of 60 s (rq/worker/base.py ``subscribe``), and from
+    redis-py 8.2 ``PubSubWorkerThread.stop()`` joins the thread (redis/client.py): an ``rq worker
+    --burst`` took a minute to exit after its last job, now and then, on a loaded machine. The
+    race, forced: the thread reads the unsubscribe first, then the worker shuts down."""
+    from taskguard_rq import GuardedWorker
+
+    worker = GuardedWorker([rq_env], connection=rq_env.connection)
+    worker.subscribe()
+    deadline = time.monotonic() + 10
+    while not worker.pubsub.subscribed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker.pubsub.unsubscribe()  # the reply, read by the thread before any stop
+    while worker.pubsub.subscribed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not worker.pubsub.subscribed
+    time.sleep(0.3)  # the thread now waits for a subscription
+    started = time.monotonic()
+    worker.unsubscribe()
+    took = time.monotonic() - started
+    assert took < 10, f"the worker's unsubscribe took {took:.1f} s"

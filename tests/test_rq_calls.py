@@ -10,7 +10,7 @@ from taskguard import ConfigError
 from taskguard_rq import enqueue_unique
 
 from . import rq_jobs
-from .test_rq import RQWorker, log, wait_done
+from .test_rq import RQWorker, locks, log, wait_done
 
 
 def _guard_keys(queue) -> list[str]:
@@ -49,6 +49,22 @@ def test_wrong_arguments_raise_type_error_and_lock_nothing(rq_env):
         assert "TypeError" in exc and "ConfigError" not in exc, exc
     assert jobs[2].return_value() == 5 and log(queue) == ["add:2:3"]
     assert not [k for k in _guard_keys(queue) if ":add:5" in k or "rq-job:" + jobs[0].id in k]
+
+
+def test_a_direct_call_of_the_key_its_job_holds_runs_nested_under_the_jobs_lease(rq_env):
+    """Recursion with the same key: the inner call runs under the job's lease (same fencing
+    token), as Celery's does (the decision is the core's, ``taskguard.run.nested_in``). Before, RQ
+    returned ``Skipped(reason="held")`` to its own caller — a recursive job silently skipped its
+    own inner call — from a worker and from a direct call alike."""
+    with RQWorker(rq_env) as worker:
+        job = rq_env.enqueue(rq_jobs.nest, 1)
+        assert wait_done(job) == JobStatus.FINISHED
+        output = worker.output()
+    outer, inner = job.return_value()
+    assert isinstance(outer, int) and inner == outer, output
+    outer, inner = rq_jobs.nest(2)  # called directly, outside any job
+    assert isinstance(outer, int) and inner == outer
+    assert locks().holders("nest:1") == [] and locks().holders("nest:2") == []  # released once, by the outer run
 
 
 def test_a_direct_call_inside_a_job_is_judged_by_its_own_call(rq_env):

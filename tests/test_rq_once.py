@@ -54,3 +54,19 @@ def test_shadow_mode_runs_the_job_without_the_lease_and_says_what_it_would_have_
     job.refresh()
     assert job.meta["taskguard"]["shadow"] == "held"
     assert "shadow mode: would have been skipped (held" in output
+
+
+def test_shadow_mode_records_a_would_be_rate_limit_as_it_records_a_held_lease(rq_env):
+    """Over its rate in shadow mode the job runs, and says so where a held lease's shadow run
+    says so: the log line and ``job.meta["taskguard"]["shadow"]`` (the meta said nothing; the
+    Celery adapter logged nothing: one rule now, :func:`taskguard.pipeline.shadow_line`)."""
+    with RQWorker(rq_env) as worker:
+        first = rq_env.enqueue(rq_jobs.shadow_rated, "r")
+        second = rq_env.enqueue(rq_jobs.shadow_rated, "r")
+        assert wait_done(first) == JobStatus.FINISHED and wait_done(second) == JobStatus.FINISHED
+        output = worker.output()
+    assert first.return_value() == second.return_value() == "ran"
+    assert "shadow" not in first.get_meta(refresh=True)["taskguard"]
+    meta = second.get_meta(refresh=True)["taskguard"]
+    assert meta["shadow"] == "rate_limited" and meta["key"] == "shadow-rated:r", meta  # the lease key stays
+    assert "shadow mode: would have been rate-limited (rate key 'shadow-rate:r'); running it" in output

@@ -183,7 +183,12 @@ def test_replace_the_new_job_takes_the_lease_over_and_the_old_one_ends_replaced(
     assert old.get_meta(refresh=True)["taskguard"]["outcome"] == "skipped"
 
 
-def test_replace_terminate_stops_the_old_job(rq_env):
+def test_replace_terminate_stops_the_old_job_and_reports_it_replaced(rq_env):
+    """The stopped job is a skip like Celery's terminated one: its skip reported (the core's skip
+    event, which Prometheus counts; the function's skip count) and its meta saying so — it said
+    ``outcome="running"`` for good and nothing counted it."""
+    from taskguard_rq import skip_count
+
     with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2:
         old = rq_env.enqueue(rq_jobs.report_stopping, "u2", 1, seconds=30)
         _wait(lambda: len(_entries(rq_env, "u2")) == 1)
@@ -193,6 +198,31 @@ def test_replace_terminate_stops_the_old_job(rq_env):
         output = w1.output() + w2.output()
     assert new.return_value()["n"] == 2, output
     assert "stopped the replaced job" in output
+    meta = old.get_meta(refresh=True)["taskguard"]
+    assert (meta["outcome"], meta["reason"], meta["replaced_by"]) == ("skipped", "replaced", new.id), meta
+    assert skip_count(rq_jobs.report_stopping.taskguard_name) == 1
+
+
+def test_replace_terminate_of_a_job_waiting_for_its_retry_reports_it_once_and_stops_nothing(rq_env):
+    """The replaced holder is a lease kept for a retry (the job SCHEDULED, nothing running): no
+    stop command (it would stop nothing) and no report here — the retry, when it comes, ends
+    ``Skipped("replaced")`` and reports itself, once. (Reported here too, the replacement was
+    counted twice and the log said a job was stopped that ran later.)"""
+    from rq import Retry
+
+    from taskguard_rq import skip_count
+
+    with RQWorker(rq_env) as w1:
+        old = rq_env.enqueue(rq_jobs.replaced_retrying, "a", retry=Retry(max=1, interval=3))
+        _wait(lambda: old.get_status(refresh=True) == JobStatus.SCHEDULED)
+        new = rq_env.enqueue(rq_jobs.replaced_retrying, "a", fail=False)
+        assert wait_done(new, timeout=15) == JobStatus.FINISHED
+        assert wait_done(old, timeout=20) == JobStatus.FINISHED
+        output = w1.output()
+    value = old.return_value()
+    assert is_skipped(value) and value.reason == "replaced", output
+    assert "stopped the replaced job" not in output
+    assert skip_count(rq_jobs.replaced_retrying.taskguard_name) == 1
 
 
 # -- debounce= ------------------------------------------------------------------------------------------

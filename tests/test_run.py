@@ -243,3 +243,26 @@ def test_a_holder_that_exited_but_was_not_reaped_is_dead():
             os.waitpid(stopped, 0)
     finally:
         os.waitpid(child, 0)
+
+
+def test_a_call_inside_a_run_that_lost_its_lease_is_not_nested_under_it(locks):
+    """A direct call of the key its enclosing run holds runs nested under that run's lease
+    (``nested_in``) — unless that lease was lost (expired, taken by another holder): then it is a
+    run of its own, which another holder of the key keeps out. Nesting under a lost lease ran the
+    inner call beside the new holder."""
+    from taskguard.context import running
+    from taskguard.run import nested_in
+
+    run = run_of(locks)
+    assert run.begin()
+    with running(run):
+        nested = nested_in("k", locks)
+        assert nested is not None and nested.lease is run.lease
+        assert nested_in("other", locks) is None
+        locks.release_run("k", run.run_id)  # the lease goes (expired, say) and another takes the key
+        other = locks.acquire("k", ttl=30).lease
+        assert run.lease.renew() is False and run.lease.lost  # (the renewer finds out so)
+        assert nested_in("k", locks) is None
+    other.release()
+    with pytest.raises(LeaseLost):  # (on_lost="raise": the run's end says so)
+        run.finish()

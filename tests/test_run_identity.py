@@ -198,6 +198,147 @@ def test_a_finished_deferral_chain_does_not_drop_a_later_deliverys_copy(celery_e
     assert len(entries(app, "slow:9:start")) == 2
 
 
+def test_a_redelivered_copy_deferred_while_its_own_run_ran_stays_a_duplicate_after_the_keys_next_run(
+    celery_env, redis_url, prefix
+):
+    """The broker hands a delivery out again while its own run runs (a visibility timeout): the
+    copy is deferred. By the time it looks again that run has finished, and so has another task
+    id's run of the same key, so the lease no longer names this run as the key's last finished
+    one. Results outlive the redelivery window, so the result backend's SUCCESS — this delivery's
+    own outcome — tells the copy it is a duplicate: the body does not run again. (A deferred copy
+    of a *publish* is told by its finished marker instead; a copy of the broker's redelivery keeps
+    the backend, since it may be waiting for its own delivery's run.)"""
+    import json
+
+    app, queue = celery_env(result_expires=86400, broker_transport_options={"visibility_timeout": 60})
+    r = redis.Redis.from_url(redis_url)
+    slow = app.tasks["tg.slow"]
+    slow.apply_async((5,), {"seconds": 1.5}, task_id=str(uuid.uuid4()))
+    raw = json.loads(r.lindex(queue, 0))
+    seen = lambda: (entries(app, "slow:5:"), executions(app, prefix, "tg.slow"))  # noqa: E731
+    with embedded_worker(app, pool="threads", concurrency=2):
+        assert wait_for(lambda: len(entries(app, "slow:5:start")) == 1, timeout=20), seen()
+        r.lpush(queue, _redelivered(raw))  # handed out again while it runs: deferred
+        assert wait_for(lambda: len(executions(app, prefix, "tg.slow")) >= 2, timeout=20), seen()
+        assert wait_for(lambda: len(entries(app, "slow:5:end")) >= 1, timeout=20), seen()
+        slow.apply_async((5,), {"seconds": 0.1})  # another task id, the same key, runs next
+        assert wait_for(lambda: len(entries(app, "slow:5:end")) >= 2, timeout=20), seen()
+        # the deferred copy looks again (within the first run's 5 s TTL) and is dropped
+        assert wait_for(lambda: len(executions(app, prefix, "tg.slow")) >= 4, timeout=20), seen()
+        time.sleep(1.0)
+    log, runs = seen()
+    say(f"observed: {log}, executions {runs}")
+    assert len([e for e in log if e.startswith("slow:5:start")]) == 2, (log, runs)
+
+
+def _deferred_copy(r, task_id):
+    """The deferred copy of ``task_id`` a worker holds unacknowledged (kombu's ``unacked`` hash)."""
+    import json
+
+    for raw in r.hvals("unacked"):
+        message = json.loads(raw)[0]
+        if message["headers"].get("id") == task_id and "taskguard_defer" in message["headers"]:
+            return message
+    return None
+
+
+def test_the_retry_of_a_publish_that_waited_for_another_run_of_its_id_runs(celery_env, redis_url, prefix):
+    """The same task id published while its first run runs: the publish waits (deferred), then
+    its run retries (``self.retry()``). The retry runs. Results outlive the redelivery window, and
+    the retry — a copy carrying its kept lease's handle — used to read the result backend's
+    SUCCESS under the task id, the *first* run's, stored less than the publish stamps' clock
+    tolerance (1 s) before the retry was published (the deferred copy looks again every 0.5-0.8 s),
+    and end as a duplicate: the retried work was lost."""
+    app, queue = celery_env(result_expires=86400, broker_transport_options={"visibility_timeout": 60})
+    r = redis.Redis.from_url(redis_url)
+    task_id = str(uuid.uuid4())
+    task = app.tasks["tg.slow_or_retry"]
+    with embedded_worker(app, pool="threads", concurrency=2):
+        task.apply_async((8,), {"seconds": 1.5}, task_id=task_id)
+        assert wait_for(lambda: entries(app, "sr:8:start"), timeout=20)
+        task.apply_async((8,), {"retry_once": True}, task_id=task_id)  # published again while it runs
+        assert wait_for(lambda: _deferred_copy(r, task_id), timeout=20), "the publish was not deferred"
+        assert wait_for(lambda: len(entries(app, "sr:8:end")) == 2, timeout=30), entries(app, "sr:8:")
+        time.sleep(0.5)
+    log = entries(app, "sr:8:")
+    say(f"observed: {log}")
+    steps = [e.split(":")[2:4] for e in log]
+    assert steps == [["start", "0"], ["end", "0"], ["start", "0"], ["start", "1"], ["end", "1"]], log
+    assert app.conf.taskguard_locks.holder("sr:8") is None
+
+
+@pytest.mark.parametrize("ends", ["returns", "retries"])
+def test_a_deferred_copy_of_a_publish_that_ran_stays_a_duplicate_after_the_keys_next_run(
+    celery_env, redis_url, prefix, ends
+):
+    """The same task id published while its first run runs: its deferred copy runs after it
+    (returns; or retries, and its retry returns). The broker then hands that copy out again, after
+    another task id's run of the key finished (so the lease no longer names the copy's run as the
+    key's last finished one). Results outlive the redelivery window, yet the backend cannot tell
+    the copy's delivery from the first one: the copy's run (or its retry, which keeps the
+    delivery's publish stamp) left a finished marker, and the copy handed out again is a
+    duplicate. (A skip retry or rate turn of the copy's run passes the same headers on:
+    ``test_a_skip_retry_or_rate_turn_of_a_publish_that_waited_stays_that_delivery``.)"""
+    app, queue = celery_env(result_expires=86400, broker_transport_options={"visibility_timeout": 60})
+    r = redis.Redis.from_url(redis_url)
+    task_id = str(uuid.uuid4())
+    name, tag = "tg.slow_or_retry", "sr"
+    task = app.tasks[name]
+    again = {"retry_once": True} if ends == "retries" else {}
+    with embedded_worker(app, pool="threads", concurrency=2):
+        task.apply_async((6,), {"seconds": 1.5}, task_id=task_id)
+        assert wait_for(lambda: entries(app, f"{tag}:6:start"), timeout=20)
+        task.apply_async((6,), again, task_id=task_id)  # published again while it runs
+        copy = wait_for(lambda: _deferred_copy(r, task_id), timeout=20)
+        assert copy, "the publish was not deferred"
+        assert wait_for(lambda: len(entries(app, f"{tag}:6:end")) == 2, timeout=30), entries(app, f"{tag}:6:")
+        task.apply_async((6,))  # another task id, the same key
+        assert wait_for(lambda: len(entries(app, f"{tag}:6:end")) == 3, timeout=20), entries(app, f"{tag}:6:")
+        markers = [k for k in r.scan_iter(match="{" + prefix + f":{tag}:6}}:done:*") if task_id.encode() in k]
+        before = len(executions(app, prefix, name))
+        r.lpush(queue, _redelivered(copy))  # the deferred copy, handed out again
+        assert wait_for(lambda: len(executions(app, prefix, name)) > before, timeout=20)
+        time.sleep(1.0)
+    log = entries(app, f"{tag}:6:")
+    say(f"observed: {log}; the delivery's finished marker: {markers}")
+    assert len(markers) == 1, markers  # the copy's delivery's (the first run's outcome is the backend's)
+    assert len([e for e in log if e.startswith(f"{tag}:6:start")]) == (4 if ends == "retries" else 3), log
+
+
+@pytest.mark.parametrize("how", ["skip-retry", "rate-turn"])
+@pytest.mark.parametrize("chain", ["of-a-publish", "of-a-redelivery", "none"])
+def test_a_skip_retry_or_rate_turn_of_a_publish_that_waited_stays_that_delivery(celery_env, how, chain):
+    """A run re-published without running its body (``on_skip="retry"``, a ``rate`` turn) passes
+    a publish's deferral header on — the message keeps the delivery's publish stamp and stays told
+    finished by its own marker — and only a publish's: a copy of the broker's own redelivery, or a
+    message that never waited, carries none."""
+    from celery.exceptions import Retry
+
+    from taskguard_celery import skipping
+    from taskguard_celery.headers import DEFER_HEADER, PUBLISH_HEADER, RATE_HEADER
+
+    app, queue = celery_env()
+    task = app.tasks["tg.slow_or_retry"]
+    stamp = "1a242efa62b.3b395430"
+    headers = {PUBLISH_HEADER: stamp, "custom": 1}
+    if chain != "none":
+        name = "c0ffee" if chain == "of-a-publish" else "r:" + stamp
+        headers[DEFER_HEADER] = {"chain": name, "nonce": "n1", "redelivered": False}
+    task.push_request(id=str(uuid.uuid4()), args=(1,), kwargs={}, headers=headers, is_eager=True, retries=0)
+    try:
+        with pytest.raises(Retry) as caught:
+            if how == "skip-retry":
+                skipping.republish(task, 1.0, "held; retry 1", 1)
+            else:
+                skipping.republish(task, 1.0, "rate; deferred", None, rate={"since": 1.0, "turn": 2.0})
+    finally:
+        task.pop_request()
+    sent = caught.value.sig.options["headers"]
+    assert sent["custom"] == 1 and sent[PUBLISH_HEADER] == stamp
+    assert (DEFER_HEADER in sent) == (chain == "of-a-publish"), sent
+    assert (RATE_HEADER in sent) == (how == "rate-turn"), sent
+
+
 # -- Celery: publishes of an existing id run -----------------------------------------------------------
 
 
@@ -380,7 +521,9 @@ def test_rq_abandoned_job_recovery_runs_it(rq_env):
     lease of a dead work-horse, releases it and runs (it used to finish as Skipped)."""
     with RQWorker(rq_env, worker_class="rq.Worker") as w:
         job = rq_env.enqueue(rq_jobs.stalls_once, "ab", retry=Retry(max=1))
-        holder = wait_for(lambda: rq_locks().holder("stall:ab"), timeout=20)
+        # killed once the body counted its attempt (the lease is taken before the body starts)
+        assert wait_for(lambda: [e for e in rq_log(rq_env) if e.startswith("stall:ab:1:")], timeout=20)
+        holder = rq_locks().holder("stall:ab")
         os.killpg(w.proc.pid, signal.SIGKILL)  # the worker...
         os.kill(holder.holder["pid"], signal.SIGKILL)  # ...and its work-horse (a session of its own)
         w.proc.wait()

@@ -25,13 +25,6 @@ HERE = Path(__file__).resolve().parent
 EXPORTS = {"acme": 8, "globex": 4}
 API_CALLS = 12
 
-#: kombu's keys shared by every queue of a Redis, kept without a TTL
-SHARED_BOOKKEEPING = ("_kombu.binding*", "unacked*")
-
-
-def untimed_bookkeeping(conn) -> set:
-    return {k for p in SHARED_BOOKKEEPING for k in conn.scan_iter(match=p) if conn.ttl(k) == -1}
-
 
 class SkipEvents:
     """Collects the ``task-skipped`` events (one per deferral) of the task ids this run published.
@@ -175,7 +168,6 @@ def main() -> int:
         return 1
 
     conn = redis.Redis.from_url(limits.REDIS_URL)
-    shared_before = untimed_bookkeeping(conn)
     count, period = limits.API_RATE
     rate_per_s = count / period
     print(
@@ -276,7 +268,6 @@ def main() -> int:
     # the run's keys: leases, fences, the rate, the lists, the results, the queue's bookkeeping
     mine = list(conn.scan_iter(match=f"*{limits.PREFIX}*"))
     mine += [k for k in conn.scan_iter(match=f"*{env['LIMITS_QUEUE']}*") if conn.ttl(k) == -1]
-    mine += list(untimed_bookkeeping(conn) - shared_before)
     conn.delete(*mine)
     for r in every:
         r.forget()  # the stored results

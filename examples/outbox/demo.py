@@ -54,20 +54,6 @@ def print_metrics(metrics_dir: Path) -> dict:
     return by_task
 
 
-#: kombu's and RQ's keys shared by every queue of a Redis, kept without a TTL
-SHARED_BOOKKEEPING = ("_kombu.binding*", "unacked*", "rq:queues", "rq:workers", "rq:workers:*", "rq:clean_groups")
-
-
-def untimed_bookkeeping(url: str) -> set:
-    import redis
-
-    conn = redis.Redis.from_url(url)
-    try:
-        return {k for p in SHARED_BOOKKEEPING for k in conn.scan_iter(match=p) if conn.ttl(k) == -1}
-    finally:
-        conn.close()
-
-
 def print_doctor(url: str) -> None:
     """The doctor's report on the Redis the demo used (`taskguard doctor`)."""
     from taskguard import RedisLocks
@@ -156,7 +142,6 @@ def main() -> int:
         f"taskguard demo: a prefork Celery worker (3 processes) drains an outbox of {ROWS} rows "
         f"in SQLite, guarded by a fenced lease on {redact_url(outbox.REDIS_URL)}\n"
     )
-    shared_before = untimed_bookkeeping(outbox.REDIS_URL)
     worker = start_worker(env, tmp / "worker.log")
     results: dict[str, list] = {"ran": [], "skipped": [], "retried": [], "stale": []}
     try:
@@ -265,12 +250,6 @@ def main() -> int:
     for label, celery, rq_value in rows:
         print(f"  {label + (':' if label.strip() else ''):<34}{celery!s:<8}{rq_value}".rstrip())
     print(f"  (database and worker log kept in {tmp})")
-    # kombu's and RQ's shared bookkeeping keys (no TTL) that did not exist before the demo
-    conn = redis.Redis.from_url(outbox.REDIS_URL)
-    made = untimed_bookkeeping(outbox.REDIS_URL) - shared_before
-    if made:
-        conn.delete(*made)
-    conn.close()
     by_task = print_metrics(metrics_dir)
 
     def total(metric: str, prefix: str) -> int:

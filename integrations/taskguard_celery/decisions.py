@@ -33,7 +33,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.overlap import Pending
-from taskguard.pipeline import Decision, Defer, Duplicate, Execution, Pend, Skip, Stored
+from taskguard.pipeline import Decision, Defer, Duplicate, Execution, Pend, Skip, Stored, shadow_line
 from taskguard.run import GuardedRun
 from taskguard.skipped import Skipped
 from taskguard.values import Reason
@@ -132,14 +132,7 @@ class CeleryHooks:
         skipping.send_event(
             self.task, "task-guard-shadow", key=key, reason=reason, holder_ttl=holder_ttl, leased=leased
         )
-        if not rate:
-            log.info(
-                "task %s[%s]: shadow mode: would have been skipped (%s, lease %r); running it",
-                self.task.name,
-                self.req.id,
-                reason,
-                key,
-            )
+        log.info("task %s[%s]: %s", self.task.name, self.req.id, shadow_line(key, reason, rate))
 
     # -- how the body ended -----------------------------------------------------------------------
     def failed(self, exc: BaseException) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from taskguard import deferral
 from taskguard.stamps import new_stamp, stamp_time
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "read_header",
     "RUN_HEADERS",
     "without",
+    "continuing",
 ]
 
 #: The handle of a lease kept for a retry, ``{"key", "owner", "fence", "expires"}``, plus ``"skips"``
@@ -72,3 +74,15 @@ RUN_HEADERS = (HEADER, DEFER_HEADER, RATE_HEADER)
 def without(headers: Any, names: tuple[str, ...] = RUN_HEADERS) -> dict:
     """A copy of a request's ``headers`` (or ``None``) without ``names``."""
     return {k: v for k, v in (headers or {}).items() if k not in names}
+
+
+def continuing(request: Any) -> dict:
+    """The headers of a message that takes over this delivery's run — its retry (``self.retry()``,
+    ``autoretry_for``), a skip retry or a rate turn — to keep it the same delivery: a deferred copy
+    of a publish (:func:`taskguard.deferral.waits_for_another_delivery`) passes its
+    ``taskguard_defer`` header on, so that the message keeps the delivery's publish stamp
+    (``GuardedTask.apply_async``) and its run is still told finished by its own finished marker,
+    never by the result backend's record of the task id (the other delivery's outcome). Else
+    ``{}``."""
+    header = read_header(request, DEFER_HEADER)
+    return {DEFER_HEADER: header} if deferral.waits_for_another_delivery(deferral.carried(header)) else {}

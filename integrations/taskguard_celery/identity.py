@@ -21,7 +21,11 @@ Where a run's outcome is recorded:
   kept at least as long as the broker may redeliver), a redelivered copy reads the task's state
   there (``SUCCESS``, ``FAILURE`` or ``REVOKED`` = finished); the lease's fence record remembers the
   key's last finished run for the moment between the release and the result being stored. No
-  other record is written.
+  other record is written — except for a deferred copy of a publish: its delivery waited for
+  another delivery of its task id, whose outcome the backend then holds under the same id
+  (written after this delivery was published, so its date cannot tell them apart). Such a copy's
+  run writes a finished marker, and its copies (the broker's redeliveries of it) read that
+  marker, never the backend.
 * Otherwise the release writes a finished marker kept for :func:`redelivery_window` seconds: as
   long as the broker can still deliver a copy.
 """
@@ -42,13 +46,14 @@ from taskguard.run import GuardedRun
 from taskguard.stamps import predates
 from taskguard.validate import check_seconds
 
-from .headers import DEFER_HEADER, PUBLISH_HEADER, read_header
+from .headers import DEFER_HEADER, PUBLISH_HEADER, continuing, read_header
 
 __all__ = [
     "redelivery_timeout",
     "redelivery_window",
     "finished_ttl",
     "is_redelivery",
+    "is_deferred_publish",
     "finished_in_backend",
     "defer",
     "end_chain",
@@ -141,8 +146,20 @@ def _stores_outcome(task: Any, request: Any) -> bool:
 
 def finished_ttl(task: Any, request: Any) -> float | None:
     """The ``finished_ttl`` of a run of ``task`` (see :class:`taskguard.run.GuardedRun`): ``None``
-    when the result backend records finished runs, else :func:`redelivery_window`."""
-    return None if _stores_outcome(task, request) else redelivery_window(task.app)
+    when the result backend records finished runs (and this is not a deferred copy of a publish,
+    :func:`is_deferred_publish`), else :func:`redelivery_window`."""
+    if _stores_outcome(task, request) and not is_deferred_publish(request):
+        return None
+    return redelivery_window(task.app)
+
+
+def is_deferred_publish(request: Any) -> bool:
+    """Is this delivery a deferred copy of a publish
+    (:func:`taskguard.deferral.waits_for_another_delivery`)? It waited for another delivery of its
+    task id, whose outcome the result backend then holds under the same id, written after this
+    delivery was published: such a copy's run is told finished by its own finished marker, never
+    by the backend."""
+    return bool(continuing(request))
 
 
 def is_redelivery(request: Any) -> bool:
@@ -157,8 +174,10 @@ def is_redelivery(request: Any) -> bool:
 
 def finished_in_backend(task: Any, request: Any) -> bool:
     """Has the run of ``request.id`` finished, per the result backend? ``False`` when the backend
-    does not record it or cannot be read (the lease then decides)."""
-    if not request.id or not _stores_outcome(task, request):
+    does not record it or cannot be read, and for a deferred copy of a publish
+    (:func:`is_deferred_publish`): the lease then decides, by the key's last finished run and the
+    run's finished marker."""
+    if not request.id or is_deferred_publish(request) or not _stores_outcome(task, request):
         return False
     try:
         meta = task.backend.get_task_meta(request.id)

@@ -72,7 +72,8 @@ def _guarded_tasks(app: Any) -> list:
 
 def check_settings(app: Any) -> None:
     """Validate the settings the guard uses — which Redis (``taskguard_redis_url``,
-    ``taskguard_prefix``, ``taskguard_locks``) and the broker's redelivery timeout — at worker
+    ``taskguard_prefix``, ``taskguard_locks``), the broker's redelivery timeout, and each guarded
+    task's durability option (``replicas``, ``replica_timeout``) on the Redis it uses — at worker
     start, for an app with guarded tasks. Raises SystemExit naming the bad setting (no round trip
     is made: an unreachable Redis is reported by the runs, which never run unguarded)."""
     guarded = _guarded_tasks(app)
@@ -80,7 +81,11 @@ def check_settings(app: Any) -> None:
         return
     try:
         redelivery_timeout(app)
-        if any(getattr(t, "locks", None) is None for t in guarded):  # some task uses the app's Redis
-            locks_for(app)
+        for t in guarded:  # each task's durability option on the Redis it uses (the app's, or its locks=)
+            locks, opts = locks_for(app, t.locks), t.taskguard_options
+            try:
+                locks.check_durability(opts.replicas, opts.replica_timeout)
+            except ConfigError as e:
+                raise ConfigError(f"task {t.name!r}: {e}") from None
     except ConfigError as e:
         raise SystemExit(f"taskguard: {e}") from None

@@ -13,7 +13,7 @@ from taskguard.pipeline import Duplicate, Skip, Stored
 from taskguard.settlement import settle as settle_decision
 from taskguard.values import Ending
 
-from .headers import HEADER, RATE_HEADER, without
+from .headers import HEADER, RATE_HEADER, continuing, without
 from .serialization import result_value
 
 __all__ = ["settle", "republish", "result_codec", "send_event", "skip_count"]
@@ -91,9 +91,10 @@ def republish(task: Any, countdown: float, message: str, skips: Any, rate: Any =
     retry (``max_retries`` is for the body's failures, not for contention or a rate turn): its
     ``skips`` so far in the ``taskguard`` header, with ``rate`` its pacing state in the
     ``taskguard_rate`` header (else none: its turn was used, the next attempt asks the rate
-    again), no deferral header. Raises ``Retry``."""
+    again), no deferral header but a publish's that waited (:func:`.headers.continuing`). Raises
+    ``Retry``."""
     req = task.request
-    headers = without(req.headers)
+    headers = {**without(req.headers), **continuing(req)}
     if skips:
         headers[HEADER] = {"skips": skips}
     if rate is not NO_RATE:

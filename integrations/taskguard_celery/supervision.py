@@ -36,29 +36,35 @@ from celery.exceptions import TimeLimitExceeded
 from celery.signals import task_failure, task_revoked, task_unknown
 
 from taskguard import ConfigError, LeaseBackendError, debounce, unique
+from taskguard.handle_records import release_run
+from taskguard.liveness import process_identity
 
 from . import uniqueness
 from .config import locks_for
 from .headers import DEBOUNCE_HEADER, HEADER, UNIQUE_HEADER, read_header
 from .setup import receiver
-from .task import GuardedTask, release_retry_handle
+from .task import GuardedTask, release_retry_handle, run_options
 
 __all__ = ["release_for_run"]
 
 log = logging.getLogger("taskguard.celery")
 
 
-def release_for_run(task: GuardedTask, task_id: str | None, args: Any, kwargs: Any) -> bool:
-    """Release the lease ``task_id`` holds for this call of ``task``; ``True`` when released."""
+def release_for_run(task: GuardedTask, task_id: str | None, args: Any, kwargs: Any, request: Any = None) -> bool:
+    """Release the lease the execution ``task_id`` of ``task`` holds for this call (and its place
+    in the total); ``True`` when released. The lease is found by the execution's task id in its
+    holder metadata, so a beat slot's run (named by its slot) is found too; with the execution's
+    ``request`` (its headers), a beat entry's own options (``key``...) apply, as in the child."""
     opts = task.taskguard_options
     if opts is None or not task_id:
         return False
+    if request is not None:
+        opts = run_options(task, request, opts)[0]
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
     try:
-        key = opts.key.render(tuple(args or ()), dict(kwargs or {}))
-        released = task.taskguard_locks.release_run(key, task_id)
-        total = opts.total_of(tuple(args or ()), dict(kwargs or {}))
-        if total is not None:  # and its place in the total
-            task.taskguard_locks.release_run(total[0], task_id)
+        key, total = opts.key.render(args, kwargs), opts.total_of(args, kwargs)
+        keys = [key, *(() if total is None else (total[0],))]
+        released = release_run(task.taskguard_locks, task_id, keys, execution=_execution(task_id, request))
     except (ConfigError, LeaseBackendError) as e:
         log.warning(
             "task %s[%s]: could not release its lease from the main process (its TTL bounds it): %s",
@@ -72,6 +78,18 @@ def release_for_run(task: GuardedTask, task_id: str | None, args: Any, kwargs: A
     return released
 
 
+def _execution(task_id: str, request: Any) -> dict[str, Any]:
+    """The holder metadata naming this worker's execution of ``task_id``: its task id, on this host
+    and PID namespace (the pool child is this main process's), and its pool child's pid when the
+    request tells it (``Request.worker_pid``) — never another worker's copy of the same message."""
+    ident = process_identity()
+    execution: dict[str, Any] = {"task_id": task_id, **{k: ident[k] for k in ("host", "pidns") if k in ident}}
+    pid = getattr(request, "worker_pid", None)
+    if isinstance(pid, int) and not isinstance(pid, bool):
+        execution["pid"] = pid
+    return execution
+
+
 @receiver(task_failure)
 def _on_failure(
     sender: Any = None,
@@ -82,7 +100,10 @@ def _on_failure(
     **_: Any,
 ) -> None:
     if isinstance(sender, GuardedTask) and isinstance(exception, (TimeLimitExceeded, WorkerLostError)):
-        release_for_run(sender, task_id, args, kwargs)
+        # Celery pushes the lost execution's request for this signal (celery/worker/request.py
+        # Request.on_failure), not for a hard time limit's (on_timeout): then the task's own options
+        req = sender.request
+        release_for_run(sender, task_id, args, kwargs, req if getattr(req, "id", None) == task_id else None)
 
 
 @receiver(task_revoked)
@@ -92,7 +113,7 @@ def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = Fals
     uniqueness.clear(sender, request)  # revoked or expired: it will not run, so it is no longer queued
     _drop_window(lambda: sender.taskguard_locks, read_header(request, DEBOUNCE_HEADER), request.id, sender.name)
     if terminated:
-        release_for_run(sender, request.id, request.args, request.kwargs)
+        release_for_run(sender, request.id, request.args, request.kwargs, request)
         return
     headers = dict(getattr(request, "headers", None) or {})
     if HEADER not in headers and getattr(request, HEADER, None) is not None:

@@ -9,13 +9,12 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from datetime import datetime, timezone
 from typing import Any
 
 from celery import Task, shared_task
 from celery.app.task import Context
 from celery.exceptions import Reject, Retry
-from celery.utils.time import get_exponential_backoff_interval, maybe_iso8601
+from celery.utils.time import get_exponential_backoff_interval
 
 from taskguard import ConfigError, LeaseBackendError, Locks, RateLimited
 from taskguard.context import current_lease, current_runs, running
@@ -23,7 +22,7 @@ from taskguard.debounce import closing
 from taskguard.handoff import parse_handle, release_handle
 from taskguard.pipeline import Run, decide, perform
 from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_option_names
-from taskguard.run import GuardedRun
+from taskguard.run import nested_in
 from taskguard.schedule.options import apply_entry_options
 from taskguard.schedule.periodic import slot_run as beat_slot
 
@@ -37,6 +36,7 @@ from .headers import (
     HEADER,
     PUBLISH_HEADER,
     RATE_HEADER,
+    continuing,
     new_publish_stamp,
     read_header,
     without,
@@ -45,17 +45,6 @@ from .headers import (
 __all__ = ["GuardedTask", "guarded_task", "current_lease", "HEADER"]  # current_lease: taskguard.context
 
 log = logging.getLogger("taskguard.celery")
-
-
-class _Nested:
-    """A guarded call running inside an enclosing run of the same key (``self.lease`` is that
-    run's lease; the call neither acquires nor releases)."""
-
-    __slots__ = ("tag", "lease")
-    state = "nested"
-
-    def __init__(self, tag: Any, lease: Any) -> None:
-        self.tag, self.lease = tag, lease
 
 
 #: The requests whose run a ``GuardedTask.__call__`` has judged already (the worker's or
@@ -75,15 +64,10 @@ class GuardedTask(Task):
     """A Celery task class whose body runs under a fenced lease.
 
     Guard options are task options (``@app.task(base=GuardedTask, ttl=30, key=...)`` or
-    ``@guarded_task(...)``): ``key``, ``ttl``, ``wait``, ``blocking_wait``, ``renew``,
-    ``on_skip``, ``on_lost``, ``skip_retry_delay``, ``skip_max_retries``, ``max_hold``,
-    ``continue_on_skip``, ``limit``, ``limit_total``, ``limit_total_key``, ``rate``, ``rate_key``,
-    ``rate_burst``, ``rate_max_wait``, ``cost``,
-    ``once``, ``once_ttl``, ``fingerprint``, ``once_max_bytes``, ``enforce``, ``unique``, ``unique_ttl``,
-    ``overlap``, ``replace_terminate``, ``debounce``, ``debounce_max``, ``replicas``,
-    ``replica_timeout`` (see :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a
-    :class:`taskguard.Locks`; see :mod:`taskguard_celery.config` for the default). They are
-    validated when the task class is made; a bad one raises :class:`taskguard.ConfigError`.
+    ``@guarded_task(...)``): every name of :data:`taskguard.policy.OPTION_NAMES` (see
+    :meth:`taskguard.policy.GuardOptions.build`) and ``locks`` (a :class:`taskguard.Locks`; see
+    :mod:`taskguard_celery.config` for the default). They are validated when the task class is
+    made; a bad one raises :class:`taskguard.ConfigError`.
 
     The body reaches its lease as ``self.lease`` (``bind=True``) or :func:`current_lease`; both
     are local to the running request, so the threads pool stays correct. Under ``limit_total``
@@ -117,7 +101,7 @@ class GuardedTask(Task):
             known=lambda n: any(n in k.__dict__ for k in bases),
         )
         cls.taskguard_options = GuardOptions.build(
-            fn, name=name, skip_self=bound, **{opt: getattr(cls, opt) for opt in OPTION_NAMES}
+            fn, name=name, skip_self=bound, locks=cls.locks, **{opt: getattr(cls, opt) for opt in OPTION_NAMES}
         )
         # does any class between GuardedTask and Task define its own __call__ (a user's base)?
         mro = cls.__mro__
@@ -199,48 +183,25 @@ class GuardedTask(Task):
     def _guarded_call(self, opts: GuardOptions, args: tuple, kwargs: dict, entered: list[bool]) -> Any:
         req = self.request
         if not req.called_directly:
-            if req in _judged:
-                # the request on the stack is the enclosing run's: this is a direct call made
-                # inside it, judged by its own call as one from outside any run would be
-                own = _DirectCall(args=args, kwargs=kwargs)
-                self.request_stack.push(own)
-                try:
-                    return GuardedTask.__call__(self, *args, **kwargs)  # (a subclass's own __call__ ran already)
-                finally:
-                    self.request_stack.pop()
+            if req in _judged:  # the enclosing run's request: a direct call made inside that run
+                return self._direct_call_inside_run(args, kwargs)
             _judged.add(req)
         if opts.on_skip == "ignore" and getattr(req, "chord", None):
             raise ConfigError(
                 f"task {self.name!r}: on_skip='ignore' is refused inside a chord "
                 "(the chord would never complete); use on_skip='result'"
             )
-        beat = read_header(req, BEAT_HEADER)
-        slot_run = None
-        if isinstance(beat, dict):
-            # a beat message (it imports no scheduler): the entry's guard options (a bad one is
-            # logged, the task's own used) and the slot's run identity (one run per slot)
-            opts = apply_entry_options(opts, beat, self.run, self.name, cache=type(self))
-            slot_run = beat_slot(beat)
+        opts, slot_run = run_options(self, req, opts)
         key = opts.key.render(args, kwargs)  # first: wrong arguments are a TypeError, whatever the Redis set-up
         locks = self.taskguard_locks
         header = read_header(req)
         skips = skipping.skip_count(self, header)
         local = req.called_directly or req.is_eager
-        window = None  # a debounce window's message that closed it: the window's stored call
-        window_header = read_header(req, DEBOUNCE_HEADER)  # (a closed window's run is a plain run)
-        if (
-            opts.debounce is not None
-            and not local
-            and isinstance(window_header, dict)
-            and not debouncing.is_closed(window_header)
-        ):
-            args, kwargs, window = debouncing.arrived(self, req, key)  # the latest call's arguments (or Ignore)
-        outer = self._enclosing_run(key, locks) if local else None
-        if outer is not None:
-            # a nested call of the same key in this thread (eager mode's replace() runs the
-            # replacement inside the caller): it runs under the caller's lease
+        args, kwargs, window = self._window_call(opts, req, key, local, args, kwargs)
+        nested = nested_in(key, locks, self) if local else None  # (eager replace() runs inside the caller)
+        if nested is not None:
             entered.append(True)
-            with running(_Nested(self, outer.lease)):
+            with running(nested):
                 return self._body(req, args, kwargs)
         handle = header if isinstance(header, dict) and "owner" in header else None
         # a retry's message carries its one-shot handle: a second copy of it is a copy, not a publish
@@ -256,6 +217,26 @@ class GuardedTask(Task):
             entered.append(True)
             done = perform(decision, lambda: self._body(req, args, kwargs), opts, key, args, kwargs, ex, hooks, locks)
             return done.value if done.instead is None else outcome(self, done.instead, skips, redelivered)
+
+    def _direct_call_inside_run(self, args: tuple, kwargs: dict) -> Any:
+        """A direct call made inside a run of this task, judged by its own call as one from outside
+        any run would be (its own request pushed over the enclosing run's)."""
+        own = _DirectCall(args=args, kwargs=kwargs)
+        self.request_stack.push(own)
+        try:
+            return GuardedTask.__call__(self, *args, **kwargs)  # (a subclass's own __call__ ran already)
+        finally:
+            self.request_stack.pop()
+
+    def _window_call(self, opts: GuardOptions, req: Any, key: str, local: bool, args: tuple, kwargs: dict) -> Any:
+        """``(args, kwargs, window)``: a debounce window's message that closes its window runs the
+        window's latest call (``window``: its stored call; :func:`.debouncing.arrived`, which raises
+        ``Ignore`` for a message early or late); any other message (a closed window's run too: a
+        plain run) its own arguments, ``window`` ``None``."""
+        header = read_header(req, DEBOUNCE_HEADER)
+        if opts.debounce is None or local or not isinstance(header, dict) or debouncing.is_closed(header):
+            return args, kwargs, None
+        return debouncing.arrived(self, req, key)
 
     def _body(self, req: Any, args: tuple, kwargs: dict) -> Any:
         if self._plain_call and not req.called_directly:
@@ -279,17 +260,6 @@ class GuardedTask(Task):
         super().push_request(*args, **kwargs)
         if judged:
             _judged.add(self.request)
-
-    @staticmethod
-    def _enclosing_run(key: str, locks: Locks) -> GuardedRun | None:
-        return next(
-            (
-                r
-                for r in reversed(current_runs())
-                if isinstance(r, GuardedRun) and r.key == key and r.locks is locks and r.state == "running"
-            ),
-            None,
-        )
 
     # -- publishing ------------------------------------------------------------------------------
     def apply_async(
@@ -359,6 +329,7 @@ class GuardedTask(Task):
         headers.pop(DEBOUNCE_HEADER, None)  # (a debounce window's run: its retry is a plain run of its arguments)
         if not throw:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
+        headers.update(continuing(req))  # (this run ends here: the retry takes over its delivery)
         handle = run.keep(_retry_delay(eta, countdown, self.default_retry_delay) + self.taskguard_options.ttl)
         if handle is not None:
             headers[HEADER] = handle
@@ -378,16 +349,10 @@ for _name, _default in OPTION_DEFAULTS.items():
 
 
 def _retry_delay(eta: Any, countdown: Any, default: Any) -> float:
-    """Seconds until a retry runs, from ``retry()``'s ``eta``/``countdown`` as Celery accepts
-    them (``eta`` a datetime or ISO 8601 string; a negative countdown means now)."""
-    if eta is not None:
-        eta_dt = maybe_iso8601(eta) if isinstance(eta, str) else eta
-        if eta_dt.tzinfo is None:
-            eta_dt = eta_dt.replace(tzinfo=timezone.utc)
-        return max(0.0, (eta_dt - datetime.now(timezone.utc)).total_seconds())
-    value = default if countdown is None else countdown
+    """Seconds until a retry runs, from ``retry()``'s ``eta`` / ``countdown`` (else the task's
+    ``default_retry_delay``) as Celery accepts them; a value Celery would refuse counts as now."""
     try:
-        return max(0.0, float(value or 0))
+        return uniqueness.seconds_until(eta if eta is not None else default if countdown is None else countdown)
     except (TypeError, ValueError):
         return 0.0
 
@@ -414,7 +379,11 @@ def guarded_task(*args: Any, **opts: Any) -> Any:
         name = opts.get("name") or f"{fn.__module__}.{fn.__qualname__}"
         check_option_names(name, opts, known=lambda n: hasattr(base, n) or n in _DECORATOR_OPTIONS)
         GuardOptions.build(
-            fn, name=name, skip_self=bool(opts.get("bind")), **{k: opts[k] for k in OPTION_NAMES if k in opts}
+            fn,
+            name=name,
+            skip_self=bool(opts.get("bind")),
+            locks=opts.get("locks"),
+            **{k: opts[k] for k in OPTION_NAMES if k in opts},
         )
         return shared_task(base=base, **opts)(fn)
 
@@ -423,6 +392,17 @@ def guarded_task(*args: Any, **opts: Any) -> Any:
     if args:
         raise TypeError("guarded_task takes keyword options only: @guarded_task(ttl=60, ...)")
     return decorate
+
+
+def run_options(task: GuardedTask, req: Any, opts: GuardOptions) -> tuple[GuardOptions, Any]:
+    """The guard options of ``task``'s execution of ``req`` and its slot's ``(run id, keep)``: a
+    beat message's (read without importing the scheduler) are the entry's guard options applied
+    to ``opts`` (a bad one is logged, the task's own used) and its slot (one run per slot);
+    any other message's, ``opts`` and ``None``."""
+    beat = read_header(req, BEAT_HEADER)
+    if not isinstance(beat, dict):
+        return opts, None
+    return apply_entry_options(opts, beat, task.run, task.name, cache=type(task)), beat_slot(beat)
 
 
 def release_retry_handle(task: GuardedTask, headers: dict) -> bool:

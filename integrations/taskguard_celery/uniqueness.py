@@ -31,13 +31,13 @@ from taskguard import unique
 from .headers import UNIQUE_HEADER, read_header
 from .metrics import install_if_wanted
 
-__all__ = ["publish", "clear", "mark_of", "DEFAULT_UNIQUE_TTL"]
-
-#: How long a queued mark lasts by default when the publish gives no ``expires``, seconds.
-DEFAULT_UNIQUE_TTL = 3600.0
+__all__ = ["publish", "clear", "mark_of", "seconds_until"]
 
 
-def _seconds_until(when: Any) -> float:
+def seconds_until(when: Any) -> float:
+    """Seconds from now until ``when`` as Celery takes an ``eta`` / ``expires`` / ``countdown``:
+    seconds, a datetime (naive: UTC) or an ISO 8601 string; never negative, ``0.0`` for ``None``.
+    Raises ValueError / TypeError for anything else."""
     if when is None:
         return 0.0
     if isinstance(when, (int, float)):
@@ -50,16 +50,16 @@ def _seconds_until(when: Any) -> float:
 
 def mark_ttl(task: Any, options: dict) -> float:
     """Seconds the queued mark lasts: ``unique_ttl`` (else the publish's ``expires``, else
-    :data:`DEFAULT_UNIQUE_TTL`) after the run is due (``countdown`` / ``eta``)."""
+    :data:`taskguard.unique.DEFAULT_TTL`) after the run is due (``countdown`` / ``eta``)."""
     opts = task.taskguard_options
     base = opts.unique_ttl
     if base is None:
         expires = options.get("expires", getattr(task, "expires", None))
-        base = _seconds_until(expires) if expires is not None else DEFAULT_UNIQUE_TTL
+        base = seconds_until(expires) if expires is not None else unique.DEFAULT_TTL
     delay = (
-        _seconds_until(options.get("countdown"))
+        seconds_until(options.get("countdown"))
         if options.get("countdown") is not None
-        else _seconds_until(options.get("eta"))
+        else seconds_until(options.get("eta"))
     )
     return max(base, 1.0) + delay
 

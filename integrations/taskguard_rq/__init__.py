@@ -13,8 +13,7 @@ from taskguard import Skipped, TaskSkipped, is_skipped, metrics as _metrics
 from taskguard.context import current_lease
 
 from .config import locks_for, use_locks
-from .handles import load_handle
-from .job import META_KEY, ON_SKIP, guarded_job, skip_count
+from .job import META_KEY, ON_SKIP, guarded_job, load_handle, skip_count
 from .unique import enqueue_unique
 from .worker import GuardedWorker, settle_killed_job
 

@@ -60,6 +60,7 @@ from taskguard.schedule.slots import Cron, Interval, Schedule
 from taskguard.validate import check_seconds
 
 from .cron_runs import CRON_META_KEY
+from .job import RQ_ELSEWHERE
 
 __all__ = [
     "CRON_META_KEY",
@@ -169,7 +170,9 @@ class CronEntry:
 
 
 #: Where the guard options an entry cannot set live.
-_ELSEWHERE = {n: "set it on the @guarded_job function" for n in OPTION_NAMES if n not in ENTRY_OPTIONS}
+_ELSEWHERE = {
+    n: RQ_ELSEWHERE.get(n, "set it on the @guarded_job function") for n in OPTION_NAMES if n not in ENTRY_OPTIONS
+}
 
 
 def _label(data: Mapping[str, Any]) -> str:

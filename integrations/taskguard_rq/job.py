@@ -9,7 +9,7 @@ outlived) and then runs; it never finishes as ``Skipped``, which would fire the 
 callbacks and dependents.
 
 RQ keeps one job id across retries, so the lease handle of a job that will be retried is kept in
-a record under ``rq-job:<job id>`` (:meth:`taskguard.Locks.put_record`), not in ``job.meta``: a
+a record under ``rq-job:<job id>`` (:mod:`taskguard.handle_records`), not in ``job.meta``: a
 worker whose work-horse was killed saves its stale in-memory job, meta included, over what the
 horse saved (rq/worker: ``handle_job_failure`` runs in the parent with the parent's copy of the
 job). ``job.meta["taskguard"]`` mirrors key, fencing token and outcome for people, never the owner
@@ -37,26 +37,26 @@ try:
     from rq.exceptions import DuplicateJobError
 except ImportError:  # RQ < 2.8: no unique= of its own
     DuplicateJobError = None  # type: ignore[misc,assignment]  # noqa: N806
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.registry import ScheduledJobRegistry
 
-from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped
+from taskguard import ConfigError, LeaseBackendError, Locks, Skipped, TaskSkipped, handle_records
+from taskguard.context import running
 from taskguard.debounce import Window, closing, due as window_due, publish_call, refused
 from taskguard.handoff import release_handle
 from taskguard.overlap import Pending
-from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide, perform
+from taskguard.pipeline import Execution, Pend, Run, Skip, Stored, decide, perform, shadow_line
 from taskguard.policy import OPTION_NAMES, GuardOptions, check_option_names
-from taskguard.run import GuardedRun
+from taskguard.run import GuardedRun, nested_in
 from taskguard.settlement import settle
 from taskguard.values import Ending, Reason, plain
 
 from . import unique
 from .config import locks_for
 from .cron_runs import entry_guard
-from .handles import drop_handle, load_handle, running_handle, save_handle
 from .unique import clear_mark, mark_of
 
-__all__ = ["guarded_job", "skip_count", "META_KEY", "RATE_META_KEY", "ON_SKIP"]
+__all__ = ["guarded_job", "skip_count", "load_handle", "handle_record", "META_KEY", "RATE_META_KEY", "ON_SKIP"]
 
 # a child of RQ's worker logger: `rq worker`'s own logging (INFO by default) shows these lines
 log = logging.getLogger("rq.worker.taskguard")
@@ -96,6 +96,17 @@ def skip_count(name: str, locks: Locks | None = None) -> int:
     return int(raw) if raw else 0
 
 
+def handle_record(job_id: str) -> str:
+    """The record key a job's lease handle is kept under (:mod:`taskguard.handle_records`)."""
+    return "rq-job:" + job_id
+
+
+def load_handle(locks: Locks, job_id: str) -> dict | None:
+    """The lease handle kept for ``job_id`` (a running job's or a retry's, with ``"running"``), or
+    ``None`` (:func:`taskguard.handle_records.load`). Raises LeaseBackendError."""
+    return handle_records.load(locks, handle_record(job_id))
+
+
 def mirror_meta(job: Any, refresh: bool = False, **fields: Any) -> None:
     """Record the guard's view in ``job.meta["taskguard"]`` (merged with the user's meta; with
     ``refresh``, with the meta stored now, e.g. from the worker's main process, whose copy of
@@ -118,8 +129,13 @@ RQ_ELSEWHERE = {
     "unique_ttl": "it is an argument of taskguard_rq.enqueue_unique(queue, fn, args, kwargs, unique_ttl=...)",
     "continue_on_skip": "RQ has no chains or link callbacks for a skip to stop; a skipped job ends FINISHED, so "
     "jobs that depend on it (depends_on) run; use on_skip='raise' to fail it instead",
+    **dict.fromkeys(
+        ("skip_retry_delay", "skip_max_retries"),
+        "it tunes on_skip='retry', which RQ jobs do not have (on_skip is 'result' or 'raise'); to run after "
+        "the holder instead of being skipped, wait for it (wait=, blocking_wait=True) or enqueue the job again",
+    ),
 }
-#: The guard options ``@guarded_job`` takes: every one but the publish-time and chain options.
+#: The guard options ``@guarded_job`` takes: every one but the publish-time, chain and skip-retry options.
 RQ_OPTIONS = tuple(n for n in OPTION_NAMES if n not in RQ_ELSEWHERE)
 
 
@@ -158,12 +174,7 @@ def guarded_job(
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         label = name or f"{fn.__module__}.{fn.__qualname__}"
         check_option_names(label, options, supported=RQ_OPTIONS, elsewhere=RQ_ELSEWHERE, noun="job")
-        opts = GuardOptions.build(fn, name=label, allowed_on_skip=ON_SKIP, noun="job", **options)
-        if locks is not None:  # known now: the durability option is checked against their client
-            try:
-                locks.check_durability(opts.replicas, opts.replica_timeout)
-            except ConfigError as e:
-                raise ConfigError(f"job {label!r}: {e}") from None
+        opts = GuardOptions.build(fn, name=label, allowed_on_skip=ON_SKIP, noun="job", locks=locks, **options)
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -256,6 +267,10 @@ def _run(
         opts = entry_guard(job, fn, name, opts)
     key = opts.key.render(args, kwargs)
     locks = locks_for(given)
+    nested = nested_in(key, locks) if job is None else None
+    if nested is not None:  # a direct call inside a run of the same key in this thread (recursion)
+        with running(nested):
+            return fn(*args, **kwargs)
     run_id = job.id if job is not None else None
     window = None  # a debounce window's job that closed it: the window's stored call
     entry = job.meta.get(DEBOUNCE_META_KEY) if job is not None and opts.debounce is not None else None
@@ -267,8 +282,7 @@ def _run(
     elif entry == key:
         state, value = window_due(locks, key, job.id, again=True)  # (a job killed after closing it: its call)
         if state == "wait":  # arrived early (RQ's scheduler counts whole seconds): the rest of the window
-            job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
-            return Retry(max=10**9, interval=[max(1, math.ceil(value))])
+            return _come_back(job, max(1, math.ceil(value)))
         if state == "gone":  # a copy of a window that ran already
             return _settle(job, locks, name, opts, Skip(Skipped(key=key, reason=Reason.DEBOUNCED, task=name)))
         args, kwargs, window = *_decode_call(job, value), value  # the window closed: the latest call's arguments
@@ -306,7 +320,8 @@ def _execute(
         return _outcome(job, locks, name, opts, key, decision)
     run = decision.run
     lease = run.lease
-    with running_handle(locks, run_id, run, ttl=_job_timeout(job) + opts.ttl):
+    where = handle_record(run_id) if run_id is not None else None
+    with handle_records.while_running(locks, where, run, ttl=_job_timeout(job) + opts.ttl):
         if lease is not None:
             mirror_meta(job, key=key, fence=lease.fencing_token, slot=lease.slot, outcome="running")
         done = perform(decision, lambda: fn(*args, **kwargs), opts, key, args, kwargs, ex, hooks, locks)
@@ -358,7 +373,7 @@ class _Hooks:
         """Release the lease a failed execution of the job kept for its retry."""
         try:
             release_handle(self.locks, handle)  # (and its place in the total, if any)
-            drop_handle(self.locks, self.job.id)
+            handle_records.drop(self.locks, handle_record(self.job.id))
         except (LeaseBackendError, ConfigError) as e:
             log.warning("job %s: could not release its kept lease before a rate wait: %s", self.job.id, e)
 
@@ -387,16 +402,11 @@ class _Hooks:
             _quietly_save_meta(job)
 
     def shadow(self, key: str, reason: str, holder_ttl: float | None, leased: bool, rate: bool) -> None:
-        if rate:
-            log.info(
-                "%s: shadow mode: would have been %s (%r); running it",
-                self.name,
-                "rate-limited" if reason == Reason.RATE_LIMITED else "backing off",
-                key,
-            )
-            return
-        log.info("%s: shadow mode: would have been skipped (%s, lease %r); running it", self.name, reason, key)
-        mirror_meta(self.job, key=key, shadow=reason)
+        log.info("%s: %s", self.name, shadow_line(key, reason, rate))
+        fields: dict[str, Any] = (
+            {"shadow": reason} if rate else {"shadow": reason, "key": key}
+        )  # (a rate key is no lease key)
+        mirror_meta(self.job, **fields)
 
     def lost(self, run: GuardedRun, reason: str) -> None:
         pass
@@ -427,10 +437,29 @@ class _Hooks:
         return into if isinstance(into, str) else None
 
     def replaced(self, holder: Any) -> None:
-        """``replace_terminate=True``: stop the replaced job (RQ's stop-job command; its worker
-        kills the work-horse and the job ends STOPPED)."""
+        """``replace_terminate=True``: end the replaced job as ``Skipped(reason="replaced")`` —
+        its skip reported (core event, Prometheus, the job function's skip count) and its meta
+        marked (``outcome="skipped"``, ``reason``, ``replaced_by``) — then stop it (RQ's stop-job
+        command: its worker kills the work-horse and the job ends STOPPED; RQ stores no value for
+        a stopped job)."""
         if not self.terminate or holder.run_id is None or self.job is None:
             return
+        try:
+            old = Job.fetch(holder.run_id, connection=self.job.connection)
+            if old.get_status(refresh=False) != JobStatus.STARTED:
+                # (a retry waiting with its kept lease: nothing runs to stop; the retry ends
+                # Skipped("replaced") itself when it comes, reported then, once)
+                return
+        except NoSuchJobError:
+            return
+        name = (holder.holder or {}).get("job") or self.name
+        skipped = Skipped(key=holder.key, reason=Reason.REPLACED, task=name, follow_up=self.job.id)
+        try:
+            self.locks.report_skip(skipped)
+            record_skip(self.locks, name)
+            mirror_meta(old, refresh=True, outcome="skipped", reason=Reason.REPLACED.value, replaced_by=self.job.id)
+        except Exception as e:  # (reporting only: the stop goes on)
+            log.warning("job %s: could not report the replaced job %s: %s", self.job.id, holder.run_id, e)
         try:
             send_stop_job_command(self.job.connection, holder.run_id)
             log.info("job %s: stopped the replaced job %s", self.job.id, holder.run_id)
@@ -514,8 +543,7 @@ def _window_decision(
         if isinstance(back, float):
             log.info("job %s: lease %r held; debounce window put back for %ss", job.id, key, math.ceil(back))
             mirror_meta(job, key=key, outcome="pending")
-            job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
-            return Retry(max=10**9, interval=[math.ceil(back)])
+            return _come_back(job, math.ceil(back))
         if back is not None:
             return Skip(back)
     job.args, job.kwargs = list(args), dict(kwargs)
@@ -552,39 +580,36 @@ def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d:
         countdown = 0 if d.woken else math.ceil(d.countdown)
         log.info("job %s: lease %r held; pending follow-up (backstop in %ss)", job.id, key, countdown)
         mirror_meta(job, refresh=True, key=key, outcome="pending")
-        job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
-        return Retry(max=10**9, interval=[countdown])
+        return _come_back(job, countdown)
     if d.why == Reason.RUNNING:  # an earlier execution of this job id outlasted the wait
         raise TaskSkipped(key, Reason.RUNNING.value, name, d.run.holder_ttl)
-    # deferred to its rate turn: RQ's scheduler runs it again (rq worker --with-scheduler). A
-    # deferral consumes neither the job's own Retry (retries_left) nor its returned-Retry count
-    # (number_of_retries, which RQ bumps for the returned Retry: it is set back first)
+    # deferred to its rate turn: RQ's scheduler runs it again, consuming neither the job's own
+    # Retry (retries_left) nor its returned-Retry count (_come_back)
     job.meta[RATE_META_KEY] = d.state  # saved by mirror_meta below
     log.info("job %s: %s", job.id, d.describe())
     mirror_meta(job, key=key, outcome=plain(d.why))
-    job.number_of_retries = (job.number_of_retries or 0) - 1  # RQ adds one back for this Retry
     # whole seconds (RQ's Retry): a turn rounded down (the job waits out the rest of its turn on
     # arrival, so the scheduler's rounding never bunches booked turns together); a back-off pause
     # rounded up (asking again inside the pause would only defer once more)
-    countdown = math.ceil(d.countdown) if d.why == Reason.BACKOFF else int(d.countdown)
-    return Retry(max=10**9, interval=[countdown])
+    return _come_back(job, math.ceil(d.countdown) if d.why == Reason.BACKOFF else int(d.countdown))
+
+
+def _come_back(job: Any, seconds: int) -> Retry:
+    """The job comes back in ``seconds`` (whole: RQ's ``Retry``) through RQ's scheduler (``rq worker
+    --with-scheduler``), consuming none of its own retries: RQ counts a returned ``Retry`` in
+    ``number_of_retries`` (rq/job.py), which is set back first."""
+    job.number_of_retries = (job.number_of_retries or 0) - 1
+    return Retry(max=10**9, interval=[seconds])
 
 
 def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcome: str) -> None:
-    """The execution ends without finishing the job's work for good. If RQ runs it again
-    (``retry_in`` seconds from now), keep the lease for that execution (its handle saved over
-    the running execution's); else release it. Never raises (the body's own exception must
-    win)."""
+    """The execution ends without finishing the job's work for good: the lease is kept for the
+    execution RQ runs ``retry_in`` seconds from now (its handle saved over the running
+    execution's), else released (:func:`taskguard.handle_records.keep_for_retry`). Never raises
+    (the body's own exception must win)."""
     try:
-        if retry_in is not None:
-            handle = run.keep(retry_in + run.ttl)
-            if handle is not None:
-                save_handle(locks, job.id, handle, ttl=retry_in + run.ttl)
-                mirror_meta(job, outcome="retrying")
-                return
-        else:
-            run.fail()
-        mirror_meta(job, outcome=outcome)
+        kept = handle_records.keep_for_retry(locks, handle_record(job.id), run, retry_in)
+        mirror_meta(job, outcome="retrying" if kept else outcome)
     except LeaseBackendError as e:
         log.warning("lease %r: could not hand over or release after the body ended: %s", run.key, e)
 

@@ -36,14 +36,12 @@ from taskguard.validate import check_seconds
 
 from .config import locks_for
 
-__all__ = ["enqueue_unique", "clear_mark", "mark_of", "UNIQUE_META_KEY", "DEFAULT_UNIQUE_TTL"]
+__all__ = ["enqueue_unique", "clear_mark", "mark_of", "UNIQUE_META_KEY"]
 
 log = logging.getLogger("rq.worker.taskguard")
 
 #: ``job.meta`` entry of a job enqueued by :func:`enqueue_unique`: the key it marked queued.
 UNIQUE_META_KEY = "taskguard_unique"
-#: How long a queued mark lasts by default when the job sets no ``ttl``, seconds.
-DEFAULT_UNIQUE_TTL = 3600.0
 
 
 def enqueue_unique(
@@ -104,7 +102,7 @@ def enqueue_unique(
     key = opts.key.render(tuple(args), kwargs)
     locks = locks_for(getattr(fn, "taskguard_locks", None))
     new_id = job_id or str(uuid.uuid4())
-    base = unique_ttl if unique_ttl is not None else float(options.get("ttl") or DEFAULT_UNIQUE_TTL)
+    base = unique_ttl if unique_ttl is not None else float(options.get("ttl") or unique.DEFAULT_TTL)
     delay = (
         in_.total_seconds()
         if in_ is not None

@@ -44,6 +44,8 @@ Use: ``rq worker -w taskguard_rq.GuardedWorker`` (with ``--with-scheduler`` for 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from typing import Any
@@ -52,13 +54,11 @@ from rq import Worker
 
 from taskguard import ConfigError
 from taskguard.config import EX_CONFIG, read_env
-from taskguard.handoff import handle_of, restore_handle
-from taskguard.liveness import holder_is_dead
+from taskguard.handle_records import Settled, settle_dead
 
 from .config import has_default, locks_for
 from .cron_runs import entry_guard
-from .handles import drop_handle, load_handle, save_handle
-from .job import mirror_meta
+from .job import handle_record, mirror_meta
 from .unique import clear_mark
 
 __all__ = ["GuardedWorker", "settle_killed_job", "settle_canceled_jobs"]
@@ -68,93 +68,45 @@ log = logging.getLogger("rq.worker.taskguard")
 
 
 def settle_killed_job(job: Any, retry: bool = True, why: str = "work-horse killed") -> str | None:
-    """Settle the lease of ``job`` whose work-horse died: kept for its retry when ``retry`` and
-    it has retries left, else released; its stored handle is deleted with the release. Returns
-    ``"kept"``, ``"released"`` or ``None`` (the job held no lease, or the lease is another
-    execution's that lives on).
-
-    The stored handle of an execution marked running is settled only when the process holding
-    that lease is known dead on this host. The work-horse that just died is not always that
-    process: a job whose worker was killed leaves its work-horse running the body (it has a
-    process group of its own), and a later execution of the same job (RQ's retry of the
-    abandoned job) waits for that lease without a handle of its own; killing or stopping the
-    waiting execution must not release, nor keep for a retry, the lease a live body holds.
-    Otherwise the lease is left to its TTL, which its work-horse renews while it lives."""
-    func = getattr(job, "func", None)
+    """Settle the lease of ``job`` whose work-horse died (:func:`taskguard.handle_records.settle_dead`):
+    kept for its retry when ``retry`` and it has retries left, else released; its stored handle is
+    deleted with the release. Returns ``"kept"``, ``"released"`` or ``None`` (the job held no lease,
+    or the lease is held by a work-horse of it that may still run: a job whose worker was killed
+    leaves its work-horse running the body, in a process group of its own — that lease is left to
+    it and its TTL, which it renews while it lives)."""
+    func: Any = getattr(job, "func", None)
     opts = getattr(func, "taskguard_options", None)
     if opts is None:
         return None
+
+    def lease_keys() -> list[str]:  # (only for a work-horse that died before saving its handle)
+        guard = entry_guard(job, func, func.taskguard_name, opts)  # a cron slot's own key
+        args, kwargs = tuple(job.args or ()), dict(job.kwargs or {})
+        total = guard.total_of(args, kwargs)
+        return [guard.key.render(args, kwargs), *(() if total is None else (total[0],))]
+
+    retry_in = job.get_retry_interval() if retry and job.retries_left else None
     locks = locks_for(getattr(func, "taskguard_locks", None))
-    handle = load_handle(locks, job.id)
-    if handle is None:
-        return _release_unsaved(job, func, opts, locks, why)
-    if handle.get("running"):
-        info = _holder(locks, handle["key"], job.id, handle.get("fence"))
-        if info is not None and not holder_is_dead(info.holder):
-            log.warning(
-                "job %s: %s, but its lease %r is held by a work-horse of it that may still run (%s, pid %s); "
-                "left to that holder and its TTL",
-                job.id,
-                why,
-                handle["key"],
-                info.holder.get("host"),
-                info.holder.get("pid"),
-            )
-            return None
-    lease = restore_handle(locks, handle, ttl=opts.ttl)  # (with its place in the total, if any)
-    lease.run_id = job.id
-    total = lease.total
-    if retry and job.retries_left:
-        stretch = job.get_retry_interval() + opts.ttl
-        if lease.renew(stretch) and (total is None or total.renew(stretch)):
-            save_handle(locks, job.id, {**handle_of(lease), "running": False}, ttl=stretch)
-            log.warning("job %s: work-horse killed; lease %r kept %.0fs for its retry", job.id, handle["key"], stretch)
-            mirror_meta(job, refresh=True, outcome="retrying")
-            return "kept"
-    released = lease.release()
-    if total is not None:
-        total.release()
-    drop_handle(locks, job.id)
-    if not released:  # the stored handle's lease is not the one this execution held (a retry's
-        # horse that claimed a kept lease, or took a fresh one, and died before saving its handle)
-        return _release_unsaved(job, func, opts, locks, why)
-    log.warning("job %s: %s; lease %r released", job.id, why, handle["key"])
-    mirror_meta(job, refresh=True, outcome="ended", ended=why)
-    return "released"
-
-
-def _release_unsaved(job: Any, func: Any, opts: Any, locks: Any, why: str) -> str | None:
-    """``job`` has no stored handle: it held no lease, or its work-horse died in the one round
-    trip between taking its lease and saving its handle. The lease its job id holds on its key
-    (and its place in the total) is released by run id (:meth:`taskguard.Locks.release_run`: no
-    owner token needed) when its holder process is known dead on this host — never a later
-    execution's of the same job id (a retry), whose process lives. Returns ``"released"`` or
-    ``None``."""
-    opts = entry_guard(job, func, func.taskguard_name, opts)  # a cron slot's own key
-    args, kwargs = tuple(job.args or ()), dict(job.kwargs or {})
-    key = opts.key.render(args, kwargs)
-    total = opts.total_of(args, kwargs)
-    released = False
-    # the key's lease, and apart from it the place in the total (held alone for a moment by a run
-    # that waited for a place: it takes the place, then its key): each released only as the very
-    # lease seen held by a dead process (its fencing token), never one a live execution of the job
-    # id took meanwhile
-    for k in (key,) if total is None else (key, total[0]):
-        info = _holder(locks, k, job.id)
-        if info is not None and holder_is_dead(info.holder):
-            released = locks.release_run(k, job.id, fencing_token=info.fencing_token) or released
-    if not released:
-        return None
-    log.warning("job %s: %s before its handle was saved; lease %r released", job.id, why, key)
-    mirror_meta(job, refresh=True, outcome="ended", ended=why)
-    return "released"
-
-
-def _holder(locks: Any, key: str, run_id: str, fence: int | None = None) -> Any:
-    """The holder of ``key`` with ``run_id`` (and, when given, ``fence``), or ``None``."""
-    return next(
-        (i for i in locks.holders(key) if i.run_id == run_id and (fence is None or i.fencing_token == fence)), None
-    )
+    dead = settle_dead(locks, handle_record(job.id), job.id, ttl=opts.ttl, retry_in=retry_in, lease_keys=lease_keys)
+    if dead.how == Settled.HELD:
+        holder = dead.holder or {}
+        log.warning(
+            "job %s: %s, but its lease %r is held by a work-horse of it that may still run (%s, pid %s); "
+            "left to that holder and its TTL",
+            job.id,
+            why,
+            dead.key,
+            holder.get("host"),
+            holder.get("pid"),
+        )
+    elif dead.how == Settled.KEPT:
+        log.warning("job %s: work-horse killed; lease %r kept %.0fs for its retry", job.id, dead.key, dead.seconds)
+        mirror_meta(job, refresh=True, outcome="retrying")
+    elif dead.how == Settled.RELEASED:
+        before = " before its handle was saved" if dead.unsaved else ""
+        log.warning("job %s: %s%s; lease %r released", job.id, why, before, dead.key)
+        mirror_meta(job, refresh=True, outcome="ended", ended=why)
+    return dead.how.value if dead.how in (Settled.KEPT, Settled.RELEASED) else None
 
 
 class GuardedWorker(Worker):
@@ -186,6 +138,18 @@ class GuardedWorker(Worker):
                 "(set it to the leases' Redis)"
             )
         return bool(super().work(*args, **kwargs))
+
+    def unsubscribe(self) -> None:
+        """RQ's own unsubscribe, with its pubsub thread's stop bounded as RQ bounds its join of
+        that thread (1 s). From redis-py 8.2 ``PubSubWorkerThread.stop()`` joins the thread
+        (redis/client.py), and a thread that read the unsubscribe reply before the stop waits for
+        a new subscription for RQ's ``sleep_time`` of 60 s (rq/worker/base.py ``subscribe``): the
+        worker's exit (a burst's end, a warm shutdown) waited up to a minute for it. The thread
+        is a daemon, so nothing waits for it at exit; redis-py before 8.2 never joined there."""
+        thread = self.pubsub_thread
+        if thread is not None and "timeout" in inspect.signature(thread.stop).parameters:
+            thread.stop = functools.partial(thread.stop, timeout=1.0)  # (this instance only)
+        super().unsubscribe()
 
     def clean_registries(self) -> None:
         """RQ's maintenance, after settling the kept leases of jobs cancelled while they waited
