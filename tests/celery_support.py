@@ -107,6 +107,16 @@ def body_log(app) -> list[str]:
     return [x.decode() for x in r.lrange(app.tg_log, 0, -1)]
 
 
+def wait_for_body(app, start: str, timeout: float = 30.0) -> None:
+    """Waits until a body of ``app`` wrote a log entry beginning with ``start`` (so its run holds
+    its lease): a fixed sleep after publishing was too short while a worker's children were still
+    starting on a loaded machine, and the call meant to be skipped ran after the holder ended."""
+    deadline = time.monotonic() + timeout
+    while not any(e.startswith(start) for e in body_log(app)):
+        assert time.monotonic() < deadline, f"no {start!r} within {timeout} s: {body_log(app)}"
+        time.sleep(0.05)
+
+
 class WorkerProcess:
     """A real ``celery -A tests.celery_app worker`` subprocess for one test's queue and prefix."""
 

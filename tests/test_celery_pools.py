@@ -12,7 +12,7 @@ import redis
 from taskguard import is_skipped
 
 from .celery_app import make_app
-from .celery_support import WorkerProcess, body_log, embedded_worker
+from .celery_support import WorkerProcess, body_log, embedded_worker, wait_for_body
 
 
 @pytest.fixture
@@ -24,8 +24,8 @@ def app(redis_url, prefix):
 
 def test_prefork_worker_process_guards_skips_and_restores(app, prefix):
     with WorkerProcess(f"q-{prefix}", prefix, pool="prefork", concurrency=3) as worker:
-        first = app.tasks["tg.slow"].delay(1, seconds=1.5)
-        time.sleep(0.3)
+        first = app.tasks["tg.slow"].delay(1, seconds=3.0)
+        wait_for_body(app, "slow:1:start")
         second = app.tasks["tg.slow"].delay(1, seconds=0)
         retried = app.tasks["tg.retrying"].delay("p", fail_times=2, countdown=0.3)
         renewed = app.tasks["tg.short_ttl"].delay(seconds=2.0)  # ttl 0.6: a child's heartbeat renews it
@@ -109,8 +109,8 @@ def test_task_protocol_1_reads_headers_from_request_headers(redis_url, prefix):
     app = make_app(f"q-{prefix}", prefix, task_protocol=1)
     try:
         with embedded_worker(app):
-            first = app.tasks["tg.slow"].delay(3, seconds=1.0)
-            time.sleep(0.2)
+            first = app.tasks["tg.slow"].delay(3, seconds=3.0)
+            wait_for_body(app, "slow:3:start")
             assert is_skipped(app.tasks["tg.slow"].delay(3, seconds=0).get(timeout=5))
             first.get(timeout=5)
             fence = (

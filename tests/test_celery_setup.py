@@ -15,7 +15,7 @@ import redis
 from taskguard import as_skipped
 
 from .celery_app import make_app
-from .celery_support import ROOT, WorkerProcess
+from .celery_support import ROOT, WorkerProcess, wait_for_body
 
 # Runs in a fresh interpreter (the suite's own process has bound guarded tasks long ago). Prints
 # one JSON line: the receivers taskguard added to each Celery signal after each step.
@@ -146,8 +146,8 @@ def test_spawned_prefork_children_run_the_worker_process_init_receiver(redis_url
     }
     try:
         with WorkerProcess(queue, prefix, concurrency=2, env=env, conf=conf) as worker:
-            first = app.tasks["tg.slow"].delay(7, seconds=1.0)
-            time.sleep(0.4)
+            first = app.tasks["tg.slow"].delay(7, seconds=3.0)
+            wait_for_body(app, "slow:7:start")
             assert as_skipped(app.tasks["tg.slow"].delay(7, seconds=0).get(timeout=20)).reason == "held"
             first.get(timeout=20)
             output = worker.output()

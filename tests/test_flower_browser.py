@@ -16,7 +16,7 @@ from pathlib import Path
 import redis
 
 from .celery_app import make_app
-from .celery_support import WorkerProcess
+from .celery_support import WorkerProcess, wait_for_body
 from .servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,13 +52,13 @@ def test_flower_tasks_page_shows_skipped_runs_with_state_and_reason(redis_url, p
                 break
             except OSError:
                 time.sleep(0.3)
-        with WorkerProcess(queue, prefix, concurrency=2, extra=("-E",)):
+        with WorkerProcess(queue, prefix, concurrency=3, extra=("-E",)):
             time.sleep(2.0)
-            first = app.tasks["tg.slow"].apply_async((1,), {"seconds": 1.5})
-            time.sleep(0.5)
+            first = app.tasks["tg.slow"].apply_async((1,), {"seconds": 3.0})
+            wait_for_body(app, "slow:1:start")
             as_result = app.tasks["tg.slow"].apply_async((1,), {"seconds": 0})  # on_skip="result"
-            holder = app.tasks["tg.on_skip_ignore"].apply_async((), {"seconds": 1.5})
-            time.sleep(0.5)
+            holder = app.tasks["tg.on_skip_ignore"].apply_async((), {"seconds": 3.0})
+            wait_for_body(app, "ignore:0:ran")
             ignored = app.tasks["tg.on_skip_ignore"].apply_async((), {"seconds": 0})  # on_skip="ignore"
             first.get(timeout=15), as_result.get(timeout=15), holder.get(timeout=15)
             time.sleep(2.0)  # Flower takes the events in

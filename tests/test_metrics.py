@@ -19,7 +19,7 @@ from taskguard import RedisLocks, add_listener, as_skipped, remove_listener
 from taskguard.metrics import Metrics
 
 from .celery_app import make_app
-from .celery_support import ROOT, WorkerProcess
+from .celery_support import ROOT, WorkerProcess, wait_for_body
 from .servers import free_port
 
 
@@ -66,8 +66,8 @@ def test_a_skip_in_a_prefork_child_is_counted(redis_url, prefix, tmp_path):
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "TASKGUARD_METRICS": "1"}
     try:
         with WorkerProcess(queue, prefix, concurrency=2, env=env):
-            first = app.tasks["tg.slow"].delay(1, seconds=1.0)
-            time.sleep(0.4)
+            first = app.tasks["tg.slow"].delay(1, seconds=3.0)
+            wait_for_body(app, "slow:1:start")
             assert as_skipped(app.tasks["tg.slow"].delay(1, seconds=0).get(timeout=10)).reason == "held"
             first.get(timeout=10)
         registry = multiproc_registry(tmp_path)  # what `taskguard metrics` would serve
@@ -208,8 +208,8 @@ def test_flower_counts_task_skipped_events(redis_url, prefix, mode):
                 time.sleep(0.3)
         with WorkerProcess(queue, prefix, concurrency=2, extra=("-E",)):  # all task events on
             time.sleep(2.0)
-            first = app.tasks[task].apply_async(args, {"seconds": 1.5})
-            time.sleep(0.5)
+            first = app.tasks[task].apply_async(args, {"seconds": 3.0})
+            wait_for_body(app, "slow:1:start" if mode == "result" else "ignore:0:ran")
             second = app.tasks[task].apply_async(args, {"seconds": 0})
             first.get(timeout=15)
             line = ""

@@ -133,8 +133,10 @@ def locks():
 
 def test_two_concurrent_jobs_of_one_key_one_runs_one_skipped(rq_env):
     with RQWorker(rq_env) as w1, RQWorker(rq_env) as w2:  # two worker processes
-        first = rq_env.enqueue(rq_jobs.slow, 1)
-        time.sleep(0.5)
+        first = rq_env.enqueue(rq_jobs.slow, 1, seconds=3.0)
+        deadline = time.monotonic() + 30  # (holds its lease: a fixed sleep was short on a loaded machine)
+        while not any(e.startswith("slow:1:start") for e in log(rq_env)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         second = rq_env.enqueue(rq_jobs.slow, 1, meta={"team": "billing"})
         assert wait_done(second) == JobStatus.FINISHED
         assert wait_done(first) == JobStatus.FINISHED
