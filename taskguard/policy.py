@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, cast
@@ -11,7 +10,16 @@ from typing import Any, cast
 from .errors import ConfigError
 from .keys import KeyTemplate
 from .once import Fingerprint, OncePolicy
-from .validate import check_burst, check_cost, check_limit, check_rate, check_replicas, check_seconds, check_ttl
+from .validate import (
+    check_burst,
+    check_cost,
+    check_limit,
+    check_rate,
+    check_replicas,
+    check_seconds,
+    check_ttl,
+    closest,
+)
 from .values import OnLost, OnSkip, Overlap
 
 __all__ = [
@@ -474,8 +482,8 @@ def check_overlap(value: Any, *, allowed: tuple[str, ...] = OVERLAP_BUILT, what:
             "meta['taskguard'] of an rq cron entry): a task's guard is its lease, so a task whose runs may "
             "overlap needs no guard (or takes limit=N)"
         )
-    close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.75) if isinstance(value, str) else []
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    close = closest(value, allowed) if isinstance(value, str) else None
+    hint = f" (did you mean {close!r}?)" if close else ""
     raise ConfigError(f"{what} must be one of {allowed}, got {value!r}{hint}")
 
 
@@ -630,24 +638,8 @@ def check_option_names(
             )
         if known is not None and known(name):
             continue
-        close = _slips(name, supported) or difflib.get_close_matches(name, supported, n=1, cutoff=0.75)
-        if known is not None and not close:
+        close = closest(name, supported)
+        if known is not None and close is None:
             continue  # a framework option or a user's attribute, not a misspelt guard option
-        hint = f"; did you mean {close[0]!r}?" if close else f" (guard options: {', '.join(sorted(supported))})"
+        hint = f"; did you mean {close!r}?" if close else f" (guard options: {', '.join(sorted(supported))})"
         raise ConfigError(f"{noun} {task!r}: unknown option {name!r}{hint}")
-
-
-def _slips(name: str, options: Collection[str]) -> list[str]:
-    """The option ``name`` is a slip of: the same but for case (``TTL``, ``Key``) or for two
-    adjacent letters swapped (``kye``) — what the similarity ratio misses in names as short as
-    ``key`` and ``ttl``."""
-    low = name.lower()
-    for option in options:
-        if low == option:
-            return [option]
-        diff = [i for i, (a, b) in enumerate(zip(low, option, strict=False)) if a != b]
-        if len(low) == len(option) and len(diff) == 2 and diff[1] == diff[0] + 1:
-            i = diff[0]
-            if low[i] == option[i + 1] and low[i + 1] == option[i]:
-                return [option]
-    return []

@@ -37,6 +37,7 @@ __all__ = [
     "check_prefix",
     "check_callback",
     "check_setting_names",
+    "closest",
     "check_replicas",
     "MAX_REPLICAS",
     "encodable",
@@ -129,6 +130,34 @@ def check_callback(name: str, callback: Any, *args: Any) -> Any:
             f"take them: {e}"
         ) from None
     return callback
+
+
+def closest(name: str, options: Collection[str]) -> str | None:
+    """The option ``name`` most likely misspells, or ``None``: one that is the same but for case
+    and at most one edit — a letter changed, added or dropped, or two adjacent letters swapped
+    (``TTL``, ``tll``, ``kye``), what the similarity ratio misses in names as short as ``key`` and
+    ``ttl`` (``difflib`` rates ``tll`` against ``ttl`` 0.67) — else the closest by that ratio
+    (at least 0.75)."""
+    low = name.lower()
+    slip = next((option for option in options if _one_edit(low, option.lower())), None)
+    if slip is not None:
+        return slip
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` are equal or one edit apart (substitution, insertion, deletion or
+    adjacent transposition: their optimal string alignment distance is at most 1)."""
+    if a == b:
+        return True
+    if abs(len(a) - len(b)) > 1:
+        return False
+    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    if len(a) == len(b):
+        return a[i + 1 :] == b[i + 1 :] or (a[i : i + 2] == b[i : i + 2][::-1] and a[i + 2 :] == b[i + 2 :])
+    longer, shorter = (a, b) if len(a) > len(b) else (b, a)
+    return longer[i + 1 :] == shorter[i:]
 
 
 def check_setting_names(given: Iterable[str], known: Collection[str], where: str) -> None:

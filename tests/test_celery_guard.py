@@ -17,7 +17,7 @@ from taskguard import ConfigError, LeaseLost, Skipped, TaskSkipped, as_skipped, 
 from taskguard_celery import GuardedTask, guarded_task
 
 from .celery_app import make_app
-from .celery_support import EventLog, body_log, embedded_worker
+from .celery_support import EventLog, body_log, embedded_worker, wait_for_body
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def test_ignore_result_task_skips_without_writing(app):
     r = redis.Redis.from_url(app.conf.result_backend)
     with embedded_worker(app):
         holder = app.tasks["tg.slow"].delay(7, seconds=1.0)
-        time.sleep(0.2)
+        wait_for_body(app, "slow:7:start")
         res = app.tasks["tg.noresult"].delay(7)
         time.sleep(1.0)
         holder.get(timeout=5)
@@ -169,7 +169,7 @@ def test_chord_with_skipped_member_completes(app):
 def test_chain_stops_after_a_skip_unless_asked_to_continue(app):
     with embedded_worker(app):
         holder = app.tasks["tg.slow"].delay(11, seconds=2.5)
-        time.sleep(0.2)
+        wait_for_body(app, "slow:11:start")
         stopped = chain(app.tasks["tg.slow"].s(11, seconds=0), app.tasks["tg.after"].s())()
         linked = app.tasks["tg.slow"].apply_async((11,), {"seconds": 0}, link=app.tasks["tg.after"].s())
         continued = chain(app.tasks["tg.continuing"].s(11), app.tasks["tg.after"].s())()
@@ -217,7 +217,7 @@ def test_on_skip_raise_fails_with_task_skipped_through_json(app):
 def test_on_skip_retry_is_bounded_and_does_not_consume_max_retries(app):
     with EventLog(app) as events, embedded_worker(app):
         holder = app.tasks["tg.on_skip_retry"].delay(seconds=4.0)  # holds through all skip retries
-        time.sleep(0.2)
+        wait_for_body(app, "retry:0:ran")
         waiting = events.track(app.tasks["tg.on_skip_retry"].delay(n=1))  # max_retries=0, skip_max_retries=2
         out = waiting.get(timeout=10)
         holder.get(timeout=10)
@@ -230,7 +230,7 @@ def test_on_skip_retry_is_bounded_and_does_not_consume_max_retries(app):
 def test_on_skip_retry_runs_once_the_holder_is_done(app):
     with embedded_worker(app):
         holder = app.tasks["tg.on_skip_retry"].delay(seconds=0.6)
-        time.sleep(0.2)
+        wait_for_body(app, "retry:0:ran")
         waiting = app.tasks["tg.on_skip_retry"].delay(n=2)
         assert waiting.get(timeout=10) == "retry ran"
         holder.get(timeout=5)

@@ -20,7 +20,7 @@ from taskguard_celery.beat import validate_entry_options
 
 from . import test_rq_cron
 from .celery_app import make_app
-from .celery_support import BeatProcess, WorkerProcess, body_log, leader_pid
+from .celery_support import BeatProcess, WorkerProcess, body_log, leader_pid, wait_for_body
 from .test_rq import RQWorker, log, wait_done
 from .test_rq_cron import CronProcess, enqueued, entry
 
@@ -47,6 +47,8 @@ def test_entry_overlap_is_checked_at_start_with_did_you_mean_and_against_the_tas
         ({"overlap": "alow"}, r"did you mean 'allow'\?"),
         ({"overlap": 3}, "overlap must be one of"),
         ({"overlapp": "skip"}, r"unknown option 'overlapp'; did you mean 'overlap'\?"),
+        ({"tll": 5}, r"unknown option 'tll'; did you mean 'ttl'\?"),  # (a changed letter in a short name)
+        ({"kez": "k"}, r"unknown option 'kez'; did you mean 'key'\?"),
     ):
         with pytest.raises(ConfigError, match=f"entry 'e': .*{says}"):
             check_entry_options("entry 'e'", bad, _body)
@@ -310,7 +312,7 @@ def test_allow_a_second_message_of_one_slot_does_not_run_again(redis_url, prefix
         with embedded_worker(app, concurrency=3):
             header = {"taskguard_beat": _slot_header("every2s:1", "allow")}
             first = task.apply_async(kwargs={"seconds": 1.0}, headers=header)
-            time.sleep(0.3)
+            wait_for_body(app, "otick|start|every2s:1|")
             second = task.apply_async(kwargs={"seconds": 1.0}, headers=header)
             other = task.apply_async(
                 kwargs={"seconds": 0.2}, headers={"taskguard_beat": _slot_header("every2s:2", "allow")}
@@ -338,7 +340,7 @@ def test_replace_a_copy_of_a_replaced_slot_never_takes_the_lease_back(redis_url,
         with embedded_worker(app, concurrency=3):
             old_header = {"taskguard_beat": _slot_header("every2s:1", "replace")}
             old = task.apply_async(kwargs={"seconds": 30}, headers=old_header)
-            time.sleep(0.5)
+            wait_for_body(app, "otick|start|every2s:1|")
             new = task.apply_async(
                 kwargs={"seconds": 2.0}, headers={"taskguard_beat": _slot_header("every2s:2", "replace")}
             )

@@ -25,7 +25,7 @@ from taskguard_celery.identity import CLOCK_SKEW
 
 from . import rq_jobs
 from .celery_app import make_app
-from .celery_support import WorkerProcess, body_log, embedded_worker
+from .celery_support import WorkerProcess, body_log, embedded_worker, wait_for_body
 from .test_celery_failures import wait_for
 from .test_rq import RQWorker, locks as rq_locks, log as rq_log, wait_done
 
@@ -357,7 +357,7 @@ def test_apply_async_with_the_id_of_a_running_task_runs_after_it(celery_env, pre
     task_id = str(uuid.uuid4())
     with embedded_worker(app, pool="threads", concurrency=2):
         app.tasks["tg.slow"].apply_async((7,), {"seconds": 1.5}, task_id=task_id)
-        time.sleep(0.5)
+        wait_for_body(app, "slow:7:start")
         app.tasks["tg.slow"].apply_async((7,), {"seconds": 0.1}, task_id=task_id)  # a new publish of the id
         assert wait_for(lambda: len(entries(app, "slow:7:end")) == 2, timeout=20)
     log = entries(app, "slow:7:")

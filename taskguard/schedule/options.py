@@ -19,7 +19,6 @@ value is checked with the task's own options (:func:`taskguard.policy.check_over
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, cast
@@ -27,7 +26,7 @@ from typing import Any, cast
 from ..errors import ConfigError
 from ..keys import KeyTemplate
 from ..policy import ENTRY_OVERLAP, GuardOptions, check_overlap, check_overlap_conflicts
-from ..validate import check_limit, check_rate, check_ttl
+from ..validate import check_limit, check_rate, check_ttl, closest
 from ..values import Overlap
 
 __all__ = ["ENTRY_OPTIONS", "check_entry_option", "check_entry_options", "apply_entry_options"]
@@ -95,8 +94,8 @@ def check_entry_options(
         raise ConfigError(f"{where}: {container} must be a dict with keys {ENTRY_OPTIONS}, got {options!r}")
     for name in options:
         if name not in ENTRY_OPTIONS:
-            close = difflib.get_close_matches(str(name), ENTRY_OPTIONS, n=1, cutoff=0.75)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            close = closest(str(name), ENTRY_OPTIONS)
+            hint = f"; did you mean {close!r}?" if close else ""
             raise ConfigError(
                 f"{where}: {container} must be a dict with keys {ENTRY_OPTIONS}: unknown option {name!r}{hint}"
             )
