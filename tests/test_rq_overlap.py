@@ -203,6 +203,30 @@ def test_replace_terminate_stops_the_old_job_and_reports_it_replaced(rq_env):
     assert skip_count(rq_jobs.report_stopping.taskguard_name) == 1
 
 
+def test_replace_terminate_of_a_job_in_a_simple_worker_stops_nothing_and_reports_it_once(rq_env):
+    """The replaced job runs in its worker's own process (``SimpleWorker``: RQ's stop command has
+    no work-horse to kill; on RQ 3 ``kill_horse`` does nothing): no stop is sent, the worker lives
+    on, and the job — its lease taken over — ends ``Skipped("replaced")`` itself, reported once.
+    (Before, the replacing job reported it and the job then reported itself: counted twice, and
+    the log said it was stopped while it ran on.)"""
+    from taskguard_rq import skip_count
+
+    with RQWorker(rq_env, worker_class="rq.worker.SimpleWorker") as simple:
+        old = rq_env.enqueue(rq_jobs.report_stopping, "u3", 1, seconds=30)
+        _wait(lambda: len(_entries(rq_env, "u3")) == 1)
+        with RQWorker(rq_env) as w2:
+            new = rq_env.enqueue(rq_jobs.report_stopping, "u3", 2, seconds=0.5)
+            assert wait_done(new, timeout=15) == JobStatus.FINISHED
+            assert wait_done(old, timeout=15) == JobStatus.FINISHED
+            output = simple.output() + w2.output()
+        assert simple.proc.poll() is None, output  # the worker itself was not stopped
+    value = old.return_value()
+    assert is_skipped(value) and value.reason == "replaced" and value.follow_up == new.id, output
+    assert new.return_value()["n"] == 2
+    assert skip_count(rq_jobs.report_stopping.taskguard_name) == 1
+    assert "cannot stop the replaced job" in output and "stopped the replaced job" not in output
+
+
 def test_replace_terminate_of_a_job_waiting_for_its_retry_reports_it_once_and_stops_nothing(rq_env):
     """The replaced holder is a lease kept for a retry (the job SCHEDULED, nothing running): no
     stop command (it would stop nothing) and no report here — the retry, when it comes, ends

@@ -24,6 +24,7 @@ import datetime
 import functools
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -228,6 +229,20 @@ def guarded_job(
 _performing: contextvars.ContextVar[Any] = contextvars.ContextVar("taskguard_rq_performing", default=None)
 
 
+def _in_work_horse(job: Any) -> bool:
+    """Whether ``job`` runs in a work-horse its worker can kill (RQ's stop-job command), not in the
+    worker's own process (``SimpleWorker``, whose ``kill_horse`` does nothing: rq/worker/base.py).
+    Told by the worker's pid (its ``rq:worker:<name>`` hash) against this process's; unknown
+    counts as a work-horse. One HGET, for ``replace_terminate`` jobs only."""
+    from rq.worker import Worker
+
+    try:
+        pid = job.connection.hget(Worker.redis_worker_namespace_prefix + (job.worker_name or ""), "pid")
+    except Exception:  # (a Redis error: the acquire that follows reports it)
+        return True
+    return pid is None or int(pid) != os.getpid()
+
+
 def _job_timeout(job: Any) -> float:
     timeout = getattr(job, "timeout", None)
     return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else DEFAULT_JOB_TIMEOUT
@@ -302,10 +317,13 @@ def _execute(
     window: Any,
 ) -> Any:
     run_id = job.id if job is not None else None
+    holder: dict[str, Any] = {"job": name, "job_id": run_id}
+    if opts.replace_terminate and job is not None and not _in_work_horse(job):
+        holder["stoppable"] = False  # (a SimpleWorker: RQ's stop command has no work-horse to kill)
     ex = Execution(
         task=name,
         run_id=run_id,
-        holder={"job": name, "job_id": run_id},
+        holder=holder,
         local=job is None,
         same_run="wait",
         same_run_wait=_job_timeout(job),
@@ -443,6 +461,16 @@ class _Hooks:
         command: its worker kills the work-horse and the job ends STOPPED; RQ stores no value for
         a stopped job)."""
         if not self.terminate or holder.run_id is None or self.job is None:
+            return
+        if (holder.holder or {}).get("stoppable") is False:
+            # it runs on without its lease (its on_lost applies) and ends Skipped("replaced"),
+            # reported then, once (reported here too, it would be counted twice)
+            log.warning(
+                "job %s: cannot stop the replaced job %s: it runs in its worker's own process "
+                "(SimpleWorker); it goes on without its lease",
+                self.job.id,
+                holder.run_id,
+            )
             return
         try:
             old = Job.fetch(holder.run_id, connection=self.job.connection)
