@@ -498,6 +498,24 @@ def test_maintenance_never_settles_a_live_job_whose_reused_id_is_still_listed_as
     locks().release_run("flaky:r", job_id)
 
 
+def test_a_job_without_a_time_limit_keeps_its_handle_while_it_runs(rq_env):
+    """``job_timeout=-1`` (RQ runs it for as long as it takes): the running job's handle record
+    lasts days, not the 180 s default plus the TTL, so a work-horse killed after that still finds
+    its handle (its lease kept for its retry). A job with a limit keeps its limit plus the TTL."""
+    conn = rq_env.connection
+    with RQWorker(rq_env):
+        ttls = {}
+        for name, timeout in (("unlimited", -1), ("limited", 60)):
+            job = rq_env.enqueue(rq_jobs.long_running, name, seconds=2.0, job_timeout=timeout)
+            _wait_running(job, f"long:{name}")
+            keys = list(conn.scan_iter(match=f"*rq-job:{job.id}*"))
+            assert len(keys) == 1, keys
+            ttls[name] = conn.pttl(keys[0]) / 1000
+            assert wait_done(job) == JobStatus.FINISHED
+    assert ttls["unlimited"] > 86400, ttls
+    assert 60 < ttls["limited"] <= 60 + rq_jobs.long_running.taskguard_options.ttl, ttls
+
+
 def test_maintenance_never_releases_a_lease_whose_body_may_still_run(rq_env):
     """Cancelling a job while its body runs (RQ allows it; the work-horse goes on) does not let
     GuardedWorker's maintenance release the lease that body holds; a cancelled job whose function

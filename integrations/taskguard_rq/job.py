@@ -75,6 +75,11 @@ ON_SKIP = ("result", "raise")
 #: RQ's default ``job_timeout``, seconds (rq/defaults.py); bounds the wait for an earlier
 #: execution of the same job id when the job sets none.
 DEFAULT_JOB_TIMEOUT = 180.0
+#: How long the handle record of a running job without a time limit (``job_timeout=-1``, which
+#: RQ runs for as long as it takes: rq/job.py, rq/worker) lasts should nothing drop it, seconds.
+#: (Bounded by the 180 s default instead, a job running longer lost its record: a work-horse
+#: killed after that had its lease released, not kept for its retry.)
+UNLIMITED_JOB_RECORD_TTL = 7 * 86400.0
 #: A function's skip counter goes this many seconds after its last skip (it is a gauge for people,
 #: the Prometheus counter is the durable one).
 SKIP_COUNT_TTL = 7 * 86400.0
@@ -339,7 +344,9 @@ def _execute(
     run = decision.run
     lease = run.lease
     where = handle_record(run_id) if run_id is not None else None
-    with handle_records.while_running(locks, where, run, ttl=_job_timeout(job) + opts.ttl):
+    unlimited = job is not None and getattr(job, "timeout", None) == -1
+    record_ttl = UNLIMITED_JOB_RECORD_TTL if unlimited else _job_timeout(job) + opts.ttl
+    with handle_records.while_running(locks, where, run, ttl=record_ttl):
         if lease is not None:
             mirror_meta(job, key=key, fence=lease.fencing_token, slot=lease.slot, outcome="running")
         done = perform(decision, lambda: fn(*args, **kwargs), opts, key, args, kwargs, ex, hooks, locks)
