@@ -75,8 +75,9 @@ ON_SKIP = ("result", "raise")
 #: RQ's default ``job_timeout``, seconds (rq/defaults.py); bounds the wait for an earlier
 #: execution of the same job id when the job sets none.
 DEFAULT_JOB_TIMEOUT = 180.0
-#: How long the handle record of a running job without a time limit (``job_timeout=-1``, which
-#: RQ runs for as long as it takes: rq/job.py, rq/worker) lasts should nothing drop it, seconds.
+#: How long the handle record of a running job without a time limit (``job_timeout=-1``, any
+#: negative: RQ runs it for as long as it takes; rq/rq#872, #1085, #1845) lasts should nothing
+#: drop it, seconds.
 #: (Bounded by the 180 s default instead, a job running longer lost its record: a work-horse
 #: killed after that had its lease released, not kept for its retry.)
 UNLIMITED_JOB_RECORD_TTL = 7 * 86400.0
@@ -344,7 +345,8 @@ def _execute(
     run = decision.run
     lease = run.lease
     where = handle_record(run_id) if run_id is not None else None
-    unlimited = job is not None and getattr(job, "timeout", None) == -1
+    timeout = getattr(job, "timeout", None)
+    unlimited = isinstance(timeout, (int, float)) and timeout < 0  # (RQ: any negative is no limit)
     record_ttl = UNLIMITED_JOB_RECORD_TTL if unlimited else _job_timeout(job) + opts.ttl
     with handle_records.while_running(locks, where, run, ttl=record_ttl):
         if lease is not None:
