@@ -638,8 +638,10 @@ def check_option_names(
             )
         if known is not None and known(name):
             continue
-        close = closest(name, supported)
+        close = closest(name, supported, loose=known is None)
         if known is not None and close is None:
             continue  # a framework option or a user's attribute, not a misspelt guard option
         hint = f"; did you mean {close!r}?" if close else f" (guard options: {', '.join(sorted(supported))})"
+        if known is not None:
+            hint += " (an attribute of your own: define it on a class this one derives from, where it is kept)"
         raise ConfigError(f"{noun} {task!r}: unknown option {name!r}{hint}")

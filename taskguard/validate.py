@@ -38,6 +38,7 @@ __all__ = [
     "check_callback",
     "check_setting_names",
     "closest",
+    "edit_distance",
     "check_replicas",
     "MAX_REPLICAS",
     "encodable",
@@ -132,32 +133,54 @@ def check_callback(name: str, callback: Any, *args: Any) -> Any:
     return callback
 
 
-def closest(name: str, options: Collection[str]) -> str | None:
-    """The option ``name`` most likely misspells, or ``None``: one that is the same but for case
-    and at most one edit — a letter changed, added or dropped, or two adjacent letters swapped
-    (``TTL``, ``tll``, ``kye``), what the similarity ratio misses in names as short as ``key`` and
-    ``ttl`` (``difflib`` rates ``tll`` against ``ttl`` 0.67) — else the closest by that ratio
-    (at least 0.75)."""
+#: Endings that make another form of an option's word (``renewal``, ``waits``, ``enforced``).
+_INFLECTIONS = ("s", "es", "d", "ed", "al", "ing", "er")
+
+
+def closest(name: str, options: Collection[str], *, loose: bool = True) -> str | None:
+    """The option ``name`` most likely misspells, or ``None``.
+
+    First an option ``name`` is a slip of, ignoring case: at most one edit away — a letter
+    changed, added or dropped, or two adjacent letters swapped (``tll``, ``kye``, ``TTL``), what
+    the similarity ratio misses in names as short as ``key`` and ``ttl`` (``difflib`` rates
+    ``tll`` against ``ttl`` 0.67) — keeping the first letter of an option of four letters or
+    fewer (``host`` and ``date`` are other words, not slips of ``cost`` and ``rate``); at most
+    two edits from an option of eight letters or more; or another form of the option's word
+    (``renewal``, ``waits``). Then, with ``loose`` (where any unknown name is refused anyway and
+    only the hint is at stake), the closest by ``difflib``'s ratio (at least 0.75), which also
+    finds ``title`` for ``ttl``: too loose to refuse a name by."""
     low = name.lower()
-    slip = next((option for option in options if _one_edit(low, option.lower())), None)
-    if slip is not None:
+    slip = next((option for option in options if _slip(low, option.lower())), None)
+    if slip is not None or not loose:
         return slip
     close = difflib.get_close_matches(name, options, n=1, cutoff=0.75)
     return close[0] if close else None
 
 
-def _one_edit(a: str, b: str) -> bool:
-    """Whether ``a`` and ``b`` are equal or one edit apart (substitution, insertion, deletion or
-    adjacent transposition: their optimal string alignment distance is at most 1)."""
-    if a == b:
+def _slip(name: str, option: str) -> bool:
+    if name == option or any(name == option + end for end in _INFLECTIONS):
         return True
-    if abs(len(a) - len(b)) > 1:
+    if len(option) <= 4 and name[:1] != option[:1]:
         return False
-    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    if len(a) == len(b):
-        return a[i + 1 :] == b[i + 1 :] or (a[i : i + 2] == b[i : i + 2][::-1] and a[i + 2 :] == b[i + 2 :])
-    longer, shorter = (a, b) if len(a) > len(b) else (b, a)
-    return longer[i + 1 :] == shorter[i:]
+    distance = edit_distance(name, option)
+    return distance <= 1 or (distance <= 2 and len(option) >= 8)
+
+
+def edit_distance(a: str, b: str) -> int:
+    """The optimal string alignment distance of ``a`` and ``b``: the fewest substitutions,
+    insertions, deletions and swaps of two adjacent letters that turn one into the other (no
+    substring edited twice)."""
+    before: list[int] = []
+    row = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        prev, row = row, [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = 0 if a[i - 1] == b[j - 1] else 1
+            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], before[j - 2] + 1)
+        before = prev
+    return row[-1]
 
 
 def check_setting_names(given: Iterable[str], known: Collection[str], where: str) -> None:

@@ -56,6 +56,10 @@ def _app():
         ("tll", "ttl"),
         ("kez", "key"),
         ("TLL", "ttl"),
+        # two slips in a long name; another form of the option's word
+        ("skip_rety_dlay", "skip_retry_delay"),
+        ("enforced", "enforce"),
+        ("waiting", "wait"),
     ],
 )
 def test_a_misspelt_guard_option_is_refused_on_celery(declare, option, meant):
@@ -70,7 +74,9 @@ def test_a_misspelt_guard_option_is_refused_on_celery(declare, option, meant):
 
 def _one_slip_of(option: str) -> set[str]:
     """Every name one slip from ``option``: a letter (or ``_``) changed, added or dropped, two
-    adjacent letters swapped, or all upper case; valid keyword names only, none a guard option."""
+    adjacent letters swapped, or all upper case — keeping the first letter of an option of four
+    letters or fewer (``host`` is a word, not a slip of ``cost``); valid keyword names only, none
+    a guard option."""
     letters = string.ascii_lowercase + "_"
     out = {option.upper()}
     for i in range(len(option) + 1):
@@ -79,6 +85,8 @@ def _one_slip_of(option: str) -> set[str]:
         out.add(option[:i] + option[i + 1 :])
         out.update(option[:i] + c + option[i + 1 :] for c in letters)
     out.update(option[:i] + option[i + 1] + option[i] + option[i + 2 :] for i in range(len(option) - 1))
+    if len(option) <= 4:
+        out = {v for v in out if v[:1].lower() == option[0]}
     return {v for v in out if v.isidentifier() and not keyword.iskeyword(v) and v.lower() not in OPTION_NAMES}
 
 
@@ -141,6 +149,58 @@ def test_celery_options_and_user_attributes_close_to_guard_options_keep_working(
     )
     app.finalize()
     assert (v.waits, v.limits) == (4, "x")
+
+
+#: Names of users' own task attributes that only look like guard options (``difflib`` rates
+#: ``title`` against ``ttl`` 0.75): Celery keeps them as task attributes.
+OWN_ATTRIBUTES = (
+    "title total host post done none force before date create new unique_id private_key "
+    "blocking_timeout read_timeout on_close lease_ttl lock_key region kind"
+).split()
+
+
+def test_users_own_attributes_that_only_look_like_guard_options_keep_working_on_celery():
+    """Passed to ``app.task`` / ``guarded_task`` or defined on a class-based task (a method
+    included), these are the user's: refused, a task could not have them at all. (``title``,
+    ``host``, ``done``, ``create``... were refused as misspellings of ``ttl``, ``cost``, ``once``,
+    ``rate``.)"""
+    app = _app()
+    for name in OWN_ATTRIBUTES:
+        t = app.task(base=GuardedTask, name=f"decl.own.{name}", shared=False, **{name: 1})(body)
+        guarded_task(name=f"decl.own.g.{name}", **{name: 1})(body)
+    app.finalize()
+    assert t.kind == 1
+
+    class Export(GuardedTask):
+        name = "decl.export"
+        ttl = 30
+        host = "sftp.example.com"
+
+        def create(self, row):
+            return row
+
+        def run(self, n):
+            return n
+
+    assert Export.taskguard_options.ttl == 30 and Export.host == "sftp.example.com"
+
+
+def test_a_misspelt_guard_option_on_a_base_class_of_tasks_is_refused_when_the_class_is_made():
+    """``class Reports(GuardedTask): tll = 300`` — every task of it took the misspelling as
+    known (a class in its MRO defines it) and ran with the default TTL and key."""
+    with pytest.raises(ConfigError, match=r"task base class '.*Reports': unknown option 'tll'; did you mean 'ttl'\?"):
+
+        class Reports(GuardedTask):
+            tll = 300
+
+    with pytest.raises(ConfigError, match=r"unknown option 'Key'; did you mean 'key'\?"):
+        type("Keyed", (GuardedTask,), {"Key": "report"})
+
+    class Fine(GuardedTask):  # a base class of guard options and its own attributes
+        ttl = 300
+        host = "sftp"
+
+    assert guarded_task(name="decl.fine", base=Fine)(body).taskguard_options.ttl == 300
 
 
 @pytest.mark.parametrize(

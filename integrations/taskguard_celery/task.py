@@ -87,19 +87,24 @@ class GuardedTask(Task):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         run = cls.__dict__.get("run")
-        if run is None:  # an intermediate base class, not a task
-            return
-        bound = not isinstance(run, staticmethod)
         fn = run.__func__ if isinstance(run, staticmethod) else run
-        name = cls.__dict__.get("name") or f"{fn.__module__}.{fn.__qualname__}"
+        name = cls.__dict__.get("name") or (
+            f"{fn.__module__}.{fn.__qualname__}" if fn is not None else f"{cls.__module__}.{cls.__qualname__}"
+        )
         # @app.task(base=GuardedTask, ttll=5): Celery makes every keyword a class attribute, so a
-        # misspelt guard option would silently leave the default in force
+        # misspelt guard option would silently leave the default in force; the same in a base
+        # class of tasks (class Reports(GuardedTask): tll = 300), checked here when it is made:
+        # its tasks take what their bases define as known
         bases = cls.__mro__[1:]
         check_option_names(
             name,
             [n for n in cls.__dict__ if not n.startswith("_")],
             known=lambda n: any(n in k.__dict__ for k in bases),
+            noun="task" if run is not None else "task base class",
         )
+        if fn is None:  # an intermediate base class, not a task
+            return
+        bound = not isinstance(run, staticmethod)
         cls.taskguard_options = GuardOptions.build(
             fn, name=name, skip_self=bound, locks=cls.locks, **{opt: getattr(cls, opt) for opt in OPTION_NAMES}
         )

@@ -75,9 +75,10 @@ ON_SKIP = ("result", "raise")
 #: RQ's default ``job_timeout``, seconds (rq/defaults.py); bounds the wait for an earlier
 #: execution of the same job id when the job sets none.
 DEFAULT_JOB_TIMEOUT = 180.0
-#: How long the handle record of a running job without a time limit (``job_timeout=-1``, any
-#: negative: RQ runs it for as long as it takes; rq/rq#872, #1085, #1845) lasts should nothing
-#: drop it, seconds.
+#: How long the handle record of a running job without a time limit (``job_timeout=-1``: RQ runs
+#: it for as long as it takes; rq/rq#872, #1085. Another negative value is no such thing: RQ's
+#: worker kills the work-horse once it ran the timeout plus 60 s) lasts should nothing drop it,
+#: seconds.
 #: (Bounded by the 180 s default instead, a job running longer lost its record: a work-horse
 #: killed after that had its lease released, not kept for its retry.)
 UNLIMITED_JOB_RECORD_TTL = 7 * 86400.0
@@ -238,10 +239,14 @@ _performing: contextvars.ContextVar[Any] = contextvars.ContextVar("taskguard_rq_
 def _in_work_horse(job: Any) -> bool:
     """Whether ``job`` runs in a work-horse its worker can kill (RQ's stop-job command), not in the
     worker's own process (``SimpleWorker``, whose ``kill_horse`` does nothing: rq/worker/base.py).
-    Told by the worker's pid (its ``rq:worker:<name>`` hash) against this process's; unknown
-    counts as a work-horse. One HGET, for ``replace_terminate`` jobs only."""
+    A work-horse leads a process group of its own (rq/worker/worker_classes.py), so a process
+    that does not is none; one that does (a worker started in a session of its own) is told by
+    the worker's pid (its ``rq:worker:<name>`` hash) against its own; unknown counts as a
+    work-horse. At most one HGET, for ``replace_terminate`` jobs only."""
     from rq.worker import Worker
 
+    if os.getpgrp() != os.getpid():
+        return False  # every work-horse leads a process group (os.setpgrp, posix_spawn setpgroup=0)
     try:
         pid = job.connection.hget(Worker.redis_worker_namespace_prefix + (job.worker_name or ""), "pid")
     except Exception:  # (a Redis error: the acquire that follows reports it)
@@ -345,8 +350,7 @@ def _execute(
     run = decision.run
     lease = run.lease
     where = handle_record(run_id) if run_id is not None else None
-    timeout = getattr(job, "timeout", None)
-    unlimited = isinstance(timeout, (int, float)) and timeout < 0  # (RQ: any negative is no limit)
+    unlimited = job is not None and getattr(job, "timeout", None) == -1
     record_ttl = UNLIMITED_JOB_RECORD_TTL if unlimited else _job_timeout(job) + opts.ttl
     with handle_records.while_running(locks, where, run, ttl=record_ttl):
         if lease is not None:
