@@ -334,6 +334,8 @@ class GuardOptions:
                 replicas = None if replicas is None else checked[0]
                 replica_timeout = None if replica_timeout is None else checked[1]
             if locks is not None:
+                if isinstance(locks, type):
+                    raise ConfigError(f"locks must be a taskguard.Locks, got the class {locks.__name__} (make one)")
                 if not callable(getattr(locks, "check_durability", None)):
                     raise ConfigError(f"locks must be a taskguard.Locks, got {type(locks).__name__}")
                 locks.check_durability(replicas, replica_timeout)
@@ -607,6 +609,7 @@ def check_option_names(
     elsewhere: Mapping[str, str] | None = None,
     known: Callable[[str], bool] | None = None,
     noun: str = "task",
+    listing: str = "guard options",
 ) -> None:
     """Refuse, at declaration, option names a task adapter would otherwise drop or misread.
 
@@ -623,6 +626,7 @@ def check_option_names(
             a guard option (a misspelling: ``ttll``), since Celery keeps unknown task options as
             task attributes.
         noun: what the framework calls it, for the message (``"task"``; RQ: ``"job"``).
+        listing: what the names ``supported`` lists are, for the message.
 
     Raises ConfigError naming the task and the option, with "did you mean ...?" for a close
     guard option, or where a guard option this adapter does not take lives.
@@ -641,7 +645,7 @@ def check_option_names(
         close = closest(name, supported, loose=known is None)
         if known is not None and close is None:
             continue  # a framework option or a user's attribute, not a misspelt guard option
-        hint = f"; did you mean {close!r}?" if close else f" (guard options: {', '.join(sorted(supported))})"
+        hint = f"; did you mean {close!r}?" if close else f" ({listing}: {', '.join(sorted(supported))})"
         if known is not None:
             hint += " (an attribute of your own: define it on a class this one derives from, where it is kept)"
         raise ConfigError(f"{noun} {task!r}: unknown option {name!r}{hint}")

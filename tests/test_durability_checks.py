@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from taskguard import ConfigError, LeaseBackendError, RedisLocks, Skipped
+from taskguard import ConfigError, LeaseBackendError, MemoryLocks, RedisLocks, Skipped
 
 from .test_failover import Pair
 
@@ -151,6 +151,9 @@ def test_a_guard_declared_with_locks_that_are_not_locks_is_refused_when_declared
         from taskguard_rq import guarded_job as declare
     with pytest.raises(ConfigError, match="decl.url_locks.*locks must be a taskguard.Locks, got str"):
         declare(name="decl.url_locks", locks="redis://127.0.0.1:6379/0")(_body)
+    # the class where an instance belongs: a TypeError from inside the check before
+    with pytest.raises(ConfigError, match="decl.class_locks.*must be a taskguard.Locks, got the class MemoryLocks"):
+        declare(name="decl.class_locks", locks=MemoryLocks)(_body)
 
 
 def test_a_celery_worker_stops_at_start_for_a_tasks_replica_timeout_its_apps_redis_cannot_wait(redis_url, prefix):

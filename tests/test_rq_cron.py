@@ -504,6 +504,8 @@ def test_a_scheduler_whose_time_zone_differs_refuses_to_start(cron_env, prefix):
     "body,message",
     [
         ("cron.register(rq_jobs.cron_tick, Q, intervall=5)", "unknown option 'intervall'; did you mean 'interval'?"),
+        # (a keyword far from every one: listed as register's keywords, not as guard options)
+        ('cron.register(rq_jobs.cron_tick, Q, interval=5, queue="x")', "unknown option 'queue' (its keywords: args, "),
         (
             'cron.register(rq_jobs.cron_guarded, Q, interval=5, meta={"taskguard": {"ttll": 5}})',
             "unknown option 'ttll'; did you mean 'ttl'?",

@@ -281,7 +281,9 @@ def load_registrations(config_path: str, connection: Any) -> tuple[Any, list[dic
     except Exception as e:
         word = _unexpected_keyword(e)
         if word is not None:
-            check_option_names(config_path, [word], supported=REGISTER_KEYWORDS, noun="rq.cron.register in")
+            check_option_names(
+                config_path, [word], supported=REGISTER_KEYWORDS, noun="rq.cron.register in", listing="its keywords"
+            )
         raise ConfigError(f"cannot load the rq cron configuration {config_path!r}: {e}") from None
     scheduler.collecting = False
     return scheduler, calls
