@@ -163,8 +163,9 @@ def guarded_job(
     status FINISHED, ``job.return_value()`` is the ``Skipped``,
     ``job.meta["taskguard"]["outcome"] == "skipped"``) or, with ``on_skip="raise"``, fails with
     :class:`taskguard.TaskSkipped`. An execution that finds an earlier execution of its own job id
-    holding the lease waits for it (up to the job's ``job_timeout``) and then runs; if that one
-    is still running then, it fails with ``TaskSkipped(reason="running")``.
+    holding the lease waits for it (up to the job's ``job_timeout``; 180 s for a job with none or
+    with ``job_timeout=-1``) and then runs; if that one is still running then, it fails with
+    ``TaskSkipped(reason="running")``.
 
     ``limit=N`` lets N jobs of one key run at once (a run finding every slot held is skipped,
     reason ``"limit"``); ``guarded.rate_limit_for(*args, **kwargs)`` gives RQ 3's own
