@@ -326,6 +326,12 @@ class GuardOptions:
                 raise ConfigError("once=True needs key= naming the business key (e.g. key='charge:{invoice_id}')")
             if not once and fingerprint is not None:
                 raise ConfigError("fingerprint= needs once=True")
+            if not once:  # (a value given equal to the default cannot be told apart, and is harmless)
+                for option, value in (("once_ttl", once_ttl), ("once_max_bytes", once_max_bytes)):
+                    if value != OPTION_DEFAULTS[option]:
+                        raise ConfigError(f"{option}= needs once=True (it tunes the stored value of a once run)")
+            if unique_ttl is not None and not unique:
+                raise ConfigError("unique_ttl= needs unique=True")
             fingerprint = Fingerprint(fingerprint, template) if once else None
             if replicas is not None or replica_timeout is not None:
                 checked = check_replicas(

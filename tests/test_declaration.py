@@ -375,3 +375,20 @@ def test_a_limit_is_an_int_or_a_callable_of_the_call_checked_per_run():
             out_of_range.limit_of(("x",), {})
     with pytest.raises(ConfigError, match="limit callable .* which it does not take"):
         GuardOptions.build(export_job, name="t", key="export:{tenant}", limit=lambda customer: 2)
+
+
+@pytest.mark.parametrize("framework", ["celery", "rq"])
+@pytest.mark.parametrize("option, value", [("once_ttl", 5), ("once_max_bytes", 1000)])
+def test_an_option_that_tunes_once_without_once_is_refused(framework, option, value):
+    """``once_ttl=5`` without ``once=True`` was accepted and did nothing (as ``fingerprint=`` is
+    refused without it)."""
+    declare = guarded_task if framework == "celery" else guarded_job
+    with pytest.raises(ConfigError, match=rf"decl\.o.*{option}= needs once=True"):
+        declare(name="decl.o", **{option: value})(body)
+    declare(name="decl.o2", key="k", once=True, **{option: value})(body)  # with once: fine
+
+
+def test_unique_ttl_without_unique_is_refused_on_celery():
+    with pytest.raises(ConfigError, match=r"decl\.u.*unique_ttl= needs unique=True"):
+        guarded_task(name="decl.u", unique_ttl=5)(body)
+    guarded_task(name="decl.u2", key="k", unique=True, unique_ttl=5)(body)
