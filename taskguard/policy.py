@@ -330,8 +330,6 @@ class GuardOptions:
                 for option, value in (("once_ttl", once_ttl), ("once_max_bytes", once_max_bytes)):
                     if value != OPTION_DEFAULTS[option]:
                         raise ConfigError(f"{option}= needs once=True (it tunes the stored value of a once run)")
-            if unique_ttl is not None and not unique:
-                raise ConfigError("unique_ttl= needs unique=True")
             fingerprint = Fingerprint(fingerprint, template) if once else None
             if replicas is not None or replica_timeout is not None:
                 checked = check_replicas(

@@ -388,7 +388,7 @@ def test_an_option_that_tunes_once_without_once_is_refused(framework, option, va
     declare(name="decl.o2", key="k", once=True, **{option: value})(body)  # with once: fine
 
 
-def test_unique_ttl_without_unique_is_refused_on_celery():
-    with pytest.raises(ConfigError, match=r"decl\.u.*unique_ttl= needs unique=True"):
-        guarded_task(name="decl.u", unique_ttl=5)(body)
-    guarded_task(name="decl.u2", key="k", unique=True, unique_ttl=5)(body)
+def test_unique_ttl_without_unique_is_kept_for_per_call_uniqueness_on_celery():
+    """``apply_async(..., unique=True)`` marks with the task's ``unique_ttl``: a task declares it
+    without ``unique=True`` for that."""
+    assert guarded_task(name="decl.u", key="k", unique_ttl=5)(body).taskguard_options.unique_ttl == 5
