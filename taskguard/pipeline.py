@@ -163,6 +163,11 @@ class Execution:
         same_run: ``"report"`` (Celery: defer this copy) or ``"wait"`` (RQ: wait for the other
             execution of this run id), see :data:`taskguard.run.SAME_RUN`.
         same_run_wait: the longest such wait, seconds.
+        stoppable: its framework can stop this execution from outside (``replace_terminate``:
+            Celery's revoke with terminate, RQ's stop-job command). A local execution never is,
+            nor one running in its worker's own process (RQ's ``SimpleWorker``). A run that
+            replaces one that is not stoppable leaves it running, and reporting itself replaced
+            when it ends (reported by the replacing run too, it was counted twice).
         tag: free for the adapter (stored on the :class:`~taskguard.run.GuardedRun`).
         backstop: ``overlap="coalesce"``: this execution is the key's backstop (Celery's delayed
             copy), which wakes the pending follow-up once the holder's lease has expired.
@@ -180,6 +185,7 @@ class Execution:
     same_run_wait: float = 0.0
     tag: Any = None
     backstop: bool = False
+    stoppable: bool = True
 
 
 def shadow_line(key: str, reason: str, rate: bool) -> str:
@@ -422,6 +428,9 @@ def decide(
             # has: a slot published again after a hand-over runs once
             run_id, stamp = ex.slot[0], None
             finished_ttl = max(finished_ttl or 0.0, ex.slot[1])
+        holder = ex.holder
+        if opts.replace_terminate and (ex.local or not ex.stoppable):
+            holder = {**(holder or {}), "stoppable": False}  # (read by the run that replaces it)
         run = GuardedRun(
             locks,
             RunRequest(
@@ -429,7 +438,7 @@ def decide(
                 opts.ttl,
                 opts.wait,
                 opts.renew,
-                ex.holder,
+                holder,
                 opts.max_hold,
                 opts.limit_of(args, kwargs),
                 run_id,
@@ -529,7 +538,16 @@ def _replace(
     for _ in range(5):
         victim = replace_holder(locks, key, run.run_id, opts.limit)
         if run.begin(refuse_finished=refuse, same_run=ex.same_run, same_run_wait=ex.same_run_wait):
-            if victim is not None:
+            if victim is not None and (victim.holder or {}).get("stoppable") is False:
+                log.warning(
+                    "%s[%s]: lease %r taken over from %s, which cannot be stopped from here (a local "
+                    "call, or a worker's own process); it goes on without its lease",
+                    ex.task,
+                    ex.run_id,
+                    key,
+                    victim.run_id,
+                )
+            elif victim is not None:
                 log.info("%s[%s]: lease %r taken over from %s", ex.task, ex.run_id, key, victim.run_id)
                 hooks.replaced(victim)
             return True

@@ -285,6 +285,23 @@ def test_coalesce_direct_calls_skip_as_held(any_locks):
     holder.run.finish(None)
 
 
+@pytest.mark.parametrize("how", ["local", "not_stoppable", "stoppable"])
+def test_replace_terminate_stops_only_a_holder_its_framework_can_stop(any_locks, how):
+    """A holder that is a local call (Celery's eager ``apply()``) or runs in its worker's own
+    process (RQ's ``SimpleWorker``) is taken over but not handed to the adapter to stop: it runs
+    on without its lease and reports itself replaced when it ends (handed over too, its skip was
+    reported twice)."""
+    o = opts(overlap="replace", replace_terminate=True)
+    old = go(any_locks, o, Hooks(), run_id="id-1", local=how == "local", stoppable=how != "not_stoppable")
+    h = Hooks()
+    h.replaced = lambda holder: h.calls.append(("replaced", holder.run_id))
+    new = go(any_locks, o, h, run_id="id-2")
+    assert isinstance(new, Run)
+    assert (("replaced", "id-1") in h.calls) == (how == "stoppable"), h.calls
+    assert not old.run.lease.renew()  # taken over either way
+    new.run.finish(None)
+
+
 def test_replace_takes_the_lease_over_from_the_oldest_holder_and_its_retry_is_a_replaced_skip(any_locks):
     from taskguard.pipeline import replaced_skip
 

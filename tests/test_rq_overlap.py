@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 from rq import Queue
@@ -224,7 +228,47 @@ def test_replace_terminate_of_a_job_in_a_simple_worker_stops_nothing_and_reports
     assert is_skipped(value) and value.reason == "replaced" and value.follow_up == new.id, output
     assert new.return_value()["n"] == 2
     assert skip_count(rq_jobs.report_stopping.taskguard_name) == 1
-    assert "cannot stop the replaced job" in output and "stopped the replaced job" not in output
+    assert "cannot be stopped from here" in output and "stopped the replaced job" not in output
+
+
+ROOT = Path(__file__).resolve().parents[1]
+_PROBE = """
+import os, sys, types, redis
+from taskguard_rq.job import _in_work_horse
+conn = redis.Redis.from_url(sys.argv[1])
+if sys.argv[3] == "own-pid":
+    conn.hset("rq:worker:" + sys.argv[2], "pid", os.getpid())
+    conn.expire("rq:worker:" + sys.argv[2], 60)
+print(_in_work_horse(types.SimpleNamespace(connection=conn, worker_name=sys.argv[2] or None)))
+"""
+
+
+@pytest.mark.parametrize(
+    "leader, name, hash_pid, expected",
+    [
+        (False, "w", "none", "False"),  # not a process group leader: never a work-horse (RQ's expired hash)
+        (True, "w", "none", "True"),  # a leader, no worker hash: unknown counts as a work-horse
+        (True, "w", "own-pid", "False"),  # the worker's pid is this process's: a SimpleWorker
+        (True, "", "none", "False"),  # no worker: performed by its caller (Queue(is_async=False))
+    ],
+)
+def test_a_job_outside_a_work_horse_is_told_apart(rq_env, leader, name, hash_pid, expected):
+    """How a ``replace_terminate`` job tells it cannot be stopped (``stoppable``): every RQ
+    work-horse leads a process group of its own; a process that leads one is a worker's own when
+    the worker's hash names its pid. (A ``SimpleWorker`` whose hash RQ let expire — a negative
+    ``job_timeout`` gives it a negative lifetime — is still told apart when it leads no group.)"""
+    worker = f"{name}-{uuid.uuid4().hex}" if name else ""
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, os.environ["TASKGUARD_REDIS_URL"], worker, hash_pid],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=leader,
+        cwd=ROOT,
+    )
+    if worker:
+        rq_env.connection.delete("rq:worker:" + worker)
+    assert out.stdout.strip() == expected, out.stderr
 
 
 def test_replace_terminate_of_a_job_waiting_for_its_retry_reports_it_once_and_stops_nothing(rq_env):

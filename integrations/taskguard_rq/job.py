@@ -246,10 +246,12 @@ def _in_work_horse(job: Any) -> bool:
     work-horse. At most one HGET, for ``replace_terminate`` jobs only."""
     from rq.worker import Worker
 
+    if not job.worker_name:
+        return False  # performed by its caller (Queue(is_async=False), job.perform()): no worker
     if os.getpgrp() != os.getpid():
         return False  # every work-horse leads a process group (os.setpgrp, posix_spawn setpgroup=0)
     try:
-        pid = job.connection.hget(Worker.redis_worker_namespace_prefix + (job.worker_name or ""), "pid")
+        pid = job.connection.hget(Worker.redis_worker_namespace_prefix + job.worker_name, "pid")
     except Exception:  # (a Redis error: the acquire that follows reports it)
         return True
     return pid is None or int(pid) != os.getpid()
@@ -329,13 +331,11 @@ def _execute(
     window: Any,
 ) -> Any:
     run_id = job.id if job is not None else None
-    holder: dict[str, Any] = {"job": name, "job_id": run_id}
-    if opts.replace_terminate and job is not None and not _in_work_horse(job):
-        holder["stoppable"] = False  # (a SimpleWorker: RQ's stop command has no work-horse to kill)
     ex = Execution(
         task=name,
         run_id=run_id,
-        holder=holder,
+        holder={"job": name, "job_id": run_id},
+        stoppable=not opts.replace_terminate or job is None or _in_work_horse(job),
         local=job is None,
         same_run="wait",
         same_run_wait=_job_timeout(job),
@@ -475,16 +475,6 @@ class _Hooks:
         command: its worker kills the work-horse and the job ends STOPPED; RQ stores no value for
         a stopped job)."""
         if not self.terminate or holder.run_id is None or self.job is None:
-            return
-        if (holder.holder or {}).get("stoppable") is False:
-            # it runs on without its lease (its on_lost applies) and ends Skipped("replaced"),
-            # reported then, once (reported here too, it would be counted twice)
-            log.warning(
-                "job %s: cannot stop the replaced job %s: it runs in its worker's own process "
-                "(SimpleWorker); it goes on without its lease",
-                self.job.id,
-                holder.run_id,
-            )
             return
         try:
             old = Job.fetch(holder.run_id, connection=self.job.connection)
