@@ -351,9 +351,10 @@ def _execute(
     run = decision.run
     lease = run.lease
     where = handle_record(run_id) if run_id is not None else None
-    unlimited = job is not None and getattr(job, "timeout", None) == -1
-    record_ttl = UNLIMITED_JOB_RECORD_TTL if unlimited else _job_timeout(job) + opts.ttl
-    with handle_records.while_running(locks, where, run, ttl=record_ttl):
+    unlimited = getattr(job, "timeout", None) == -1
+    with handle_records.while_running(
+        locks, where, run, ttl=UNLIMITED_JOB_RECORD_TTL if unlimited else _job_timeout(job) + opts.ttl
+    ):
         if lease is not None:
             mirror_meta(job, key=key, fence=lease.fencing_token, slot=lease.slot, outcome="running")
         done = perform(decision, lambda: fn(*args, **kwargs), opts, key, args, kwargs, ex, hooks, locks)
