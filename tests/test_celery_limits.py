@@ -8,12 +8,15 @@ import time
 
 import pytest
 import redis
+from celery.app.task import Context
 from prometheus_client import CollectorRegistry
 
 from taskguard import ConfigError, is_skipped
 from taskguard.metrics import Metrics
 from taskguard_celery import guarded_task
-from taskguard_celery.beat import entry_guard, validate_entry_options
+from taskguard_celery.beat import validate_entry_options
+from taskguard_celery.headers import BEAT_HEADER
+from taskguard_celery.task import run_options
 
 from . import ledger
 from .celery_app import make_app
@@ -162,10 +165,19 @@ def test_bad_limit_and_rate_options_fail_at_declaration(opts, match):
             return tenant
 
 
+def _worker_guard(task, entry_options):
+    """The guard options a worker applies to a slot message of a beat entry with ``entry_options``
+    (its ``taskguard_beat`` header, read as ``GuardedTask`` reads it)."""
+    header = {"entry": "e", "slot": "s1", "keep": 60, **entry_options}
+    guard, slot = run_options(task, Context(headers={BEAT_HEADER: header}), task.taskguard_options)
+    assert slot == ("beat:e:s1", 60.0)
+    return guard
+
+
 def test_beat_entries_carry_limit_and_rate(app):
     task = app.tasks["tg.export"]
     opts = validate_entry_options("e", {"limit": 3, "rate": (5, 60), "rate_key": "tenant:{tenant}"})
-    guard = entry_guard(task, task.taskguard_options, opts)
+    guard = _worker_guard(task, opts)
     assert guard.limit == 3 and guard.rate == (5, 60.0) and guard.rate_key.render(("t9",), {}) == "tenant:t9"
     for bad in ({"limit": 0}, {"rate": "x"}, {"rate_key": "k"}, {"rate": "1/s", "rate_key": ""}):
         with pytest.raises(ConfigError, match="beat entry 'e'"):
@@ -256,7 +268,7 @@ def test_a_beat_entry_template_is_bound_to_its_task_at_start_and_a_bad_field_dro
     task = app.tasks["tg.export"]
     with pytest.raises(ConfigError, match="beat entry 'e2': rate_key"):
         validate_entry_options("e2", {"rate": "1/m", "rate_key": "per:{nope}"}, task)
-    guard = entry_guard(task, task.taskguard_options, {"limit": 3, "rate": [1, 60], "rate_key": "per:{nope}"})
+    guard = _worker_guard(task, {"limit": 3, "rate": [1, 60], "rate_key": "per:{nope}"})
     assert guard.limit == 3 and guard.rate == (1, 60.0) and guard.rate_key.render(("t",), {}) == "tg.export"
     assert "ignoring the beat entry's rate_key option" in caplog.text
 

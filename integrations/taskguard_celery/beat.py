@@ -39,8 +39,7 @@ from celery.utils.log import LoggingProxy
 from taskguard import ConfigError, Lease
 from taskguard.clock import Clock
 from taskguard.config import EX_CONFIG
-from taskguard.policy import GuardOptions
-from taskguard.schedule.options import apply_entry_options, check_entry_options
+from taskguard.schedule.options import check_entry_options
 from taskguard.schedule.periodic import PeriodicEntry, PeriodicScheduler, Slot
 
 from .config import beat_settings, locks_for
@@ -57,7 +56,6 @@ __all__ = [
     "slot_id",
     "BEAT_HEADER",
     "ENTRY_OPTION",
-    "entry_guard",
     "validate_entry_options",
 ]
 
@@ -77,12 +75,6 @@ def validate_entry_options(name: str, options: Any, task: Any = None) -> dict:
         )
     fn = task.run if guard is not None else None
     return check_entry_options(f"beat entry {name!r}", options, fn, container=f"options[{ENTRY_OPTION!r}]", guard=guard)
-
-
-def entry_guard(task: Any, opts: GuardOptions, header: dict) -> GuardOptions:
-    """The guard options of a run published for a beat entry, as the worker applies them: the
-    task's own, with the entry's (:func:`taskguard.schedule.options.apply_entry_options`)."""
-    return apply_entry_options(opts, header, task.run, task.name, cache=type(task))
 
 
 class _WithOptions:
