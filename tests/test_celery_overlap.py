@@ -11,6 +11,7 @@ import time
 
 import pytest
 import redis
+from celery.concurrency.thread import TaskPool as ThreadPool
 from prometheus_client import CollectorRegistry
 
 from taskguard import ConfigError, as_skipped, is_skipped
@@ -242,8 +243,10 @@ def test_replace_a_new_run_takes_the_lease_over_and_the_old_one_ends_replaced(ap
     assert app.conf.taskguard_locks.holders("report:u1") == []
 
 
-def test_replace_terminate_the_old_task_is_killed_and_ends_skipped_replaced_not_revoked(app, redis_url, prefix):
-    """``replace_terminate=True`` on a prefork worker: the new run stores the old one's result,
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
+def test_replace_terminate_the_old_task_is_killed_and_ends_skipped_replaced_not_revoked(app, redis_url, prefix, pool):
+    """``replace_terminate=True`` on a prefork or gevent worker (each pool that can terminate a task:
+        prefork kills the child, gevent the greenlet): the new run stores the old one's result,
         ``Skipped("replaced")`` (SUCCESS), then revokes it with terminate; the old body is killed (it
         never reaches its end) and Celery's REVOKED does not overwrite the SUCCESS (a key-value result
         backend keeps a SUCCESS). Celery still sends ``task-revoked`` after ``task-skipped`` (Flower shows
@@ -251,7 +254,7 @@ def test_replace_terminate_the_old_task_is_killed_and_ends_skipped_replaced_not_
     r = redis.Redis.from_url(redis_url)
     env = {"TG_TEST_REPLACE_TERMINATE": "1"}  # (the task is only in apps of prefork workers)
     with EventLog(app, tasks=["tg.report_term"]) as events:
-        with WorkerProcess(f"q-{prefix}", prefix, concurrency=2, extra=("-E",), env=env) as worker:
+        with WorkerProcess(f"q-{prefix}", prefix, pool=pool, concurrency=2, extra=("-E",), env=env) as worker:
             old = app.signature("tg.report_term", ("u2", 1), {"seconds": 30}).delay()
             _wait(lambda: len(_entries(r, prefix, "u2")) == 1, timeout=20)
             new = app.signature("tg.report_term", ("u2", 2), {"seconds": 1.0}).delay()
@@ -291,9 +294,17 @@ def test_replace_terminate_is_refused_on_pools_that_cannot_terminate():
     def rt():
         pass
 
-    for pool in ("threads", "solo"):
+    # every pool that cannot terminate a running task: by name, by path, and a custom pool built
+    # on one (celery/celery#8147: "-P threads can't revoke task"; #5929: solo)
+    for pool in ("threads", "solo", "celery.concurrency.thread:TaskPool", _OwnThreadPool):
         with pytest.raises(SystemExit, match="replace_terminate=True .*tg.rt.* needs a pool"):
             check_pool(sender=SimpleNamespace(app=a, pool_cls=pool))
+    for pool in ("prefork", "gevent", "celery.concurrency.prefork:TaskPool"):
+        check_pool(sender=SimpleNamespace(app=a, pool_cls=pool))  # pools that can: the worker starts
+
+
+class _OwnThreadPool(ThreadPool):
+    """A custom pool on Celery's threads pool (no ``terminate_job`` of its own)."""
 
 
 def test_replace_terminate_needs_replace():

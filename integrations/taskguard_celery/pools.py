@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery.concurrency import get_implementation
+from celery.concurrency.base import BasePool
+from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.signals import worker_init
 
 from taskguard import ConfigError
@@ -23,12 +26,9 @@ from .identity import redelivery_timeout
 from .setup import receiver
 from .task import GuardedTask
 
-__all__ = ["UNSUPPORTED_POOLS", "check_pool", "check_settings"]
+__all__ = ["UNSUPPORTED_POOLS", "check_pool", "check_settings", "can_terminate"]
 
 UNSUPPORTED_POOLS = ("eventlet",)
-#: Pools whose ``terminate_job`` does nothing (celery/concurrency/base.py): a guarded task with
-#: ``replace_terminate=True`` is refused there, at worker start.
-NO_TERMINATE_POOLS = ("thread", "threads", "solo")
 
 
 def pool_name(pool_cls: Any) -> str:
@@ -53,7 +53,7 @@ def check_pool(sender: Any = None, **_: Any) -> None:
             "with -P prefork, -P threads, -P solo or -P gevent"
         )
         raise SystemExit(msg)
-    if name in NO_TERMINATE_POOLS:
+    if not can_terminate(getattr(sender, "pool_cls", None)):
         terminating = sorted(
             t.name for t in _guarded_tasks(app) if getattr(t.taskguard_options, "replace_terminate", False)
         )
@@ -61,9 +61,25 @@ def check_pool(sender: Any = None, **_: Any) -> None:
             raise SystemExit(
                 f"taskguard: ConfigError: replace_terminate=True ({', '.join(terminating)}) needs a pool "
                 f"that can terminate a running task; the {name!r} pool cannot "
-                "(celery/concurrency/base.py): use -P prefork, or replace_terminate=False"
+                "(celery/concurrency/base.py): use -P prefork or -P gevent, or replace_terminate=False"
             )
     check_settings(app)
+
+
+def can_terminate(pool_cls: Any) -> bool:
+    """Can a worker on this pool (``-P`` name, ``module:Class`` or class) terminate a running task
+    (``revoke(terminate=True)``)? A pool that does not implement ``terminate_job`` cannot: the
+    base pool's raises ``NotImplementedError`` (celery/concurrency/base.py; ``threads`` and
+    ``solo``, celery/celery#8147, #5929, and any custom pool built on them). Prefork sets it per
+    pool when it starts (celery/concurrency/prefork.py ``on_start``); gevent kills the greenlet.
+    A pool that cannot be loaded here is left to Celery, which reports it next."""
+    try:
+        cls = pool_cls if isinstance(pool_cls, type) else get_implementation(pool_cls)
+    except Exception:
+        return True
+    if not isinstance(cls, type):
+        return True
+    return issubclass(cls, PreforkPool) or getattr(cls, "terminate_job", None) is not BasePool.terminate_job
 
 
 def _guarded_tasks(app: Any) -> list:
