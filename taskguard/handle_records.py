@@ -20,6 +20,8 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -41,6 +43,8 @@ __all__ = [
     "while_running",
     "keep_for_retry",
     "release_run",
+    "release_when_dead",
+    "DEATH_WAIT",
     "settle_dead",
     "Settled",
     "DeadRun",
@@ -157,6 +161,88 @@ def release_run(
             continue
         released.append(locks.release_run(key, info.run_id, fencing_token=info.fencing_token))
     return any(released) if dead_only else bool(released and released[0])
+
+
+#: How long :func:`release_when_dead` watches a signalled execution's process, seconds: longer
+#: than any cleanup a cancelled body does; one that outlives it keeps its lease to its own
+#: release at the body's end, or to its TTL.
+DEATH_WAIT = 600.0
+#: How often a watched process is looked at (seconds, doubling from the first to the last) and how
+#: often the lease store is asked whether the execution still holds its leases.
+_WATCH_PAUSES = (0.01, 0.25)
+_WATCH_STORE_EVERY = 5.0
+
+
+def release_when_dead(
+    locks: Locks,
+    run_id: str,
+    keys: Iterable[str],
+    *,
+    execution: Mapping[str, Any],
+    wait: float = DEATH_WAIT,
+    on_release: Callable[[str], None] | None = None,
+) -> bool:
+    """Release the leases the execution named by ``execution`` (holder metadata items: its task
+    id, host, PID namespace, pid) holds for run ``run_id`` on ``keys`` — for a supervisor that has
+    just ended it from outside (a signal to its process) — but only once its process is dead: a
+    process that survives the signal (one that handles it, like Celery's soft cancel, or ignores
+    it) goes on running the body under its lease and releases it itself at the end. Dead now: the
+    leases are released here, each the very lease seen held (its fencing token). Alive: a daemon
+    thread watches the process (locally; the lease store every few seconds) for up to ``wait``
+    seconds and releases once it is dead, unless the execution no longer holds them.
+    ``on_release(key)`` is called after a release from that thread (a log line). Returns ``True``
+    when the first key's lease was released here and now. Raises ConfigError, LeaseBackendError
+    (reading the holders here); the thread logs its errors."""
+
+    def names(i: HolderInfo) -> bool:
+        return all(i.holder.get(k) == v for k, v in execution.items())
+
+    held: list[tuple[str, HolderInfo]] = []
+    for key in keys:
+        info = next((i for i in locks.holders(key) if names(i)), None)
+        if info is not None and info.run_id is not None:
+            held.append((key, info))
+    if not held:
+        return False
+    if holder_is_dead(held[0][1].holder):
+        return _release_seen(locks, held)[0]
+    threading.Thread(
+        target=_watch, args=(locks, held, wait, on_release), name="taskguard-release-when-dead", daemon=True
+    ).start()
+    return False
+
+
+def _release_seen(locks: Locks, held: list[tuple[str, HolderInfo]]) -> list[bool]:
+    return [locks.release_run(key, str(info.run_id), fencing_token=info.fencing_token) for key, info in held]
+
+
+def _watch(
+    locks: Locks, held: list[tuple[str, HolderInfo]], wait: float, on_release: Callable[[str], None] | None
+) -> None:
+    """:func:`release_when_dead`'s watcher thread."""
+    key, first = held[0]
+    start = time.monotonic()
+    asked, pause = start, _WATCH_PAUSES[0]
+    try:
+        while time.monotonic() - start < wait:
+            time.sleep(pause)
+            pause = min(pause * 2, _WATCH_PAUSES[1])
+            if holder_is_dead(first.holder):
+                if _release_seen(locks, held)[0] and on_release is not None:
+                    on_release(key)
+                return
+            if time.monotonic() - asked >= _WATCH_STORE_EVERY:
+                asked = time.monotonic()
+                if not any(i.fencing_token == first.fencing_token for i in locks.holders(key)):
+                    return  # released by the execution itself (or expired): nothing left to do
+        log.info(
+            "lease %r: its holder (pid %s) outlived %.0fs after it was ended; its own release or its TTL settles it",
+            key,
+            first.holder.get("pid"),
+            wait,
+        )
+    except (ConfigError, LeaseBackendError) as e:
+        log.warning("lease %r: could not release it after its holder ended (its TTL bounds it): %s", key, e)
 
 
 class Settled(str, enum.Enum):

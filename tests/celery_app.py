@@ -253,6 +253,22 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         time.sleep(seconds)
         return self.lease.fencing_token
 
+    @app.task(base=GuardedTask, bind=True, shared=False, name="tg.long_cleanup", ttl=30, key="long")
+    def long_cleanup(self, seconds=10.0, cleanup=3.0):
+        """Holds ``long`` for ``seconds``; a ``revoke(terminate=True, signal="SIGUSR1")`` (Celery's
+        soft cancel: ``SoftTimeLimitExceeded`` in the body) is caught and cleaned up after for
+        ``cleanup`` seconds, still under the lease, before the body ends."""
+        note(f"long:start:{self.lease.fencing_token}:{os.getpid()}")
+        try:
+            time.sleep(seconds)
+        except SoftTimeLimitExceeded:
+            note(f"long:cancelled:{time.time():.3f}")
+            time.sleep(cleanup)
+            note(f"long:cleaned:{time.time():.3f}")
+            return "cleaned"
+        note(f"long:end:{time.time():.3f}")
+        return "ran"
+
     @app.task(shared=False, name="tg.tick", bind=True)
     def tick(self):
         beat = (self.request.headers or {}).get("taskguard_beat") or getattr(self.request, "taskguard_beat", None) or {}

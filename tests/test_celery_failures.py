@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 import uuid
 
@@ -243,10 +244,10 @@ def test_hard_time_limit_is_released_by_the_main_process(env, published):
 
 
 def test_a_main_process_release_without_the_request_finds_a_beat_slots_lease_by_its_task_id(redis_url, prefix):
-    """The hard-time-limit path of the main process (``task_failure`` without the request, the
-    child already killed; billiard sends SIGTERM 0.1 s before SIGKILL, so the child usually hands
-    its lease back itself — above): the lease of the execution's task id is released although a
-    beat slot's run names it by its slot; another execution's lease of the same key is not."""
+    """The hard-time-limit path of the main process (``task_failure`` without the request; billiard
+    sends SIGTERM 0.1 s before SIGKILL, so the child usually hands its lease back itself — above):
+    the lease of the execution's task id is released although a beat slot's run names it by its
+    slot, once the child is dead; another execution's lease of the same key is not."""
     from celery.exceptions import TimeLimitExceeded
     from celery.signals import task_failure
 
@@ -262,9 +263,26 @@ def test_a_main_process_release_without_the_request_finds_a_beat_slots_lease_by_
     task_failure.send(sender=task, task_id="t-1", exception=TimeLimitExceeded(1), args=(), kwargs={})
     assert locks.holder("limited").holder["host"] == "elsewhere"
     locks.release_run("limited", slot_run)
-    locks.acquire("limited", ttl=30, run_id=slot_run, holder={"task": task.name, "task_id": "t-1"})
+    # this execution's, its child already dead: released at once
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    locks.acquire("limited", ttl=30, run_id=slot_run, holder={"task": task.name, "task_id": "t-1", "pid": dead.pid})
     task_failure.send(sender=task, task_id="t-1", exception=TimeLimitExceeded(1), args=(), kwargs={})
     assert locks.holder("limited") is None
+    # its child still alive (billiard runs the timeout callback before it kills the child:
+    # billiard/pool.py on_hard_timeout): released once the child is dead, not before
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        locks.acquire("limited", ttl=30, run_id=slot_run, holder={"task_id": "t-1", "pid": child.pid})
+        task_failure.send(sender=task, task_id="t-1", exception=TimeLimitExceeded(1), args=(), kwargs={})
+        time.sleep(0.5)
+        assert locks.holder("limited") is not None  # the child lives: its lease stays
+        child.kill()
+        child.wait()
+        assert wait_for(lambda: locks.holder("limited") is None, timeout=3)
+    finally:
+        child.kill()
+        child.wait()
 
 
 @pytest.mark.parametrize("published", ["plain", "beat_slot"])
@@ -285,6 +303,43 @@ def test_revoke_terminate_is_released_by_the_main_process(env, published):
         f"injected: revoke(terminate=True) of a 20 s body (ttl 30, {published}); observed released promptly: {released}"
     )
     assert released
+
+
+@pytest.mark.parametrize("how", ["SIGUSR1", "SIGINT"])
+def test_revoke_terminate_with_a_signal_the_child_survives_never_releases_under_its_body(env, how):
+    """celery/celery#7529, #6043: ``Request.terminate`` sends the signal and announces the task
+    revoked at once, without waiting for the child (celery/worker/request.py). With SIGUSR1
+    (Celery's soft cancel: the body gets ``SoftTimeLimitExceeded`` and cleans up) or SIGINT (which
+    prefork children ignore: celery/concurrency/prefork.py ``WORKER_SIGIGNORE``) the child goes on
+    running the body; the main process released its lease at the announcement, and a second call
+    ran beside the first. The main process now releases only once the child is dead: the body keeps
+    its lease to its end (and releases it itself), and a call meanwhile is skipped."""
+    app, queue, prefix, broker, conf = env
+    locks = app.conf.taskguard_locks
+    task = app.tasks["tg.long_cleanup"]
+    seconds = 20.0 if how == "SIGUSR1" else 4.0
+    with WorkerProcess(queue, prefix, broker=broker, concurrency=2, conf=conf) as worker:
+        res = task.apply_async(kwargs={"seconds": seconds, "cleanup": 3.0})
+        assert wait_for(lambda: entries(app, "long:start"))
+        fence = locks.holder("long").fencing_token
+        app.control.revoke(res.id, terminate=True, signal=how)
+        time.sleep(1.0)  # the main process has announced the revoke by now (it did so at once)
+        held = locks.holder("long")
+        second = task.apply_async(kwargs={"seconds": 0, "cleanup": 0})
+        second_value = second.get(timeout=15)
+        last = "long:cleaned" if how == "SIGUSR1" else "long:end"  # the body's last entry
+        ended = wait_for(lambda: entries(app, last), timeout=30)
+        released = wait_for(lambda: locks.holder("long") is None, timeout=5)
+        output = worker.output()
+    log = body_log(app)
+    say(
+        f"injected: revoke(terminate=True, signal={how}) of a running body; observed held after 1 s: "
+        f"{held is not None}, second call: {second_value!r}, body went on to its end: {bool(ended)}"
+    )
+    assert ended, (log, output)  # the child survived the signal and ran its body on
+    assert held is not None and held.fencing_token == fence, output  # not released under the running body
+    assert is_skipped(second_value), (second_value, log)
+    assert released  # by the body itself, at its end
 
 
 @pytest.mark.parametrize("published", ["plain", "beat_slot"])

@@ -105,6 +105,36 @@ def test_gevent_pool_renews_while_the_body_yields(redis_url, prefix):
     assert all(is_skipped(s) and s["reason"] == "held" for s in skipped)
 
 
+def test_gevent_revoke_terminate_releases_the_lease_when_the_greenlet_is_killed(redis_url, prefix):
+    """``revoke(terminate=True)`` on ``-P gevent``: the pool kills the body's greenlet
+    (celery/concurrency/gevent.py ``terminate_job``). The holder's process is the worker's own,
+    which the main process's release waits for in vain (it releases only a dead process's lease):
+    the killed greenlet hands its lease back itself (``GreenletExit`` through the guard), at once,
+    and the next call runs."""
+    queue = f"q-{prefix}"
+    app = make_app(queue, prefix)
+    locks = app.conf.taskguard_locks
+    with WorkerProcess(queue, prefix, pool="gevent", concurrency=4) as worker:
+        long = app.tasks["tg.long_cleanup"].delay(seconds=20.0, cleanup=0)
+        wait_for_body(app, "long:start")
+        app.control.revoke(long.id, terminate=True)
+        released = time.monotonic()
+        deadline = released + 10
+        while locks.holder("long") is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        released = time.monotonic() - released
+        after = app.tasks["tg.long_cleanup"].delay(seconds=0, cleanup=0).get(timeout=10)
+        output = worker.output()
+    print(
+        f"    observed: -P gevent, revoke(terminate=True) of a 20 s body: released after {released:.2f}s; "
+        f"next call {after!r}"
+    )
+    assert locks.holder("long") is None and released < 5, output[-3000:]
+    assert after == "ran", output[-3000:]
+    ends = [e for e in body_log(app) if e.startswith("long:end")]
+    assert len(ends) == 1  # the next call's: the killed body never reached its end
+
+
 def test_task_protocol_1_reads_headers_from_request_headers(redis_url, prefix):
     app = make_app(f"q-{prefix}", prefix, task_protocol=1)
     try:

@@ -191,3 +191,60 @@ def test_settling_never_drops_a_handle_a_later_execution_saved_meanwhile(any_loc
     monkeypatch.setattr(handle_records, "restore_handle", meanwhile)
     assert settle_dead(lk, WHERE, "j1", ttl=10, retry_in=None, lease_keys=keys("k")).how == Settled.RELEASED
     assert handle_records.load(lk, WHERE)["owner"] == "a-later-execution"
+
+
+def test_release_when_dead_waits_for_the_holder_process_to_end(any_locks, dead_pid):
+    """A supervisor that has just signalled an execution (Celery's revoke with terminate, a hard
+    time limit) releases its leases once its process is dead: at once when it is, else when it
+    dies (a watcher thread), never while it runs; and not at all when the execution released them
+    itself meanwhile (a child that survived the signal and ended its body)."""
+    import time
+
+    lk = any_locks
+    ident = {k: v for k, v in process_identity().items() if k != "pid"}
+
+    def wait(pred, timeout=3.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and not pred():
+            time.sleep(0.02)
+        return pred()
+
+    held(lk, "k", {"task_id": "t-1", "pid": dead_pid}, run_id="t-1", total="all")
+    assert handle_records.release_when_dead(lk, "t-1", ["k", "all"], execution={"task_id": "t-1", **ident}) is True
+    assert lk.holders("k") == [] and lk.holders("all") == []
+
+    released = []
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        held(lk, "k", {"task_id": "t-2", "pid": child.pid}, run_id="t-2", total="all")
+        execution = {"task_id": "t-2", "pid": child.pid, **ident}
+        assert (
+            handle_records.release_when_dead(lk, "t-2", ["k", "all"], execution=execution, on_release=released.append)
+            is False
+        )
+        time.sleep(0.5)
+        assert lk.holders("k") and lk.holders("all") and released == []  # its process runs: kept
+        child.kill()
+        child.wait()
+        assert wait(lambda: lk.holders("k") == [] and lk.holders("all") == [])
+        assert wait(lambda: released == ["k"])
+    finally:
+        child.kill()
+        child.wait()
+
+    # the execution releases its lease itself while watched; a later run takes the key: never released
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        lease = lk.acquire("k", ttl=30, run_id="t-3", holder={"task_id": "t-3", "pid": child.pid}).lease
+        execution = {"task_id": "t-3", "pid": child.pid, **ident}
+        assert handle_records.release_when_dead(lk, "t-3", ["k"], execution=execution) is False
+        lease.release()
+        later = lk.acquire("k", ttl=30, run_id="t-3", holder={"task_id": "t-3", "pid": child.pid}).lease
+        child.kill()
+        child.wait()
+        time.sleep(1.0)
+        assert [i.fencing_token for i in lk.holders("k")] == [later.fencing_token]  # fenced: not the later lease
+        later.release()
+    finally:
+        child.kill()
+        child.wait()

@@ -5,7 +5,9 @@ A prefork child killed by a hard time limit, ``revoke(terminate=True)`` or a cra
 (celery/worker/request.py: ``Request.on_timeout`` and ``Request.on_failure`` send
 ``task_failure``; ``Request._announce_revoked`` sends ``task_revoked``), which knows the task id
 and arguments but not the lease's owner token. The lease records the task id as its run id, so
-the main process releases it with :meth:`taskguard.Locks.release_run`.
+the main process releases it with :meth:`taskguard.Locks.release_run` — once the child is dead:
+a child that survives the signal (Celery's soft cancel with ``SIGUSR1``, ``SIGINT``) keeps its
+lease to the end of its body.
 
 Where this cannot happen — the whole worker killed, or a lost child whose message is requeued
 (``task_reject_on_worker_lost``; Celery sends no signal then) — the lease lives until its TTL,
@@ -36,7 +38,7 @@ from celery.exceptions import TimeLimitExceeded
 from celery.signals import task_failure, task_revoked, task_unknown
 
 from taskguard import ConfigError, LeaseBackendError, debounce, unique
-from taskguard.handle_records import release_run
+from taskguard.handle_records import release_when_dead
 from taskguard.liveness import process_identity
 
 from . import uniqueness
@@ -52,19 +54,31 @@ log = logging.getLogger("taskguard.celery")
 
 def release_for_run(task: GuardedTask, task_id: str | None, args: Any, kwargs: Any, request: Any = None) -> bool:
     """Release the lease the execution ``task_id`` of ``task`` holds for this call (and its place
-    in the total); ``True`` when released. The lease is found by the execution's task id in its
-    holder metadata, so a beat slot's run (named by its slot) is found too; with the execution's
-    ``request`` (its headers), a beat entry's own options (``key``...) apply, as in the child."""
+    in the total) once its process is dead (:func:`taskguard.handle_records.release_when_dead`):
+    Celery announces a terminated task revoked right after sending the signal, and a hard time
+    limit before killing the child (celery/worker/request.py ``Request.terminate``; billiard/pool.py
+    ``on_hard_timeout``), so the child may still be running the body — and one that survives the
+    signal (``signal="SIGUSR1"``, Celery's soft cancel; ``SIGINT``, which pool children ignore)
+    goes on under its lease and releases it itself. ``True`` when released at once. The lease is
+    found by the execution's task id in its holder metadata, so a beat slot's run (named by its
+    slot) is found too; with the execution's ``request`` (its headers), a beat entry's own options
+    (``key``...) apply, as in the child."""
     opts = task.taskguard_options
     if opts is None or not task_id:
         return False
+
+    def announce(key: str) -> None:
+        log.warning("task %s[%s]: lease %r released by the worker's main process", task.name, task_id, key)
+
     if request is not None:
         opts = run_options(task, request, opts)[0]
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     try:
         key, total = opts.key.render(args, kwargs), opts.total_of(args, kwargs)
         keys = [key, *(() if total is None else (total[0],))]
-        released = release_run(task.taskguard_locks, task_id, keys, execution=_execution(task_id, request))
+        released = release_when_dead(
+            task.taskguard_locks, task_id, keys, execution=_execution(task_id, request), on_release=announce
+        )
     except (ConfigError, LeaseBackendError) as e:
         log.warning(
             "task %s[%s]: could not release its lease from the main process (its TTL bounds it): %s",
@@ -74,7 +88,7 @@ def release_for_run(task: GuardedTask, task_id: str | None, args: Any, kwargs: A
         )
         return False
     if released:
-        log.warning("task %s[%s]: lease %r released by the worker's main process", task.name, task_id, key)
+        announce(key)
     return released
 
 
