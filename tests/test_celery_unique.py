@@ -13,6 +13,7 @@ import redis
 from kombu.exceptions import OperationalError
 from prometheus_client import CollectorRegistry
 
+from taskguard import ConfigError
 from taskguard.metrics import Metrics
 from taskguard_celery import GuardedTask
 
@@ -88,6 +89,34 @@ def test_per_call_unique_on_a_task_without_it(app):
     first = task.apply_async((7,), unique=True)
     assert task.apply_async((7,), unique=True).id == first.id
     assert task.apply_async((7,)).id != first.id  # a plain publish is not stopped
+
+
+def test_per_call_unique_ttl_and_misspelt_per_call_options(app, redis_url, prefix):
+    """``apply_async`` takes the guard options ``unique`` and ``unique_ttl`` per call. A name close to
+    them (``uniqe=True``) was published as a message property and ignored (celery/celery#9305:
+    Celery drops unknown publish options silently), so the duplicate it should have stopped went
+    out; a task option (``ttl=``) the same. Both are now a ConfigError and nothing is published;
+    other unknown names (a message property of the user's) still pass."""
+    task = app.tasks["tg.slow"]  # key "slow:{n}", unique not set
+    queue = redis.Redis.from_url(redis_url)
+    for bad, match in (
+        ({"uniqe": True}, "unknown option 'uniqe'; did you mean 'unique'"),
+        ({"unique": True, "uniqe_ttl": 5}, "unknown option 'uniqe_ttl'; did you mean 'unique_ttl'"),
+        ({"unigue": True}, "did you mean 'unique'"),
+        ({"ttl": 5}, "option 'ttl' is not supported here: it is an option of the task"),
+        ({"unique_ttl": 5}, "unique_ttl= given to apply_async needs unique=True"),
+        ({"unique": True, "unique_ttl": 0}, "unique_ttl"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            task.apply_async((8,), **bad)
+    assert queue.llen(f"q-{prefix}") == 0  # nothing went out
+    assert task.apply_async((8,), x_trace="t-1").id  # a property of the user's, far from every option
+    # per call unique_ttl: a lost message blocks its key for that long, not the task's (none: 1 hour)
+    lost = task.apply_async((9,), unique=True, unique_ttl=1)
+    queue.delete(f"q-{prefix}")
+    assert task.apply_async((9,), unique=True, unique_ttl=1).id == lost.id
+    time.sleep(1.2)
+    assert task.apply_async((9,), unique=True).id != lost.id
 
 
 def test_a_publish_that_fails_leaves_no_mark(redis_url, prefix):

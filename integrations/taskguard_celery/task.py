@@ -25,6 +25,7 @@ from taskguard.policy import OPTION_DEFAULTS, OPTION_NAMES, GuardOptions, check_
 from taskguard.run import nested_in
 from taskguard.schedule.options import apply_entry_options
 from taskguard.schedule.periodic import slot_run as beat_slot
+from taskguard.validate import check_seconds
 
 from . import debouncing, identity, setup, skipping, uniqueness
 from .config import locks_for
@@ -275,9 +276,19 @@ class GuardedTask(Task):
         (a copy looking again while its run id runs elsewhere, or a run deferred to its turn under
         ``rate``), which keeps its delivery's stamp: it is the same delivery, so a copy of one
         that finished is still refused. Every publish of a guarded task passes here: calls,
-        retries, replacements, chain and chord steps (celery/app/task.py, celery/canvas.py)."""
+        retries, replacements, chain and chord steps (celery/app/task.py, celery/canvas.py).
+
+        Guard options per call: ``unique=True/False`` (publish-time uniqueness for this call) and
+        ``unique_ttl=`` (seconds its queued mark lasts, instead of the task's). Raises
+        :class:`taskguard.ConfigError` for a task option given here (``ttl=``...), a name close to
+        one of these two (``uniqe=True``: Celery would have published the message with it as a
+        property, silently; celery/celery#9305) and ``unique_ttl=`` without uniqueness."""
         headers = options.get("headers")
-        unique = options.pop("unique", None)
+        unique, unique_ttl = options.pop("unique", None), options.pop("unique_ttl", None)
+        if options.keys() - _PUBLISH_OPTIONS:  # a name Celery's own calls never pass: a misspelt one?
+            check_option_names(
+                self.name, options, supported=PER_CALL_OPTIONS, elsewhere=_PER_CALL_ELSEWHERE, known=lambda n: False
+            )
         if not (isinstance(headers, dict) and (DEFER_HEADER in headers or RATE_HEADER in headers)):
             options["headers"] = {**(headers or {}), PUBLISH_HEADER: new_publish_stamp()}
         opts = self.taskguard_options
@@ -305,8 +316,13 @@ class GuardedTask(Task):
             and not self.app.conf.task_always_eager
         ):
             return debouncing.publish(self, args, kwargs, task_id, options, send)
-        if opts is not None and (opts.unique if unique is None else unique) and not own_copy and not in_canvas:
-            return uniqueness.publish(self, args, kwargs, task_id, options, send)
+        wanted = opts is not None and (opts.unique if unique is None else unique)
+        if unique_ttl is not None:
+            unique_ttl = check_seconds("unique_ttl", unique_ttl)
+            if not wanted:
+                raise ConfigError(f"task {self.name!r}: unique_ttl= given to apply_async needs unique=True")
+        if wanted and not own_copy and not in_canvas:
+            return uniqueness.publish(self, args, kwargs, task_id, options, send, unique_ttl)
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
 
     # -- retries keep the lease -------------------------------------------------------------------
@@ -348,6 +364,25 @@ class GuardedTask(Task):
                 run.release_kept(handle)
             raise
 
+
+#: The guard options a publish takes (``apply_async(..., unique=True, unique_ttl=30)``).
+PER_CALL_OPTIONS = ("unique", "unique_ttl")
+_PER_CALL_ELSEWHERE = dict.fromkeys(
+    OPTION_NAMES, "it is an option of the task (@guarded_task(...)); a publish takes unique= and unique_ttl="
+)
+#: Publish options Celery itself passes or documents (celery/app/task.py ``apply_async``,
+#: celery/app/amqp.py ``as_task_v2``, kombu's ``Producer.publish``): never checked as misspellings.
+_PUBLISH_OPTIONS = frozenset(
+    {
+        *("countdown", "eta", "expires", "retry", "retry_policy", "queue", "exchange", "routing_key", "priority"),
+        *("serializer", "compression", "headers", "time_limit", "soft_time_limit", "ignore_result"),
+        *("add_to_parent", "publisher", "connection", "chain", "group_id", "group_index", "chord", "root_id"),
+        *("parent_id", "retries", "reply_to", "stamped_headers", "replaced_task_nesting", "argsrepr"),
+        *("kwargsrepr", "result_cls", "router", "periodic_task_name", "task_type", "delivery_mode"),
+        *("mandatory", "immediate", "content_type", "content_encoding", "declare", "correlation_id"),
+        *("exchange_type", "expiration", "timeout", "confirm_timeout", "link", "link_error"),
+    }
+)
 
 for _name, _default in OPTION_DEFAULTS.items():
     setattr(GuardedTask, _name, _default)

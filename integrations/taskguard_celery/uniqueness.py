@@ -48,11 +48,11 @@ def seconds_until(when: Any) -> float:
     return max(0.0, (dt - datetime.now(timezone.utc)).total_seconds())
 
 
-def mark_ttl(task: Any, options: dict) -> float:
-    """Seconds the queued mark lasts: ``unique_ttl`` (else the publish's ``expires``, else
-    :data:`taskguard.unique.DEFAULT_TTL`) after the run is due (``countdown`` / ``eta``)."""
-    opts = task.taskguard_options
-    base = opts.unique_ttl
+def mark_ttl(task: Any, options: dict, unique_ttl: float | None = None) -> float:
+    """Seconds the queued mark lasts: ``unique_ttl`` (the publish's, else the task's; else the
+    publish's ``expires``, else :data:`taskguard.unique.DEFAULT_TTL`) after the run is due
+    (``countdown`` / ``eta``)."""
+    base = task.taskguard_options.unique_ttl if unique_ttl is None else unique_ttl
     if base is None:
         expires = options.get("expires", getattr(task, "expires", None))
         base = seconds_until(expires) if expires is not None else unique.DEFAULT_TTL
@@ -65,10 +65,17 @@ def mark_ttl(task: Any, options: dict) -> float:
 
 
 def publish(
-    task: Any, args: Any, kwargs: Any, task_id: str | None, options: dict, send: Callable[[str, dict], Any]
+    task: Any,
+    args: Any,
+    kwargs: Any,
+    task_id: str | None,
+    options: dict,
+    send: Callable[[str, dict], Any],
+    unique_ttl: float | None = None,
 ) -> Any:
     """Publish ``task`` unless a run of its key is queued or running (:func:`taskguard.unique.publish`);
-    returns the new or the existing run's ``AsyncResult``. ``send(task_id, options)`` publishes. Raises
+    returns the new or the existing run's ``AsyncResult``. ``send(task_id, options)`` publishes;
+    ``unique_ttl`` (seconds) is this publish's own (:func:`mark_ttl`). Raises
     TypeError when the arguments do not bind to the task's signature (and what the key fails with
     on them, with its own type: :class:`taskguard.keys.KeyTemplate`), LeaseBackendError when Redis
     fails (nothing is published then), and whatever ``send`` raises (the mark is cleared first)."""
@@ -85,7 +92,7 @@ def publish(
         task.taskguard_locks,
         key,
         task_id,
-        ttl=mark_ttl(task, options),
+        ttl=mark_ttl(task, options, unique_ttl),
         task=task.name,
         shadow=not task.taskguard_options.enforce,
         send=send_marked,
