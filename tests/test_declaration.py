@@ -319,6 +319,86 @@ def test_a_misspelt_celery_setting_is_refused(redis_url):
         task(1)
 
 
+def test_a_misspelt_celery_setting_under_a_namespace_is_refused(redis_url):
+    """Django's ``app.config_from_object("django.conf:settings", namespace="CELERY")``: a misspelt
+    ``CELERY_TASKGUARD_PREFX`` was not looked at (only keys starting ``taskguard_`` were), so the
+    default prefix applied in silence; the correctly spelt one is read."""
+    app = Celery("typo-ns", set_as_current=False)
+    app.config_from_object(
+        {"CELERY_TASKGUARD_REDIS_URL": redis_url, "CELERY_TASKGUARD_PREFX": "mine"}, namespace="CELERY"
+    )
+    task = app.task(base=GuardedTask, name="decl.typo_ns", shared=False, key="w:{n}")(job)
+    app.finalize()
+    with pytest.raises(ConfigError, match="taskguard_prefx is not a taskguard setting; did you mean taskguard_prefix"):
+        task(1)
+    good = Celery("good-ns", set_as_current=False)
+    good.config_from_object(
+        {"CELERY_TASKGUARD_REDIS_URL": redis_url, "CELERY_TASKGUARD_PREFIX": "mine"}, namespace="CELERY"
+    )
+    assert good.task(base=GuardedTask, name="decl.good_ns", shared=False)(job).taskguard_locks.prefix == "mine"
+
+
+def test_a_subclass_of_a_task_class_takes_its_own_guard_options():
+    """``class BigExport(Export)`` with its own ``ttl`` / ``key`` and ``Export``'s body: the guard kept
+    ``Export``'s options (its key and TTL), and ``ttl = -5`` on such a subclass was accepted."""
+
+    class Export(GuardedTask):
+        name = "decl.export"
+        ttl = 60
+        key = "export:{tenant}"
+
+        def run(self, tenant):
+            return tenant
+
+    class BigExport(Export):
+        name = "decl.big_export"
+        ttl = 600
+        key = "big-export:{tenant}"
+
+    class SameExport(Export):  # nothing of its own: the same guard as its base's
+        name = "decl.same_export"
+
+    big, same = BigExport.taskguard_options, SameExport.taskguard_options
+    assert Export.taskguard_options.ttl == 60 and big.ttl == 600 and same.ttl == 60
+    assert big.key.render(("acme",), {}) == "big-export:acme" and same.key.render(("acme",), {}) == "export:acme"
+    with pytest.raises(ConfigError, match="ttl must be"):
+
+        class Broken(Export):
+            ttl = -5
+
+    with pytest.raises(ConfigError, match="unknown option 'kye'; did you mean 'key'"):
+
+        class Misspelt(Export):
+            kye = "x:{tenant}"
+
+    class Base(GuardedTask):  # no body anywhere: a base class of tasks, no guard of its own
+        ttl = 30
+
+    assert Base.taskguard_options is None
+
+
+def test_task_annotations_set_guard_options_and_a_misspelt_one_is_refused():
+    """``app.conf.task_annotations`` (Celery sets them as task attributes when the task is bound):
+    guard options there were ignored (the guard was built from the class before), a misspelt one
+    too. They apply now, checked like the decorator's; Celery's own options there keep working."""
+    app = Celery("annotated", set_as_current=False)
+    app.conf.task_annotations = {"decl.annotated": {"ttl": 300, "key": "annotated:{n}", "max_retries": 9}}
+    task = app.task(base=GuardedTask, name="decl.annotated", shared=False, ttl=5)(job)
+    app.finalize()
+    assert task.taskguard_options.ttl == 300 and task.taskguard_options.key.render((1,), {}) == "annotated:1"
+    assert task.max_retries == 9
+    bad = Celery("annotated-bad", set_as_current=False)
+    bad.conf.task_annotations = {"decl.annotated": {"ttll": 5}}
+    bad.task(base=GuardedTask, name="decl.annotated", shared=False)(job)
+    with pytest.raises(ConfigError, match="unknown option 'ttll'; did you mean 'ttl'"):
+        bad.finalize()
+    worse = Celery("annotated-worse", set_as_current=False)
+    worse.conf.task_annotations = {"decl.annotated": {"ttl": 0}}
+    worse.task(base=GuardedTask, name="decl.annotated", shared=False)(job)
+    with pytest.raises(ConfigError, match="ttl must be"):
+        worse.finalize()
+
+
 def prompt_job(prompt, model="small"):
     return prompt
 

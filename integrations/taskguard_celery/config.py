@@ -84,9 +84,7 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
         if cached is not None:
             return cached
         conf = app.conf
-        check_setting_names(
-            [k for k in conf if isinstance(k, str) and k.startswith("taskguard_")], SETTINGS, "app.conf"
-        )
+        check_setting_names(_setting_names(app), SETTINGS, "app.conf")
         obj = conf.get("taskguard_locks")
         url = conf.get("taskguard_redis_url")
         if obj is not None:
@@ -110,6 +108,24 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
                 ) from None
         _cache[app] = locks
         return locks
+
+
+def _setting_names(app: Any) -> list[str]:
+    """The ``taskguard_*`` names among ``app``'s settings, as the adapter reads them: a setting
+    loaded under the app's namespace (``config_from_object(..., namespace="CELERY")``: Django's
+    ``CELERY_TASKGUARD_PREFIX``) by its name without it, lower case (celery/app/utils.py
+    ``Settings``: a namespaced key is found by its name without the namespace)."""
+    strip = f"{app.namespace}_".lower() if getattr(app, "namespace", None) else None
+    names = []
+    for k in app.conf:
+        if not isinstance(k, str):
+            continue
+        low = k.lower()
+        if strip and low.startswith(strip):
+            low = low[len(strip) :]
+        if low.startswith("taskguard_"):
+            names.append(low)
+    return names
 
 
 #: The Sentinel and durability settings, passed to :func:`taskguard.config.from_settings`.

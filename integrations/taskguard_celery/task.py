@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Task, shared_task
+from celery.app.annotations import resolve_all as resolve_all_annotations
 from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 from celery.utils.time import get_exponential_backoff_interval
@@ -87,32 +88,56 @@ class GuardedTask(Task):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        run = cls.__dict__.get("run")
-        fn = run.__func__ if isinstance(run, staticmethod) else run
-        name = cls.__dict__.get("name") or (
-            f"{fn.__module__}.{fn.__qualname__}" if fn is not None else f"{cls.__module__}.{cls.__qualname__}"
-        )
+        run = _body(cls)
         # @app.task(base=GuardedTask, ttll=5): Celery makes every keyword a class attribute, so a
         # misspelt guard option would silently leave the default in force; the same in a base
         # class of tasks (class Reports(GuardedTask): tll = 300), checked here when it is made:
         # its tasks take what their bases define as known
         bases = cls.__mro__[1:]
         check_option_names(
-            name,
+            _name(cls, run),
             [n for n in cls.__dict__ if not n.startswith("_")],
             known=lambda n: any(n in k.__dict__ for k in bases),
             noun="task" if run is not None else "task base class",
         )
-        if fn is None:  # an intermediate base class, not a task
+        if run is None:  # an intermediate base class, not a task
             return
-        bound = not isinstance(run, staticmethod)
-        cls.taskguard_options = GuardOptions.build(
-            fn, name=name, skip_self=bound, locks=cls.locks, **{opt: getattr(cls, opt) for opt in OPTION_NAMES}
-        )
+        # (a subclass of a task class, its body inherited, gets its own options too: its ttl, key...)
+        cls._build_guard(run)
         # does any class between GuardedTask and Task define its own __call__ (a user's base)?
         mro = cls.__mro__
         after = mro[mro.index(GuardedTask) + 1 :]
         cls._plain_call = next((k for k in after if "__call__" in k.__dict__), Task) is Task
+
+    @classmethod
+    def _build_guard(cls, run: Any) -> None:
+        """Validate the class's guard options (its attributes) into :attr:`taskguard_options`."""
+        fn = run.__func__ if isinstance(run, staticmethod) else run
+        cls.taskguard_options = GuardOptions.build(
+            fn,
+            name=_name(cls, run),
+            skip_self=not isinstance(run, staticmethod),
+            locks=cls.locks,
+            **{opt: getattr(cls, opt) for opt in OPTION_NAMES},
+        )
+
+    @classmethod
+    def annotate(cls) -> None:
+        """Celery's ``Task.annotate`` (``task_annotations``, applied when the task is bound to an
+        app: celery/app/task.py ``bind``) sets task attributes; guard options among them are
+        checked by name as at declaration and applied (the guard was built from the class before).
+        Raises ConfigError."""
+        super().annotate()
+        body = _body(cls)
+        if body is None or cls.taskguard_options is None:
+            return
+        given = [k for d in resolve_all_annotations(cls.app.annotations, cls) for k in d if not k.startswith("@")]
+        if not given:
+            return
+        bases = cls.__mro__[1:]
+        check_option_names(_name(cls, body), given, known=lambda n: any(n in k.__dict__ for k in bases))
+        if any(n in OPTION_NAMES or n == "locks" for n in given):
+            cls._build_guard(body)
 
     @classmethod
     def bind(cls, app: Any) -> Any:
@@ -386,6 +411,23 @@ _PUBLISH_OPTIONS = frozenset(
 
 for _name, _default in OPTION_DEFAULTS.items():
     setattr(GuardedTask, _name, _default)
+
+
+def _body(cls: type) -> Any:
+    """The task body ``cls`` runs: its own ``run`` or one a task class it derives from defines (as
+    found in its class ``__dict__``: a staticmethod stays one), ``None`` for Celery's abstract
+    ``Task.run`` (an intermediate base class of tasks)."""
+    run = next((k.__dict__["run"] for k in cls.__mro__ if "run" in k.__dict__), None)
+    return None if run is None or run is Task.__dict__["run"] else run
+
+
+def _name(cls: type, run: Any) -> str:
+    """The task's name for messages: its ``name``, else the name Celery gives a task of its body."""
+    fn = run.__func__ if isinstance(run, staticmethod) else run
+    own = "run" in cls.__dict__
+    return cls.__dict__.get("name") or (
+        f"{fn.__module__}.{fn.__qualname__}" if own and fn is not None else f"{cls.__module__}.{cls.__qualname__}"
+    )
 
 
 def _retry_delay(eta: Any, countdown: Any, default: Any) -> float:
