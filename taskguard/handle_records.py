@@ -30,6 +30,7 @@ from .errors import ConfigError, LeaseBackendError
 from .handoff import handle_of, parse_handle, restore_handle
 from .lease import HolderInfo
 from .liveness import holder_is_dead
+from .validate import MAX_SECONDS
 from .values import RunState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -98,7 +99,9 @@ def while_running(locks: Locks, where: str | None, run: GuardedRun, *, ttl: floa
         yield
         return
     try:
-        saved = save(locks, where, {**handle_of(lease), "running": True}, ttl=ttl)  # (and its total's)
+        saved = save(
+            locks, where, {**handle_of(lease), "running": True}, ttl=min(ttl, MAX_SECONDS)
+        )  # (and its total's)
     except BaseException:
         run.hand_back()
         raise
@@ -121,10 +124,11 @@ def keep_for_retry(locks: Locks, where: str, run: GuardedRun, retry_in: float | 
     if retry_in is None:
         run.fail()
         return False
-    handle = run.keep(retry_in + run.ttl)
+    stretch = min(retry_in + run.ttl, MAX_SECONDS)  # (a retry a framework books years ahead)
+    handle = run.keep(stretch)
     if handle is None:  # lost meanwhile: the retry acquires afresh
         return False
-    save(locks, where, handle, ttl=retry_in + run.ttl)
+    save(locks, where, handle, ttl=stretch)
     return True
 
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from .errors import ConfigError, LeaseBackendError
 from .lease import Acquisition, Lease, slot_of
+from .validate import is_instant
 
 if TYPE_CHECKING:  # pragma: no cover
     from .locks import Locks
@@ -96,13 +96,8 @@ def parse_handle(data: Any, _nested: bool = False) -> dict[str, Any]:
         raise ConfigError("malformed lease handle: 'owner' must be a non-empty str")
     if fence is not None and (isinstance(fence, bool) or not isinstance(fence, int)):
         raise ConfigError("malformed lease handle: 'fence' must be an int or null")
-    if expires is not None:
-        try:
-            ok = not isinstance(expires, bool) and isinstance(expires, (int, float)) and math.isfinite(float(expires))
-        except OverflowError:
-            ok = False
-        if not ok:
-            raise ConfigError("malformed lease handle: 'expires' must be a finite number or null")
+    if expires is not None and not is_instant(expires):
+        raise ConfigError("malformed lease handle: 'expires' must be a finite number or null")
     try:
         key.encode("utf-8"), owner.encode("utf-8")
     except UnicodeEncodeError:

@@ -34,6 +34,7 @@ from .validate import (
     check_ttl,
     check_value,
     encodable,
+    is_instant,
 )
 
 __all__ = ["Leases", "LeaseRequest", "new_owner_token", "finished_id", "holder_meta"]
@@ -275,6 +276,8 @@ class Leases:
         check_token(owner_token)
         if fencing_token is not None and (isinstance(fencing_token, bool) or not isinstance(fencing_token, int)):
             raise ConfigError("fencing_token must be an int or None")
+        if expires_at is not None and not is_instant(expires_at):
+            raise ConfigError(f"expires_at must be a finite number of epoch seconds or None, got {expires_at!r}")
         lease = Lease(self, key, owner_token, ttl=ttl, fencing_token=fencing_token, expires_at=expires_at)
         self.track(lease, renew, self.max_hold)
         return lease

@@ -52,6 +52,16 @@ MAX_SECONDS = 1e9
 MIN_TTL = 0.1
 
 
+def is_instant(value: Any) -> bool:
+    """Is ``value`` an instant, Unix epoch seconds: a finite ``int`` or ``float`` (never a ``bool``)?"""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def check_seconds(name: str, value: Any, *, allow_zero: bool = False, minimum: float = 0.0) -> float:
     """Validate a duration in seconds: a finite number, > 0 (>= 0 with ``allow_zero``), at least
     ``minimum`` and at most :data:`MAX_SECONDS`. Returns it as a float."""

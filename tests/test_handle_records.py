@@ -153,6 +153,15 @@ def test_while_running_keeps_a_running_handle_and_drops_it_unless_kept_for_a_ret
         run.finish()
     run = run_of()
     assert handle_records.keep_for_retry(lk, WHERE, run, None) is False and lk.holders("k") == []  # failed
+    # durations a framework accepts past the longest TTL (RQ: job_timeout=10**9, Retry(interval=10**9)):
+    # the record and the kept lease last the longest TTL instead of failing the job with a ttl error
+    run = run_of()
+    with handle_records.while_running(lk, WHERE, run, ttl=10**9 + 60):
+        assert handle_records.load(lk, WHERE)["running"] is True
+        assert handle_records.keep_for_retry(lk, WHERE, run, 10**9) is True
+    assert lk.holders("k")[0].ttl > 10**8 and handle_records.load(lk, WHERE)["running"] is False
+    handle_records.drop(lk, WHERE)
+    assert release_handle(lk, handle_of(run.lease))
 
 
 def test_a_malformed_record_is_ignored_and_logged_without_its_content(any_locks, caplog):

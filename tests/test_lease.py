@@ -269,6 +269,15 @@ def test_restore_invents_nothing(locks):
     assert full.release() is True
 
 
+@pytest.mark.parametrize("expires_at", [float("nan"), float("inf"), True, "soon", 10**400])
+def test_restore_refuses_an_expiry_that_is_no_instant(locks, expires_at):
+    """``expires_at=nan`` / ``inf`` were taken, and the restored lease's local deadline never
+    came (``ensure_held()`` passed forever); ``"soon"`` was a bare TypeError. As a handle's
+    ``expires`` (parse_handle) is checked: a ConfigError."""
+    with pytest.raises(ConfigError, match="expires_at must be a finite number"):
+        locks.restore("persist", "owner-token-of-some-length", ttl=5, expires_at=expires_at)
+
+
 def test_forged_owner_token_can_neither_renew_nor_release(locks):
     lease = locks.acquire("forge", ttl=5).lease
     forged = locks.restore("forge", "not-the-owner-token", ttl=60)

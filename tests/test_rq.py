@@ -185,6 +185,30 @@ def test_retry_claims_its_lease_same_fence_and_others_are_skipped_meanwhile(rq_e
     assert locks().holder("flaky:a") is None and load_handle(locks(), job.id) is None
 
 
+@pytest.mark.parametrize("how", ["raised", "returned"])
+def test_a_job_its_caller_performs_keeps_no_lease_for_a_retry_that_never_comes(rq_env, how):
+    """``Queue(is_async=False)`` performs the job in the caller, and RQ retries no such job (only a
+    worker does: rq/worker ``handle_job_failure``). A failing body with ``retry=Retry(...)`` (or one
+    returning RQ's ``Retry``) kept its lease "for the retry" — interval + TTL, its owner token in a
+    handle record — and the key's next job was skipped all that time. Now it is released."""
+    sync = Queue(rq_env.name, connection=rq_env.connection, is_async=False)
+    if how == "raised":
+        job = sync.enqueue(rq_jobs.flaky, "sync", fail_times=1, retry=Retry(max=3, interval=600))
+        key, status = "flaky:sync", JobStatus.FAILED
+    else:
+        job = sync.enqueue(rq_jobs.returns_retry, "sync")
+        key, status = "rr:sync", None  # (RQ's own bookkeeping of a returned Retry without a worker varies)
+    assert status is None or job.get_status(refresh=True) == status
+    assert locks().holder(key) is None and load_handle(locks(), job.id) is None
+    assert job.get_meta(refresh=True)["taskguard"]["outcome"] in ("failed", "ran")
+    again = (
+        sync.enqueue(rq_jobs.flaky, "sync", fail_times=0)
+        if how == "raised"
+        else sync.enqueue(rq_jobs.returns_retry, "sync")
+    )
+    assert not is_skipped(again.return_value())
+
+
 def test_sigkilled_work_horse_with_retry_claims_the_kept_lease(rq_env):
     with RQWorker(rq_env) as worker:
         job = rq_env.enqueue(rq_jobs.killed, "k", retry=Retry(max=1, interval=1))

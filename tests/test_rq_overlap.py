@@ -249,7 +249,8 @@ print(_in_work_horse(types.SimpleNamespace(connection=conn, worker_name=sys.argv
         (False, "w", "none", "False"),  # not a process group leader: never a work-horse (RQ's expired hash)
         (True, "w", "none", "True"),  # a leader, no worker hash: unknown counts as a work-horse
         (True, "w", "own-pid", "False"),  # the worker's pid is this process's: a SimpleWorker
-        (True, "", "none", "False"),  # no worker: performed by its caller (Queue(is_async=False))
+        (True, "", "none", "False"),  # no worker: performed by its caller (job.perform())
+        (True, "sync", "none", "False"),  # Queue(is_async=False) from a process group leader (a script in a shell)
     ],
 )
 def test_a_job_outside_a_work_horse_is_told_apart(rq_env, leader, name, hash_pid, expected):
@@ -257,7 +258,7 @@ def test_a_job_outside_a_work_horse_is_told_apart(rq_env, leader, name, hash_pid
     work-horse leads a process group of its own; a process that leads one is a worker's own when
     the worker's hash names its pid. (A ``SimpleWorker`` whose hash RQ let expire — a negative
     ``job_timeout`` gives it a negative lifetime — is still told apart when it leads no group.)"""
-    worker = f"{name}-{uuid.uuid4().hex}" if name else ""
+    worker = name if name in ("", "sync") else f"{name}-{uuid.uuid4().hex}"  # ("sync": RQ's name for is_async=False)
     out = subprocess.run(
         [sys.executable, "-c", _PROBE, os.environ["TASKGUARD_REDIS_URL"], worker, hash_pid],
         capture_output=True,

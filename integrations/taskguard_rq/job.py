@@ -246,7 +246,7 @@ def _in_work_horse(job: Any) -> bool:
     work-horse. At most one HGET, for ``replace_terminate`` jobs only."""
     from rq.worker import Worker
 
-    if not job.worker_name:
+    if not _by_worker(job):
         return False  # performed by its caller (Queue(is_async=False), job.perform()): no worker
     if os.getpgrp() != os.getpid():
         return False  # every work-horse leads a process group (os.setpgrp, posix_spawn setpgroup=0)
@@ -255,6 +255,25 @@ def _in_work_horse(job: Any) -> bool:
     except Exception:  # (a Redis error: the acquire that follows reports it)
         return True
     return pid is None or int(pid) != os.getpid()
+
+
+#: The worker name RQ gives a job its caller performs with ``Queue(is_async=False)``
+#: (rq/queue.py ``Queue.run_sync``: ``job.prepare_for_execution('sync', ...)``).
+SYNC_WORKER_NAME = "sync"
+
+
+def _by_worker(job: Any) -> bool:
+    """Is ``job`` performed by an RQ worker, not by its caller (``Queue(is_async=False)``, named
+    :data:`SYNC_WORKER_NAME`; ``job.perform()``, no worker name)?"""
+    return job is not None and bool(job.worker_name) and job.worker_name != SYNC_WORKER_NAME
+
+
+def _retried(job: Any) -> bool:
+    """Does RQ run this job again when it asks for a retry? Only a worker does (its
+    ``handle_job_failure`` / ``handle_job_retry``, rq/worker); a job performed by its caller ends
+    there, retries left or not, so its lease is released, never kept for a retry that never
+    comes."""
+    return _by_worker(job)
 
 
 def _job_timeout(job: Any) -> float:
@@ -360,7 +379,7 @@ def _execute(
         done = perform(decision, lambda: fn(*args, **kwargs), opts, key, args, kwargs, ex, hooks, locks)
     if done.instead is not None:
         return _outcome(job, locks, name, opts, key, done.instead)
-    if lease is not None and not isinstance(done.value, Retry):  # (a returned Retry: mirrored when kept)
+    if lease is not None and not (isinstance(done.value, Retry) and _retried(job)):  # (mirrored when kept)
         mirror_meta(job, outcome="ran")
     return done.value
 
@@ -383,12 +402,12 @@ class _Hooks:
         job = self.job
         if run.lease is None:  # shadow mode without the lease: nothing to keep or release
             return
-        retry_in = job.get_retry_interval() if job is not None and job.retries_left else None
+        retry_in = job.get_retry_interval() if _retried(job) and job.retries_left else None
         _end(job, self.locks, run, retry_in, "failed")
 
     def returned(self, run: GuardedRun, value: Any) -> bool:
         """A returned ``Retry`` (RQ >= 2.1 runs the job again): keep the lease for that execution."""
-        if run.lease is None or not isinstance(value, Retry):
+        if run.lease is None or not isinstance(value, Retry) or not _retried(self.job):
             return False
         job = self.job
         retries = (job.number_of_retries or 0) if job is not None else 0
@@ -643,7 +662,7 @@ def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcom
     try:
         kept = handle_records.keep_for_retry(locks, handle_record(job.id), run, retry_in)
         mirror_meta(job, outcome="retrying" if kept else outcome)
-    except LeaseBackendError as e:
+    except (LeaseBackendError, ConfigError) as e:
         log.warning("lease %r: could not hand over or release after the body ended: %s", run.key, e)
 
 
