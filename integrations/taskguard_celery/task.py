@@ -95,7 +95,7 @@ class GuardedTask(Task):
         # its tasks take what their bases define as known
         bases = cls.__mro__[1:]
         check_option_names(
-            _name(cls, run),
+            _task_name(cls, run),
             [n for n in cls.__dict__ if not n.startswith("_")],
             known=lambda n: any(n in k.__dict__ for k in bases),
             noun="task" if run is not None else "task base class",
@@ -115,7 +115,7 @@ class GuardedTask(Task):
         fn = run.__func__ if isinstance(run, staticmethod) else run
         cls.taskguard_options = GuardOptions.build(
             fn,
-            name=_name(cls, run),
+            name=_task_name(cls, run),
             skip_self=not isinstance(run, staticmethod),
             locks=cls.locks,
             **{opt: getattr(cls, opt) for opt in OPTION_NAMES},
@@ -135,7 +135,7 @@ class GuardedTask(Task):
         if not given:
             return
         bases = cls.__mro__[1:]
-        check_option_names(_name(cls, body), given, known=lambda n: any(n in k.__dict__ for k in bases))
+        check_option_names(_task_name(cls, body), given, known=lambda n: any(n in k.__dict__ for k in bases))
         if any(n in OPTION_NAMES or n == "locks" for n in given):
             cls._build_guard(body)
 
@@ -421,7 +421,7 @@ def _body(cls: type) -> Any:
     return None if run is None or run is Task.__dict__["run"] else run
 
 
-def _name(cls: type, run: Any) -> str:
+def _task_name(cls: type, run: Any) -> str:
     """The task's name for messages: its ``name``, else the name Celery gives a task of its body."""
     fn = run.__func__ if isinstance(run, staticmethod) else run
     own = "run" in cls.__dict__
