@@ -205,7 +205,8 @@ class Hooks(Protocol):
         LeaseBackendError."""
 
     def release_handle(self, handle: Mapping[str, Any]) -> None:
-        """Release a persisted handle's lease (not held through a rate wait). Never raises."""
+        """Release a persisted handle's lease and forget the handle (a lease not held through a
+        rate wait; a replaced run's retry, whose lease another run took over). Never raises."""
 
     def finished(self) -> bool:
         """Has this run finished per the framework's own record (Celery's result backend)?"""
@@ -409,6 +410,9 @@ def decide(
             raise
         if by is not None:  # a retry or redelivery of a replaced run never takes the lease back
             hooks.clear_mark()
+            kept = hooks.persisted_handle()
+            if kept is not None:  # the lease it kept is the replacing run's now: its record goes
+                hooks.release_handle(kept)
             return Skip(Skipped(key=key, reason=Reason.REPLACED, task=ex.task, follow_up=by or None))
     try:
         handle = hooks.persisted_handle()

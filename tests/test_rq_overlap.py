@@ -20,7 +20,7 @@ from rq.job import JobStatus
 
 from taskguard import ConfigError, is_skipped
 from taskguard.overlap import PENDING_RECORD
-from taskguard_rq import guarded_job
+from taskguard_rq import guarded_job, load_handle
 
 from . import ledger, rq_jobs
 from .test_rq import RQWorker, locks, wait_done
@@ -292,6 +292,9 @@ def test_replace_terminate_of_a_job_waiting_for_its_retry_reports_it_once_and_st
     assert is_skipped(value) and value.reason == "replaced", output
     assert "stopped the replaced job" not in output
     assert skip_count(rq_jobs.replaced_retrying.taskguard_name) == 1
+    # the handle its failed run kept for the retry (its owner token) goes with the retry: it was
+    # left to its TTL (the retry interval plus the lease TTL)
+    assert load_handle(locks(), old.id) is None
 
 
 # -- debounce= ------------------------------------------------------------------------------------------
