@@ -14,13 +14,14 @@ decision, ``on_skip``                                settlement (reported as a `
 ``Duplicate``                                        ``ignore`` (reason ``"duplicate"``)
 ``Skip``, ``on_skip="retry"``, the adapter can        ``retry`` in ``opts.retry_delay(holder_ttl)``
 retry it (not a direct call), the reason is not       seconds, attempt ``skips + 1``, while
-``"rate_limited"``, ``skips < skip_max_retries``      ``skips < skip_max_retries``
+one of :data:`NOT_RETRIED` (``"rate_limited"``,       ``skips < skip_max_retries``
+a superseded call's), ``skips < skip_max_retries``
 ``Skip``, ``on_skip="retry"``, retries used up       as ``on_skip="result"``, reason
                                                      ``"retry_exhausted"``
 ``Skip``, ``on_skip="raise"``                        ``raise`` (:meth:`Settlement.error`)
 ``Skip``, ``on_skip="ignore"``                       ``ignore``
 ``Skip``, ``on_skip="result"`` (or ``"retry"`` that  ``result``: the ``Skipped``; ``stop_chain``
-cannot retry)                                        unless ``continue_on_skip``
+cannot retry, or a reason of :data:`NOT_RETRIED`)     unless ``continue_on_skip``
 ===================================================  =========================================
 
 Shadow mode (``enforce=False``) holds no run back: the pipeline runs the body of a call the
@@ -76,6 +77,13 @@ class Settlement:
         return TaskSkipped(s.key, s.reason, s.task, s.holder_ttl, s.follow_up)
 
 
+#: Skip reasons ``on_skip="retry"`` never retries: the rate has its own deferral (its skip came
+#: past ``rate_max_wait``), and a call another call superseded — replaced, coalesced into a
+#: follow-up, debounced into a newer window — has its work done by that call; run again, it would
+#: undo what superseding it meant. They end as ``on_skip="result"`` would.
+NOT_RETRIED = frozenset({Reason.RATE_LIMITED, Reason.REPLACED, Reason.COALESCED, Reason.DEBOUNCED})
+
+
 def settle(
     opts: GuardOptions,
     decision: Skip | Stored | Duplicate,
@@ -96,7 +104,7 @@ def settle(
         locks.report_skip(skipped)
         return Settlement(Ending.IGNORE, skipped)
     skipped = decision.skipped
-    if opts.on_skip == OnSkip.RETRY and can_retry and skipped.reason != Reason.RATE_LIMITED:
+    if opts.on_skip == OnSkip.RETRY and can_retry and skipped.reason not in NOT_RETRIED:
         if skips < opts.skip_max_retries:
             locks.report_skip(skipped)
             return Settlement(Ending.RETRY, skipped, countdown=opts.retry_delay(skipped.holder_ttl), attempt=skips + 1)

@@ -686,6 +686,19 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
     def report(self, user, n, seconds=5.0):
         return report_body(self.lease, user, n, seconds)
 
+    @app.task(
+        base=GuardedTask,
+        bind=True,
+        shared=False,
+        name="tg.report_raise",
+        ttl=1.5,
+        key="report:{user}",
+        overlap="replace",
+        on_skip="raise",
+    )
+    def report_raise(self, user, n, seconds=5.0):
+        return report_body(self.lease, user, n, seconds)
+
     def report_body(lease, user, n, seconds):
         # overlap="replace": "<start|lost|end> <n> <fence> <time>" entries
         entries = f"{prefix}:report:{user}"
@@ -717,6 +730,20 @@ def make_app(queue: str, prefix: str, *, broker: str | None = None, **conf) -> C
         )
         def report_term(self, user, n, seconds=5.0):
             # overlap="replace", replace_terminate=True: as tg.report; the replaced run is killed
+            return report_body(self.lease, user, n, seconds)
+
+        @app.task(
+            base=GuardedTask,
+            bind=True,
+            shared=False,
+            name="tg.report_term_raise",
+            ttl=1.5,
+            key="report:{user}",
+            overlap="replace",
+            replace_terminate=True,
+            on_skip="raise",
+        )
+        def report_term_raise(self, user, n, seconds=5.0):
             return report_body(self.lease, user, n, seconds)
 
     @app.task(

@@ -14,7 +14,7 @@ import redis
 from celery.concurrency.thread import TaskPool as ThreadPool
 from prometheus_client import CollectorRegistry
 
-from taskguard import ConfigError, as_skipped, is_skipped
+from taskguard import ConfigError, TaskSkipped, as_skipped, is_skipped
 from taskguard.metrics import Metrics
 from taskguard.overlap import PENDING_RECORD
 from taskguard_celery import guarded_task
@@ -273,6 +273,38 @@ def test_replace_terminate_the_old_task_is_killed_and_ends_skipped_replaced_not_
     assert [e["uuid"] for e in skipped] == [old.id]
     assert f"Terminating {old.id}" in output  # Celery's own revoke, after the result was stored
     assert app.conf.taskguard_locks.holders("report:u2") == []
+
+
+def test_a_replaced_run_ends_per_on_skip(app, redis_url, prefix):
+    """A replaced run ends as any skip does, per ``on_skip``: with ``"raise"``, FAILURE with
+    ``TaskSkipped("replaced")`` (the same with ``replace_terminate``: below)."""
+    task = app.tasks["tg.report_raise"]
+    r = redis.Redis.from_url(redis_url)
+    with embedded_worker(app, concurrency=3):
+        old = task.delay("os-raise", 1, seconds=30)
+        _wait(lambda: len(_entries(r, prefix, "os-raise")) == 1)
+        new = task.delay("os-raise", 2, seconds=0.5)
+        assert new.get(timeout=10)["n"] == 2
+        value = old.get(timeout=10, propagate=False)
+    assert old.state == "FAILURE" and isinstance(value, TaskSkipped) and value.reason == "replaced"
+    assert [n for kind, n, _f, _at in _entries(r, prefix, "os-raise") if kind == "start"] == [1, 2]
+
+
+def test_replace_terminate_ends_the_replaced_run_per_on_skip(app, redis_url, prefix):
+    """``replace_terminate=True`` with ``on_skip="raise"``: the replaced task's stored outcome is a
+    failure, as without terminate (it was SUCCESS with the ``Skipped`` whatever ``on_skip`` said):
+    FAILURE with ``TaskSkipped``, which Celery's own REVOKED may follow."""
+    r = redis.Redis.from_url(redis_url)
+    env = {"TG_TEST_REPLACE_TERMINATE": "1"}
+    with WorkerProcess(f"q-{prefix}", prefix, concurrency=2, env=env) as worker:
+        old = app.signature("tg.report_term_raise", ("u3", 1), {"seconds": 30}).delay()
+        _wait(lambda: len(_entries(r, prefix, "u3")) == 1, timeout=20)
+        new = app.signature("tg.report_term_raise", ("u3", 2), {"seconds": 0.5}).delay()
+        assert new.get(timeout=15)["n"] == 2
+        value = old.get(timeout=15, propagate=False)
+        output = worker.output()
+    assert old.state in ("FAILURE", "REVOKED"), (old.state, value, output)
+    assert ("end", 1) not in [(kind, n) for kind, n, _f, _at in _entries(r, prefix, "u3")]
 
 
 def test_replace_terminate_is_refused_on_pools_that_cannot_terminate():

@@ -361,3 +361,18 @@ def test_a_bad_back_off_fails_the_run_with_config_error_and_shadow_mode_keeps_th
     with pytest.raises(RateLimited):
         perform(d, lambda: _raise(bad), shadow, "inv:8", (8,), {}, ex(), h, any_locks)
     assert ("settle", "RateLimited") in h.calls
+
+
+@pytest.mark.parametrize("reason", ["held", "rate_limited", "debounced", "replaced", "coalesced"])
+def test_on_skip_retry_never_retries_a_skip_the_retry_cannot_help(any_locks, reason):
+    """``on_skip="retry"`` retries a call that found the key busy. A rate skip came past
+    ``rate_max_wait``, and a superseded call (debounced into a newer window: its arguments are the
+    newer window's to run; replaced; coalesced) has its work done by the call that superseded it —
+    retried, the debounced call ran its old arguments after all. Those end as ``"result"``."""
+    from taskguard.settlement import settle
+
+    o = opts(on_skip="retry")
+    skipped = Skipped(key="inv:7", reason=reason, task="t.charge")
+    s = settle(o, Skip(skipped), any_locks, "t.charge", can_retry=True)
+    assert s.ending == ("retry" if reason == "held" else "result"), s
+    assert s.skipped.reason == reason  # (not "retry_exhausted": none was made)

@@ -35,8 +35,9 @@ from taskguard.handoff import parse_handle, release_handle
 from taskguard.overlap import Pending
 from taskguard.pipeline import Decision, Defer, Duplicate, Execution, Pend, Skip, Stored, shadow_line
 from taskguard.run import GuardedRun
+from taskguard.settlement import Settlement, settle
 from taskguard.skipped import Skipped
-from taskguard.values import Reason
+from taskguard.values import Ending, Reason
 
 from . import identity, skipping, uniqueness
 from .headers import COALESCE_HEADER, PUBLISH_HEADER, RATE_HEADER, RUN_HEADERS, UNIQUE_HEADER, read_header, without
@@ -177,17 +178,23 @@ class CeleryHooks:
         log.info("task %s[%s]: coalesced into the pending follow-up %s", self.task.name, prev.run_id, skipped.follow_up)
 
     def _end_other(self, task_id: str, skipped: Skipped) -> None:
-        """Another execution of this task (``task_id``) ends as ``skipped``, decided here: its
-        result is stored (SUCCESS) and the skip reported (core event, Prometheus, ``task-skipped``
-        with its task id). Never raises."""
+        """Another execution of this task (``task_id``) ends as ``skipped``, decided here as the
+        core settles any skip (:func:`taskguard.settlement.settle`, per ``on_skip``; a superseded
+        call is never retried): its result stored — SUCCESS with the ``Skipped``, or with
+        ``on_skip="raise"`` FAILURE with ``TaskSkipped``; nothing with ``"ignore"`` — and the skip
+        reported (core event, Prometheus, ``task-skipped`` with its task id). Never raises."""
         task = self.task
-        locks = task.taskguard_locks
+        s = Settlement(Ending.RESULT, skipped)
         try:
-            locks.report_skip(skipped)
+            s = settle(task.taskguard_options, Skip(skipped), task.taskguard_locks, task.name)
         except Exception as e:
             log.warning("task %s[%s]: could not report its skip: %s", task.name, task_id, e)
         try:
-            if not task.ignore_result:
+            if task.ignore_result or s.ending == Ending.IGNORE:
+                pass
+            elif s.ending == Ending.RAISE:
+                task.backend.mark_as_failure(task_id, s.error(), call_errbacks=False)
+            else:
                 task.backend.store_result(task_id, stored_form(skipped, task), "SUCCESS")
         except Exception as e:
             log.warning("task %s[%s]: could not store its %s result: %s", task.name, task_id, skipped.reason, e)

@@ -494,7 +494,16 @@ class _Hooks:
         marked (``outcome="skipped"``, ``reason``, ``replaced_by``) — then stop it (RQ's stop-job
         command: its worker kills the work-horse and the job ends STOPPED; RQ stores no value for
         a stopped job)."""
-        if not self.terminate or holder.run_id is None or self.job is None:
+        if not self.terminate or holder.run_id is None:
+            return
+        if self.job is None:  # a direct call has no RQ connection to send the stop-job command on
+            log.warning(
+                "%s: took the lease %r over from job %s, which a direct call cannot stop (no RQ connection); "
+                "it goes on without its lease and ends Skipped('replaced')",
+                self.name,
+                holder.key,
+                holder.run_id,
+            )
             return
         try:
             old = Job.fetch(holder.run_id, connection=self.job.connection)
