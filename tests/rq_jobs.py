@@ -485,3 +485,19 @@ def digest_rated(user, n):
     """debounce= under a rate of one run per 4 s: a window closing inside it waits its turn."""
     _digest_log(user, n)
     return n
+
+
+@guarded_job(ttl=5, key="progress:{name}")
+def reports_progress(name, fail=False):
+    """Saves a progress entry in its meta through another ``Job`` instance (as a web process or a
+    helper would), then returns or fails."""
+    from rq import get_current_job
+    from rq.job import Job
+
+    own = get_current_job()
+    other = Job.fetch(own.id, connection=own.connection)
+    other.meta["progress"] = 100
+    other.save_meta()
+    if fail:
+        raise RuntimeError("fails after its progress")
+    return "done"

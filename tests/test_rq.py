@@ -209,6 +209,27 @@ def test_a_job_its_caller_performs_keeps_no_lease_for_a_retry_that_never_comes(r
     assert not is_skipped(again.return_value())
 
 
+@pytest.mark.parametrize("how", ["ran", "failed", "retrying"])
+def test_meta_another_process_saves_while_the_job_runs_is_kept(rq_env, how):
+    """rq/rq#784 (the worker saving its own copy of ``job.meta`` over what was written meanwhile),
+    brought back by the guard: its outcome mirror after the body saved the work-horse's copy of the
+    meta, dropping a progress entry saved through another ``Job`` instance while the body ran."""
+    with RQWorker(rq_env):
+        retry = Retry(max=1, interval=30) if how == "retrying" else None
+        job = rq_env.enqueue(rq_jobs.reports_progress, f"p-{how}", fail=how != "ran", retry=retry)
+        if how == "retrying":
+            deadline = time.monotonic() + 20
+            while job.get_status(refresh=True) != JobStatus.SCHEDULED and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            assert wait_done(job) == (JobStatus.FINISHED if how == "ran" else JobStatus.FAILED)
+    meta = job.get_meta(refresh=True)
+    assert meta.get("progress") == 100 and meta["taskguard"]["outcome"] == how, meta
+    if how == "retrying":
+        job.cancel()
+        locks().release_run(f"progress:p-{how}", job.id)
+
+
 def test_sigkilled_work_horse_with_retry_claims_the_kept_lease(rq_env):
     with RQWorker(rq_env) as worker:
         job = rq_env.enqueue(rq_jobs.killed, "k", retry=Retry(max=1, interval=1))

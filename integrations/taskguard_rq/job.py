@@ -121,13 +121,21 @@ def mirror_meta(job: Any, refresh: bool = False, **fields: Any) -> None:
     the job predates what its work-horse wrote)."""
     if job is None:
         return
+    if refresh:
+        _refresh_meta(job)
     try:
-        if refresh:
-            job.meta = job.get_meta(refresh=True)
         job.meta.setdefault(META_KEY, {}).update(fields)
         job.save_meta()
     except Exception as e:  # visibility only: never fail the job over it
         log.warning("job %s: could not save meta: %s", job.id, e)
+
+
+def _refresh_meta(job: Any) -> None:
+    """Read ``job.meta`` as stored now (one HGET); a Redis error keeps the copy in hand."""
+    try:
+        job.meta = job.get_meta(refresh=True)
+    except Exception as e:
+        log.warning("job %s: could not read its meta: %s", job.id, e)
 
 
 #: Where the guard options ``@guarded_job`` does not take live for RQ.
@@ -377,10 +385,12 @@ def _execute(
         if lease is not None:
             mirror_meta(job, key=key, fence=lease.fencing_token, slot=lease.slot, outcome="running")
         done = perform(decision, lambda: fn(*args, **kwargs), opts, key, args, kwargs, ex, hooks, locks)
+    # after the body: the meta as stored now (what the body or another process saved meanwhile,
+    # e.g. a progress entry through another Job instance), never this execution's older copy
     if done.instead is not None:
-        return _outcome(job, locks, name, opts, key, done.instead)
+        return _outcome(job, locks, name, opts, key, done.instead, after_body=True)
     if lease is not None and not (isinstance(done.value, Retry) and _retried(job)):  # (mirrored when kept)
-        mirror_meta(job, outcome="ran")
+        mirror_meta(job, refresh=True, outcome="ran")
     return done.value
 
 
@@ -630,11 +640,11 @@ def _run_now(connection: Any, job_id: str, job: Any = None) -> bool:
     return bool(connection.zadd(registry.key, {job_id: int(time.time())}, xx=True, ch=True))
 
 
-def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d: Any) -> Any:
+def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d: Any, after_body: bool = False) -> Any:
     """What a decision other than ``Run`` means for a job (RQ never sees a ``Duplicate``: no copy
     of a job is refused as finished)."""
     if isinstance(d, (Skip, Stored)):
-        return _settle(job, locks, name, opts, d)
+        return _settle(job, locks, name, opts, d, after_body)
     if isinstance(d, Pend):
         # the key's pending follow-up: RQ's scheduler holds the job (rq worker --with-scheduler)
         # until the run that holds the lease ends and moves it to now, or the backstop time
@@ -646,6 +656,8 @@ def _outcome(job: Any, locks: Locks, name: str, opts: GuardOptions, key: str, d:
         raise TaskSkipped(key, Reason.RUNNING.value, name, d.run.holder_ttl)
     # deferred to its rate turn: RQ's scheduler runs it again, consuming neither the job's own
     # Retry (retries_left) nor its returned-Retry count (_come_back)
+    if after_body:  # (a back-off the body's RateLimited asked for: the meta as stored now)
+        _refresh_meta(job)
     job.meta[RATE_META_KEY] = d.state  # saved by mirror_meta below
     log.info("job %s: %s", job.id, d.describe())
     mirror_meta(job, key=key, outcome=plain(d.why))
@@ -670,7 +682,7 @@ def _end(job: Any, locks: Locks, run: GuardedRun, retry_in: float | None, outcom
     (the body's own exception must win)."""
     try:
         kept = handle_records.keep_for_retry(locks, handle_record(job.id), run, retry_in)
-        mirror_meta(job, outcome="retrying" if kept else outcome)
+        mirror_meta(job, refresh=True, outcome="retrying" if kept else outcome)  # (after the body)
     except (LeaseBackendError, ConfigError) as e:
         log.warning("lease %r: could not hand over or release after the body ended: %s", run.key, e)
 
@@ -698,18 +710,25 @@ def _quietly_save_meta(job: Any) -> None:
         log.warning("job %s: could not save meta: %s", job.id, e)
 
 
-def _settle(job: Any, locks: Locks, name: str, opts: GuardOptions, d: Skip | Stored) -> Any:
+def _settle(job: Any, locks: Locks, name: str, opts: GuardOptions, d: Skip | Stored, after_body: bool = False) -> Any:
     """A skip or a stored value, as the core settles it (:func:`taskguard.settlement.settle`; RQ
     never retries a skip): the job's value, or ``TaskSkipped``."""
     s = settle(opts, d, locks, name)
     if isinstance(d, Stored):
         log.info("%s: %r already completed; returning the stored value", name, d.key)
-        mirror_meta(job, key=d.key, outcome="once")
+        mirror_meta(job, refresh=after_body, key=d.key, outcome="once")
         return s.value
     skipped = s.skipped
     record_skip(locks, name)
     log.info("%s", skipped.describe())
-    mirror_meta(job, key=skipped.key, outcome="skipped", reason=skipped.reason, holder_ttl=skipped.holder_ttl)
+    mirror_meta(
+        job,
+        refresh=after_body,
+        key=skipped.key,
+        outcome="skipped",
+        reason=skipped.reason,
+        holder_ttl=skipped.holder_ttl,
+    )
     if s.ending == Ending.RAISE:
         raise s.error()
     return s.value
