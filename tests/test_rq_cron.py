@@ -456,6 +456,28 @@ def test_a_slot_published_twice_makes_one_job_and_its_retry_still_runs(cron_env,
     assert first.latest_result().return_value is not None
 
 
+@pytest.mark.parametrize("timeout", [7, -1])
+def test_an_entrys_job_options_reach_its_job_and_never_its_arguments(cron_env, prefix, tmp_path, monkeypatch, timeout):
+    """rq/rq#2316: RQ's cron stored ``timeout`` where ``enqueue`` reads ``job_timeout``, and the
+    value landed in the function's keyword arguments. Each of ``register()``'s job options
+    (``job_timeout`` — ``-1``, no limit, included —, ``result_ttl``, ``ttl``, ``failure_ttl``)
+    reaches the job as RQ's own, and the function gets only its own arguments."""
+    monkeypatch.setenv("TG_TEST_QUEUE", cron_env.name)
+    path = write_config(
+        tmp_path,
+        f"""
+    cron.register(rq_jobs.flaky, Q, args=("opts-{prefix}",), kwargs={{"fail_times": 0}}, interval=60,
+                  job_timeout={timeout}, result_ttl=100, ttl=300, failure_ttl=200, name="opts-{prefix}")
+    """,
+    )
+    sched = scheduler(cron_env, path)
+    entry_ = sched.periodic_entries[0]
+    slot = Slot(entry=entry_.name, id="every60s:9", instant=540.0, keep=300.0, leader_key="k", leader_fence=1)
+    job = Job.fetch(sched.enqueue(entry_, slot).id, connection=cron_env.connection)
+    assert (job.timeout, job.result_ttl, job.ttl, job.failure_ttl) == (timeout, 100, 300, 200)
+    assert job.args == (f"opts-{prefix}",) and job.kwargs == {"fail_times": 0}
+
+
 # -- entry options, the time zone, the configuration checked at start ----------------------------------
 def test_entry_guard_options_travel_in_the_slot_and_set_the_runs_key_and_ttl(cron_env, prefix):
     """``meta={"taskguard": {"key": ..., "ttl": ...}}`` of a guarded job: checked at start, removed
