@@ -230,6 +230,23 @@ def test_meta_another_process_saves_while_the_job_runs_is_kept(rq_env, how):
         locks().release_run(f"progress:p-{how}", job.id)
 
 
+def test_a_job_its_caller_performs_is_never_deferred_to_a_worker_that_never_comes(rq_env):
+    """A rate turn or a 429 back-off defers a worker's job through RQ's scheduler (a returned
+    ``Retry``). A job its caller performs (``Queue(is_async=False)``) is run by no worker again: it
+    ended FINISHED with that ``Retry`` as its value, its body never run, the 429 swallowed. It is
+    settled as a direct call is: the rate turn waited for here (or skipped past
+    ``rate_max_wait``), the ``RateLimited`` raised (the job FAILED)."""
+    sync = Queue(rq_env.name, connection=rq_env.connection, is_async=False)
+    first = sync.enqueue(rq_jobs.api_bounded, 1)
+    assert first.return_value() == 1
+    second = sync.enqueue(rq_jobs.api_bounded, 2)  # the rate (1/m) full: its turn is past rate_max_wait
+    value = second.return_value()
+    assert is_skipped(value) and value.reason == "rate_limited", value
+    upstream = sync.enqueue(rq_jobs.upstream, 7, fail_on=7, pause=300)
+    assert upstream.get_status(refresh=True) == JobStatus.FAILED
+    assert "RateLimited" in (upstream.latest_result().exc_string or "")
+
+
 def test_sigkilled_work_horse_with_retry_claims_the_kept_lease(rq_env):
     with RQWorker(rq_env) as worker:
         job = rq_env.enqueue(rq_jobs.killed, "k", retry=Retry(max=1, interval=1))

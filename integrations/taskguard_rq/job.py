@@ -363,7 +363,9 @@ def _execute(
         run_id=run_id,
         holder={"job": name, "job_id": run_id},
         stoppable=not opts.replace_terminate or job is None or _in_work_horse(job),
-        local=job is None,
+        # performed by its caller (a direct call; Queue(is_async=False), job.perform()): no worker
+        # runs it again, so it waits for a rate turn here and a 429 is raised, as a direct call's
+        local=not _by_worker(job),
         same_run="wait",
         same_run_wait=_job_timeout(job),
     )
