@@ -119,6 +119,28 @@ def test_per_call_unique_ttl_and_misspelt_per_call_options(app, redis_url, prefi
     assert task.apply_async((9,), unique=True).id != lost.id
 
 
+@pytest.mark.parametrize("stamp", ["key", "rate", "unique", "uniq", "trace_id"])
+def test_a_stamp_named_like_a_guard_option_is_published_as_a_stamp(app, redis_url, prefix, stamp):
+    """Celery passes a stamped signature's stamps to ``apply_async`` as options of their own names
+    (``stamped_headers`` lists them): one named ``key`` or ``rate`` was refused as a task option
+    given per call, one named ``unique`` taken for ``unique=`` (and Celery then failed looking for
+    it). A stamp is published as a stamp, whatever its name, and stays in the message."""
+    import json
+
+    from celery.canvas import StampingVisitor
+
+    class Stamp(StampingVisitor):
+        def on_signature(self, sig, **headers):
+            return {stamp: "v"}
+
+    sig = app.tasks["tg.slow"].s(11)
+    sig.stamp(visitor=Stamp())
+    first, second = sig.apply_async(), sig.clone().apply_async()
+    assert first.id != second.id  # no uniqueness switched on by a stamp
+    queued = [json.loads(m) for m in redis.Redis.from_url(redis_url).lrange(f"q-{prefix}", 0, -1)]
+    assert len(queued) == 2 and all(m["headers"]["stamps"].get(stamp) == "v" for m in queued), queued
+
+
 def test_a_publish_that_fails_leaves_no_mark(redis_url, prefix):
     from .servers import free_port
 

@@ -309,10 +309,19 @@ class GuardedTask(Task):
         one of these two (``uniqe=True``: Celery would have published the message with it as a
         property, silently; celery/celery#9305) and ``unique_ttl=`` without uniqueness."""
         headers = options.get("headers")
-        unique, unique_ttl = options.pop("unique", None), options.pop("unique_ttl", None)
-        if options.keys() - _PUBLISH_OPTIONS:  # a name Celery's own calls never pass: a misspelt one?
+        # Celery passes each stamp of a stamped signature as an option of its own name, listed in
+        # stamped_headers (celery/canvas.py, celery/app/amqp.py as_task_v2): a stamp is never a
+        # guard option, whatever its name
+        stamps = frozenset(options.get("stamped_headers") or ())
+        unique = None if "unique" in stamps else options.pop("unique", None)
+        unique_ttl = None if "unique_ttl" in stamps else options.pop("unique_ttl", None)
+        if options.keys() - _PUBLISH_OPTIONS - stamps:  # a name Celery's own calls never pass: a misspelt one?
             check_option_names(
-                self.name, options, supported=PER_CALL_OPTIONS, elsewhere=_PER_CALL_ELSEWHERE, known=lambda n: False
+                self.name,
+                [n for n in options if n not in stamps],
+                supported=PER_CALL_OPTIONS,
+                elsewhere=_PER_CALL_ELSEWHERE,
+                known=lambda n: False,
             )
         if not (isinstance(headers, dict) and (DEFER_HEADER in headers or RATE_HEADER in headers)):
             options["headers"] = {**(headers or {}), PUBLISH_HEADER: new_publish_stamp()}
