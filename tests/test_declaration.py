@@ -331,6 +331,21 @@ def test_a_misspelt_celery_setting_under_a_namespace_is_refused(redis_url):
     app.finalize()
     with pytest.raises(ConfigError, match="taskguard_prefx is not a taskguard setting; did you mean taskguard_prefix"):
         task(1)
+    for key, form in (
+        ("TASKGUARD_PREFIX", "CELERY_TASKGUARD_PREFIX"),  # outside the namespace: never read
+        ("celery_taskguard_prefix", "CELERY_TASKGUARD_PREFIX"),
+        ("CELERY_taskguard_prefx", "CELERY_TASKGUARD_PREFIX"),
+    ):
+        unread = Celery("unread-ns", set_as_current=False)
+        unread.config_from_object({"CELERY_TASKGUARD_REDIS_URL": redis_url, key: "mine"}, namespace="CELERY")
+        t = unread.task(base=GuardedTask, name="decl.unread_ns", shared=False, key="w:{n}")(job)
+        with pytest.raises(ConfigError, match=f"app.conf: {key} is never read by taskguard .*; write {form}"):
+            t(1)
+    plain = Celery("unread-plain", set_as_current=False)  # no namespace: lower case only
+    plain.config_from_object({"taskguard_redis_url": redis_url, "TASKGUARD_PREFIX": "mine"})
+    t = plain.task(base=GuardedTask, name="decl.unread_plain", shared=False, key="w:{n}")(job)
+    with pytest.raises(ConfigError, match="TASKGUARD_PREFIX is never read by taskguard .*; write taskguard_prefix"):
+        t(1)
     good = Celery("good-ns", set_as_current=False)
     good.config_from_object(
         {"CELERY_TASKGUARD_REDIS_URL": redis_url, "CELERY_TASKGUARD_PREFIX": "mine"}, namespace="CELERY"

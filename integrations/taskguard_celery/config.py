@@ -33,7 +33,7 @@ from taskguard.schedule.settings import (
     SettingNames,
     schedule_settings,
 )
-from taskguard.validate import check_setting_names
+from taskguard.validate import check_setting_names, closest
 
 __all__ = [
     "locks_for",
@@ -111,20 +111,31 @@ def locks_for(app: Any, explicit: Locks | None = None) -> Locks:
 
 
 def _setting_names(app: Any) -> list[str]:
-    """The ``taskguard_*`` names among ``app``'s settings, as the adapter reads them: a setting
-    loaded under the app's namespace (``config_from_object(..., namespace="CELERY")``: Django's
-    ``CELERY_TASKGUARD_PREFIX``) by its name without it, lower case (celery/app/utils.py
-    ``Settings``: a namespaced key is found by its name without the namespace)."""
-    strip = f"{app.namespace}_".lower() if getattr(app, "namespace", None) else None
+    """The ``taskguard_*`` settings among ``app``'s, by the names the adapter reads them under. Celery
+    hands over ``taskguard_x`` and, under the app's namespace (``config_from_object(...,
+    namespace="CELERY")``, Django's way), ``CELERY_TASKGUARD_X`` exactly so (celery/app/utils.py
+    ``Settings``); any other spelling of a taskguard setting (``TASKGUARD_PREFIX``,
+    ``celery_taskguard_prefix``) is never read: it is refused here, with the form that is, instead
+    of leaving the default in force. Raises ConfigError."""
+    ns = getattr(app, "namespace", None) or ""
+    lead = f"{ns}_TASKGUARD_" if ns else None
     names = []
     for k in app.conf:
         if not isinstance(k, str):
             continue
+        if k.startswith("taskguard_"):
+            names.append(k)
+            continue
+        if lead is not None and k.startswith(lead) and k[len(ns) + 1 :].isupper():
+            names.append(k[len(ns) + 1 :].lower())
+            continue
         low = k.lower()
-        if strip and low.startswith(strip):
-            low = low[len(strip) :]
+        if ns and low.startswith(ns.lower() + "_"):
+            low = low[len(ns) + 1 :]
         if low.startswith("taskguard_"):
-            names.append(low)
+            meant = low if low in SETTINGS else (closest(low, SETTINGS, loose=False) or low)
+            form = f"{ns}_{meant.upper()}" if ns else meant
+            raise ConfigError(f"app.conf: {k} is never read by taskguard (Celery hands it no such key); write {form}")
     return names
 
 
