@@ -141,6 +141,24 @@ def test_a_stamp_named_like_a_guard_option_is_published_as_a_stamp(app, redis_ur
     assert len(queued) == 2 and all(m["headers"]["stamps"].get(stamp) == "v" for m in queued), queued
 
 
+def test_a_revoked_run_waiting_for_its_countdown_no_longer_holds_its_key(app):
+    """celery-singleton#29: a unique run published with a countdown, then revoked, kept its queued
+    mark until it was due (30 s here; hours for a daily job): every publish meanwhile got the
+    revoked run's result and nothing ran. The worker writes REVOKED when it gets the revoke, and a
+    publish that finds the mark of a revoked run clears it and goes out."""
+    task = app.tasks["tg.unique_slow"]
+    with embedded_worker(app):
+        later = task.apply_async(("r",), countdown=30)
+        app.control.revoke(later.id)
+        deadline = time.monotonic() + 10  # the worker writes REVOKED when it gets the revoke
+        while later.state != "REVOKED" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert later.state == "REVOKED"
+        again = task.delay("r")
+        assert again.id != later.id
+        assert again.get(timeout=10) == again.id
+
+
 def test_a_publish_that_fails_leaves_no_mark(redis_url, prefix):
     from .servers import free_port
 

@@ -97,7 +97,20 @@ def publish(
         shadow=not task.taskguard_options.enforce,
         send=send_marked,
         existing=task.AsyncResult,
+        over=lambda run_id: _revoked(task, run_id),
     )
+
+
+def _revoked(task: Any, run_id: str) -> bool:
+    """Is the run ``run_id``, found marked queued, revoked (so it will never start)? Workers write
+    REVOKED to the result backend when they get the revoke of a task they do not run
+    (celery/worker/control.py ``_revoke``), also one that waits for its countdown — whose mark
+    would otherwise stay until it is due, every publish meanwhile handed the revoked run. One
+    backend read, only for a publish that finds a mark; ``False`` when the backend cannot tell."""
+    try:
+        return bool(task.AsyncResult(run_id).state == "REVOKED")
+    except Exception:  # (no result backend, or it failed: the mark stands)
+        return False
 
 
 def mark_of(task: Any, request: Any) -> tuple[str, str, str] | None:
