@@ -85,7 +85,7 @@ def child_core(url: str, ops: int) -> dict[str, Any]:
         return {"rate": ops / wall, "cpu_per_op": cpu / ops}
     finally:
         locks.close()
-        delete_matching(admin, f"{prefix}*")
+        delete_matching(admin, f"*{prefix}*")  # (keys are hash-tagged: "{<prefix>:...}")
 
 
 def child_celery(url: str, tasks: int, batches: int) -> dict[str, Any]:
