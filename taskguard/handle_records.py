@@ -152,19 +152,31 @@ def release_run(
     live execution of the same run id, a retry). Returns ``True`` when the first key's lease (with
     ``dead_only``, any) was released. Raises ConfigError, LeaseBackendError."""
 
+    released = []
+    for key, info in _held(locks, run_id, keys, execution):
+        if info is None or (dead_only and not holder_is_dead(info.holder)):
+            released.append(False)
+            continue
+        released.append(locks.release_run(key, str(info.run_id), fencing_token=info.fencing_token))
+    return any(released) if dead_only else bool(released and released[0])
+
+
+def _held(
+    locks: Locks, run_id: str, keys: Iterable[str], execution: Mapping[str, Any] | None
+) -> list[tuple[str, HolderInfo | None]]:
+    """Each key with the lease the run holds on it (named by ``execution``'s holder metadata items
+    when given, else by its run id), ``None`` where it holds none."""
+
     def names(i: HolderInfo) -> bool:
         if execution is None:
             return i.run_id == run_id
         return all(i.holder.get(k) == v for k, v in execution.items())
 
-    released = []
+    found = []
     for key in keys:
-        info = next((i for i in locks.holders(key) if names(i)), None)
-        if info is None or info.run_id is None or (dead_only and not holder_is_dead(info.holder)):
-            released.append(False)
-            continue
-        released.append(locks.release_run(key, info.run_id, fencing_token=info.fencing_token))
-    return any(released) if dead_only else bool(released and released[0])
+        info = next((i for i in locks.holders(key) if names(i) and i.run_id is not None), None)
+        found.append((key, info))
+    return found
 
 
 #: How long :func:`release_when_dead` watches a signalled execution's process, seconds: longer
@@ -198,14 +210,7 @@ def release_when_dead(
     when the first key's lease was released here and now. Raises ConfigError, LeaseBackendError
     (reading the holders here); the thread logs its errors."""
 
-    def names(i: HolderInfo) -> bool:
-        return all(i.holder.get(k) == v for k, v in execution.items())
-
-    held: list[tuple[str, HolderInfo]] = []
-    for key in keys:
-        info = next((i for i in locks.holders(key) if names(i)), None)
-        if info is not None and info.run_id is not None:
-            held.append((key, info))
+    held = [(key, info) for key, info in _held(locks, run_id, keys, execution) if info is not None]
     if not held:
         return False
     if holder_is_dead(held[0][1].holder):

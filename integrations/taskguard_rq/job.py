@@ -272,16 +272,10 @@ SYNC_WORKER_NAME = "sync"
 
 def _by_worker(job: Any) -> bool:
     """Is ``job`` performed by an RQ worker, not by its caller (``Queue(is_async=False)``, named
-    :data:`SYNC_WORKER_NAME`; ``job.perform()``, no worker name)?"""
+    :data:`SYNC_WORKER_NAME`; ``job.perform()``, no worker name)? Only a worker runs a job again
+    when it asks for a retry (rq/worker ``handle_job_failure`` / ``handle_job_retry``): a job its
+    caller performs ends there, retries left or not, so its lease is never kept for a retry."""
     return job is not None and bool(job.worker_name) and job.worker_name != SYNC_WORKER_NAME
-
-
-def _retried(job: Any) -> bool:
-    """Does RQ run this job again when it asks for a retry? Only a worker does (its
-    ``handle_job_failure`` / ``handle_job_retry``, rq/worker); a job performed by its caller ends
-    there, retries left or not, so its lease is released, never kept for a retry that never
-    comes."""
-    return _by_worker(job)
 
 
 def _job_timeout(job: Any) -> float:
@@ -391,7 +385,7 @@ def _execute(
     # e.g. a progress entry through another Job instance), never this execution's older copy
     if done.instead is not None:
         return _outcome(job, locks, name, opts, key, done.instead, after_body=True)
-    if lease is not None and not (isinstance(done.value, Retry) and _retried(job)):  # (mirrored when kept)
+    if lease is not None and not (isinstance(done.value, Retry) and _by_worker(job)):  # (mirrored when kept)
         mirror_meta(job, refresh=True, outcome="ran")
     return done.value
 
@@ -414,12 +408,12 @@ class _Hooks:
         job = self.job
         if run.lease is None:  # shadow mode without the lease: nothing to keep or release
             return
-        retry_in = job.get_retry_interval() if _retried(job) and job.retries_left else None
+        retry_in = job.get_retry_interval() if _by_worker(job) and job.retries_left else None
         _end(job, self.locks, run, retry_in, "failed")
 
     def returned(self, run: GuardedRun, value: Any) -> bool:
         """A returned ``Retry`` (RQ >= 2.1 runs the job again): keep the lease for that execution."""
-        if run.lease is None or not isinstance(value, Retry) or not _retried(self.job):
+        if run.lease is None or not isinstance(value, Retry) or not _by_worker(self.job):
             return False
         job = self.job
         retries = (job.number_of_retries or 0) if job is not None else 0
